@@ -1,0 +1,107 @@
+"""Exceptions raised by ``stateful_async``.
+
+Every error this package raises is a ``StatefulAsyncError``; messages are full sentences
+that say what happened, to which element, and what to do about it. Errors of lower layers
+(user functions, pyarrow, py4j) are chained with ``raise ... from exc``.
+
+Hierarchy::
+
+    StatefulAsyncError
+    ├── ConfigurationError        (also ValueError)   a bad argument or option, found up front
+    │   └── FunctionNotSerializableError              Spark cannot ship the function to executors
+    ├── OperatorStateError        (also RuntimeError) an operator method called out of order
+    ├── ElementFailedError                            one element could not be processed
+    │   ├── AsyncFunctionError                        the async function failed, no retry left
+    │   ├── InvalidResultError    (also TypeError)    the async function returned a non-iterable
+    │   ├── AsyncTimeoutError     (also TimeoutError) the element timed out (default handler)
+    │   └── TimeoutHandlerError                       the user's ``timeout()`` raised
+    ├── ResultSchemaError         (also ValueError)   a result does not match the output schema
+    └── InputMismatchError                            resuming on input that differs from the
+                                                      input the checkpoint consumed
+
+The ``checkpoint`` package has its own module, rooted at ``checkpoint.CheckpointError``,
+which is also a ``StatefulAsyncError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._elements import describe
+
+
+class StatefulAsyncError(Exception):
+    """Base class of every error raised by stateful-async."""
+
+
+class ConfigurationError(StatefulAsyncError, ValueError):
+    """An argument or option is invalid; raised before any work starts."""
+
+
+class FunctionNotSerializableError(ConfigurationError):
+    """The async function cannot be pickled, so Spark cannot send it to executors."""
+
+
+class OperatorStateError(StatefulAsyncError, RuntimeError):
+    """An operator method was called out of order (before ``open``, after ``close``...)."""
+
+
+class ElementFailedError(StatefulAsyncError):
+    """Processing one element failed; the operator has failed with it.
+
+    ``element`` is the failed input element and ``attempts`` the number of attempts made.
+    """
+
+    def __init__(self, message: str, *, element: Any = None, attempts: int = 0) -> None:
+        super().__init__(message)
+        self.element = element
+        self.attempts = attempts
+
+
+class AsyncFunctionError(ElementFailedError):
+    """The async function raised and the retry strategy allowed no further attempt."""
+
+
+class InvalidResultError(ElementFailedError, TypeError):
+    """The async function returned something that is not an iterable of results."""
+
+
+class AsyncTimeoutError(ElementFailedError, TimeoutError):
+    """An element did not complete within the timeout and the function has no ``timeout()``
+    handler (or its handler re-raised this)."""
+
+
+class TimeoutHandlerError(ElementFailedError):
+    """The async function's ``timeout()`` handler raised; handler errors are never retried."""
+
+
+class ResultSchemaError(StatefulAsyncError, ValueError):
+    """A result row does not match the declared output schema."""
+
+
+class InputMismatchError(StatefulAsyncError):
+    """A task was asked to resume from a checkpoint whose consumed input differs from the
+    input it is reading now."""
+
+
+def element_error(
+    kind: type[ElementFailedError],
+    what: str,
+    element: Any,
+    attempts: int,
+    advice: str,
+    cause: BaseException | None = None,
+) -> ElementFailedError:
+    """Build an element error with a uniform, complete message.
+
+    ``what`` says what happened in a sentence fragment; ``advice`` says what to do.
+    """
+    plural = "attempt" if attempts == 1 else "attempts"
+    message = f"{what} for element {describe(element)} after {attempts} {plural}"
+    if cause is not None:
+        message += f": {type(cause).__name__}: {cause}"
+    message += f". {advice}"
+    error = kind(message, element=element, attempts=attempts)
+    if cause is not None:
+        error.__cause__ = cause
+    return error

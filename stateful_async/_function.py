@@ -1,0 +1,176 @@
+"""The user's side of the operator: ``AsyncFunction`` and its adapters."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable, Generic, Iterable, TypeVar, Union
+
+from ._exceptions import ConfigurationError
+
+IN = TypeVar("IN")
+OUT = TypeVar("OUT")
+
+
+class AsyncFunction(Generic[IN, OUT]):
+    """An asynchronous function applied to every record: Flink's ``AsyncFunction``.
+
+    Subclass it and implement ``async_invoke``. ``open`` and ``close`` run once per
+    operator, on the event loop: create clients (an ``aiohttp.ClientSession``, a database
+    pool) in ``open``, not in ``__init__``, so the function can be pickled and shipped to
+    Spark executors.
+
+    ``timeout`` is called when an element misses its deadline. Its results are emitted in
+    place of the element's; if it raises, the operator fails (it is never retried). The
+    default raises, which fails the operator with ``AsyncTimeoutError``.
+    """
+
+    async def open(self) -> None:
+        """Acquire clients. Called once before the first element."""
+
+    async def close(self) -> None:
+        """Release clients. Called once when the operator closes."""
+
+    async def async_invoke(self, value: IN) -> Iterable[OUT]:
+        """Return the results for ``value`` (an iterable; empty to emit nothing)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement 'async def async_invoke(self, value)'."
+        )
+
+    async def timeout(self, value: IN) -> Iterable[OUT]:
+        """Return fallback results for ``value``, whose deadline has passed; or raise."""
+        raise _DefaultTimeout()
+
+
+class _DefaultTimeout(Exception):
+    """Raised by the default ``AsyncFunction.timeout``; the operator turns it into an
+    ``AsyncTimeoutError`` that names the element."""
+
+
+def has_timeout_handler(fn: AsyncFunction[Any, Any]) -> bool:
+    return type(fn).timeout is not AsyncFunction.timeout
+
+
+class CoroutineFunction(AsyncFunction[IN, OUT]):
+    """Adapts a plain ``async def f(value) -> Iterable[OUT]`` to ``AsyncFunction``."""
+
+    def __init__(self, fn: Callable[[IN], Awaitable[Iterable[OUT]]]) -> None:
+        self.fn = fn
+
+    def async_invoke(self, value: IN) -> Awaitable[Iterable[OUT]]:  # type: ignore[override]
+        # Returns the coroutine itself: no extra frame per element.
+        return self.fn(value)
+
+    def __repr__(self) -> str:
+        return f"CoroutineFunction({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+AsyncFunctionLike = Union[AsyncFunction[IN, OUT], Callable[[IN], Awaitable[Iterable[OUT]]]]
+
+
+def as_async_function(fn: Any) -> AsyncFunction[Any, Any]:
+    """Accept an ``AsyncFunction`` or an ``async def``; anything else is a clear error."""
+    if isinstance(fn, AsyncFunction):
+        if type(fn).async_invoke is AsyncFunction.async_invoke:
+            raise ConfigurationError(
+                f"{type(fn).__name__} subclasses AsyncFunction but does not implement "
+                "'async def async_invoke(self, value)'."
+            )
+        return fn
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)
+    ):
+        return CoroutineFunction(fn)
+    if callable(fn):
+        raise ConfigurationError(
+            f"{getattr(fn, '__qualname__', fn)!r} is a regular function, but the operator needs "
+            "an async one. Write it as 'async def', subclass AsyncFunction, or wrap a "
+            "synchronous client with ThreadPoolAsyncFunction(fn, max_workers=...)."
+        )
+    raise ConfigurationError(
+        f"Expected an AsyncFunction or an async def function; got {type(fn).__name__}."
+    )
+
+
+class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
+    """Runs a synchronous (blocking) client call in a bounded thread pool.
+
+    Pass the call as ``fn``, or subclass and override ``invoke``. The call runs on a pool
+    thread; its outcome comes back to the event loop as a mail
+    (``loop.call_soon_threadsafe``), so the operator's state is only ever touched on the
+    loop thread. At most ``max_workers`` calls run at once; more wait in the pool's queue
+    (their timeout clock is already running: size the pool to the operator's capacity).
+    """
+
+    def __init__(
+        self, fn: Callable[[IN], Iterable[OUT]] | None = None, *, max_workers: int = 16
+    ) -> None:
+        if not isinstance(max_workers, int) or max_workers < 1:
+            raise ConfigurationError(
+                f"ThreadPoolAsyncFunction max_workers must be an integer >= 1; got {max_workers!r}."
+            )
+        if fn is not None and not callable(fn):
+            raise ConfigurationError(
+                f"ThreadPoolAsyncFunction needs a callable; got {type(fn).__name__}."
+            )
+        if fn is None and type(self).invoke is ThreadPoolAsyncFunction.invoke:
+            raise ConfigurationError(
+                "ThreadPoolAsyncFunction needs a synchronous function: pass fn=..., or subclass "
+                "it and override 'def invoke(self, value)'."
+            )
+        self.fn = fn
+        self.max_workers = max_workers
+        self._pool: ThreadPoolExecutor | None = None
+
+    def invoke(self, value: IN) -> Iterable[OUT]:
+        """The synchronous call; runs on a pool thread."""
+        assert self.fn is not None
+        return self.fn(value)
+
+    async def open(self) -> None:
+        self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="async-fn")
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    async def async_invoke(self, value: IN) -> Iterable[OUT]:
+        pool = self._pool
+        if pool is None:
+            raise RuntimeError(
+                "ThreadPoolAsyncFunction was invoked before open(); the operator opens it."
+            )
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Iterable[OUT]] = loop.create_future()
+
+        def run() -> None:
+            results: list[OUT] | None = None
+            error: BaseException | None = None
+            try:
+                results = list(self.invoke(value))
+            except BaseException as exc:  # delivered to the loop, never lost in the pool
+                error = exc
+            try:
+                loop.call_soon_threadsafe(_settle, future, results, error)
+            except RuntimeError:
+                pass  # the loop has closed: the operator is gone and nobody awaits this
+
+        pool.submit(run)
+        return await future
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_pool"] = None
+        return state
+
+
+def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    """The mail a pool thread posts: runs on the loop thread."""
+    if future.done():  # cancelled meanwhile: the outcome is dropped
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

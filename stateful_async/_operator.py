@@ -1,0 +1,760 @@
+"""``AsyncWaitOperator``: Flink's async I/O operator on an asyncio event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from threading import get_ident
+from functools import partial
+from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
+
+from ._elements import StreamElement, StreamRecord, Watermark
+from ._exceptions import (
+    AsyncFunctionError,
+    AsyncTimeoutError,
+    ConfigurationError,
+    ElementFailedError,
+    InvalidResultError,
+    OperatorStateError,
+    StatefulAsyncError,
+    TimeoutHandlerError,
+    element_error,
+)
+from ._function import (
+    AsyncFunctionLike,
+    CoroutineFunction,
+    _DefaultTimeout,
+    as_async_function,
+    has_timeout_handler,
+)
+from ._mailbox import Mailbox
+from ._queue import ElementQueue, OrderedQueue, QueueEntry, UnorderedQueue
+from ._retry import RetryStrategy
+from ._timers import Clock, SystemClock, TimerService
+
+IN = TypeVar("IN")
+OUT = TypeVar("OUT")
+
+Output = Callable[[StreamElement], Any]
+
+_TIMEOUT = 0
+_RETRY = 1
+
+
+class OutputMode(enum.Enum):
+    """How results are ordered; see ``AsyncWaitOperator``."""
+
+    ORDERED = "ordered"
+    UNORDERED = "unordered"
+
+
+class _State(enum.Enum):
+    CREATED = "created"
+    OPEN = "open"
+    FINISHING = "finishing"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+class OperatorMetrics:
+    """Counters of one operator, read at any time on the loop thread."""
+
+    __slots__ = (
+        "records_in",
+        "watermarks_in",
+        "restored",
+        "results_out",
+        "watermarks_out",
+        "retries",
+        "timeouts",
+    )
+
+    def __init__(self) -> None:
+        self.records_in = 0
+        self.watermarks_in = 0
+        self.restored = 0
+        self.results_out = 0
+        self.watermarks_out = 0
+        self.retries = 0
+        self.timeouts = 0
+
+    @property
+    def attempts(self) -> int:
+        """Calls of the async function: one per record, plus retries."""
+        return self.records_in + self.retries
+
+    def as_dict(self) -> dict[str, int]:
+        counters = {name: getattr(self, name) for name in self.__slots__}
+        counters["attempts"] = self.attempts
+        return counters
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v}" for k, v in self.as_dict().items())
+        return f"OperatorMetrics({fields})"
+
+
+class _Element(QueueEntry):
+    """A queue entry plus the operator's bookkeeping for it (Flink's ``ResultHandler``).
+
+    For a record, the first outcome decides (``decided``): a result, the timeout handler, or
+    a final failure. Watermark entries leave the extra fields unused.
+    """
+
+    __slots__ = (
+        "attempts",
+        "deadline",
+        "task",
+        "timeout_task",
+        "decided",
+        "timed_out",
+        "backing_off",
+        "last_error",
+    )
+
+    def __init__(self, element: StreamElement, done: bool = False) -> None:
+        # Fields of QueueEntry set here too: one constructor call per element, not two.
+        self.element = element
+        self.results: list[Any] | None = None
+        self.done = done
+        self.segment = None
+        self.attempts = 0
+        self.deadline: float | None = None
+        self.task: asyncio.Future[Any] | None = None
+        self.timeout_task: asyncio.Future[Any] | None = None
+        self.decided = False
+        self.timed_out = False
+        self.backing_off = False
+        self.last_error: BaseException | None = None
+
+
+def _as_results(results: Any, element: StreamElement, attempts: int) -> list[Any]:
+    if type(results) is list:
+        return results
+    if results is None or isinstance(results, (str, bytes, dict)):
+        raise element_error(
+            InvalidResultError,
+            f"The async function returned {type(results).__name__} instead of an iterable "
+            "of results",
+            element,
+            attempts,
+            "Return a list: [result] for one result, [] to emit nothing.",
+        )
+    try:
+        return list(results)
+    except TypeError as exc:
+        raise element_error(
+            InvalidResultError,
+            f"The async function returned {type(results).__name__}, which is not iterable",
+            element,
+            attempts,
+            "Return a list: [result] for one result, [] to emit nothing.",
+        ) from exc
+
+
+class AsyncWaitOperator(Generic[IN, OUT]):
+    """Applies an async function to every record with many calls in flight.
+
+    Ordering (``mode``):
+
+    * ``ORDERED``: output order is input order, watermarks included.
+    * ``UNORDERED``: results between two watermarks leave in completion order; a
+      watermark leaves only after every record before it, and no record after it
+      overtakes it. Without watermarks the output is fully unordered.
+
+    ``capacity`` bounds the queue, watermarks included; ``process_element`` waits (while
+    completions, timers and emission keep running) when it is full, so memory is bounded
+    by capacity, not by input size.
+
+    ``timeout`` (seconds) is per element, starts when the element enters the queue and
+    covers every retry. At the deadline ``fn.timeout(value)`` decides the element
+    (results, or failure); a result of the running attempt that arrives before the
+    handler returns wins instead. No retry starts at or after the deadline.
+
+    ``retry`` decides whether a failed attempt (or an unwanted result) is tried again,
+    after a per-element backoff. The first outcome of an element wins — a result, the
+    timeout handler, or a final failure; later ones are dropped and the element's other
+    attempts are cancelled. A failure fails the operator with an ``ElementFailedError``
+    naming the element; everything emitted before stays emitted.
+
+    State is touched only on the event-loop thread. ``output`` receives every emitted
+    result (as ``StreamRecord`` with the input's timestamp) and every watermark, one
+    queue entry per mail so the loop is never hogged.
+
+    Lifecycle: ``await open(restored)``, ``await process_element`` /
+    ``process_watermark`` ..., ``snapshot_state(id)`` at any point, ``await finish()``
+    to drain, ``await close()`` always (also usable as ``async with``).
+    """
+
+    def __init__(
+        self,
+        fn: AsyncFunctionLike[IN, OUT],
+        output: Output,
+        mode: OutputMode | str = OutputMode.ORDERED,
+        capacity: int = 100,
+        timeout: float | None = None,
+        retry: RetryStrategy | None = None,
+        *,
+        clock: Clock | None = None,
+    ) -> None:
+        self._fn = as_async_function(fn)
+        if not callable(output):
+            raise ConfigurationError(
+                f"output must be a callable that receives each emitted element; got "
+                f"{type(output).__name__}."
+            )
+        self._mode = _check_mode(mode)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ConfigurationError(
+                f"capacity must be an integer >= 1 (queue entries in flight); got {capacity!r}."
+            )
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise ConfigurationError(
+                    f"timeout must be a number of seconds or None; got {timeout!r}."
+                )
+            if not timeout > 0:
+                raise ConfigurationError(
+                    f"timeout must be > 0 seconds; got {timeout!r}. Use timeout=None for "
+                    "no timeout."
+                )
+        if retry is not None:
+            if not isinstance(retry, RetryStrategy):
+                raise ConfigurationError(
+                    f"retry must be a RetryStrategy; got {type(retry).__name__}."
+                )
+            if timeout is None:
+                raise ConfigurationError(
+                    "A retry strategy needs a timeout: it bounds how long an element may keep "
+                    "retrying. Pass timeout=<seconds> together with retry=..."
+                )
+        self._output = output
+        self._capacity = capacity
+        self._timeout = None if timeout is None else float(timeout)
+        self._retry = retry
+        self._has_timeout_handler = has_timeout_handler(self._fn)
+        # A plain async def is called directly: one call layer less per element.
+        self._invoke: Callable[[Any], Any] = (
+            self._fn.fn if isinstance(self._fn, CoroutineFunction) else self._fn.async_invoke
+        )
+        self._clock: Clock = clock if clock is not None else SystemClock()
+        self._timers = TimerService(self._clock)
+        self._queue: ElementQueue = (
+            OrderedQueue(capacity, _Element)
+            if self._mode is OutputMode.ORDERED
+            else UnorderedQueue(capacity, _Element)
+        )
+        self._state = _State.CREATED
+        self._failure: ElementFailedError | StatefulAsyncError | None = None
+        self._mailbox: Mailbox | None = None
+        self._thread_id: int | None = None
+        self._new_task: Callable[[Any], asyncio.Future[Any]] = _not_open
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._capacity_waiter: asyncio.Future[None] | None = None
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._emit_scheduled = False
+        self._fn_opened = False
+        self._restoring = False
+        self.metrics = OperatorMetrics()
+
+    # -- properties -------------------------------------------------------------------
+
+    @property
+    def mode(self) -> OutputMode:
+        return self._mode
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def function(self) -> Any:
+        return self._fn
+
+    @property
+    def in_flight(self) -> int:
+        """Queue entries not yet emitted (records and watermarks)."""
+        return len(self._queue)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that failed the operator, if it failed."""
+        return self._failure
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncWaitOperator[IN, OUT]:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def open(self, restored: Iterable[StreamElement] | None = None) -> None:
+        """Open the function, then re-add ``restored`` elements (from ``snapshot_state``)
+        in order before any new input: records are invoked again from attempt 1 with a
+        fresh timeout, watermarks are replayed. More restored elements than ``capacity``
+        is fine: this waits for room like ``process_element``."""
+        if self._state is not _State.CREATED:
+            raise OperatorStateError(
+                f"open() was called on an operator that is {self._state.value}; an operator "
+                "opens once. Create a new AsyncWaitOperator to restore into."
+            )
+        self._loop = loop = asyncio.get_running_loop()
+        self._mailbox = Mailbox(loop)
+        self._post_emit = self._mailbox.execute
+        self._thread_id = get_ident()
+        # asyncio.Task(coro, loop=...) skips the Python wrapper of loop.create_task; a loop
+        # with a task factory (or a non-asyncio loop) gets create_task, honouring it.
+        self._new_task = (
+            partial(asyncio.Task, loop=loop)
+            if isinstance(loop, asyncio.BaseEventLoop) and loop.get_task_factory() is None
+            else loop.create_task
+        )
+        self._state = _State.OPEN
+        await self._fn.open()
+        self._fn_opened = True
+        self._restoring = True
+        try:
+            await self._restore(restored or ())
+        finally:
+            self._restoring = False
+
+    async def _restore(self, restored: Iterable[StreamElement]) -> None:
+        for element in restored:
+            if type(element) is Watermark:
+                await self.process_watermark(element)
+            elif type(element) is StreamRecord:
+                await self.process_element(element)
+            else:
+                raise ConfigurationError(
+                    f"restored must contain StreamRecord and Watermark elements (as returned by "
+                    f"snapshot_state); got {type(element).__name__}."
+                )
+            self.metrics.restored += 1
+
+    async def process_element(self, record: StreamRecord[IN]) -> None:
+        """Add a record; waits while the queue is full, then starts its first attempt."""
+        if self._state is not _State.OPEN or get_ident() != self._thread_id:
+            self._check_accepting("process_element()")
+        if type(record) is not StreamRecord:
+            raise ConfigurationError(
+                f"process_element() takes a StreamRecord; got {type(record).__name__}. Wrap "
+                "the value: StreamRecord(value, timestamp)."
+                + (" Use process_watermark() for watermarks." if isinstance(record, Watermark) else "")
+            )
+        entry = self._queue.try_put(record)
+        while entry is None:
+            await self._wait_for_capacity()
+            entry = self._queue.try_put(record)
+        if self._timeout is not None:
+            entry.deadline = deadline = self._clock.now() + self._timeout  # type: ignore[attr-defined]
+            self._timers.register((entry, _TIMEOUT), deadline, partial(self._on_timeout, entry))
+        self.metrics.records_in += 1
+        # The first attempt, inlined (_start_attempt does the same for retries).
+        entry.attempts = 1  # type: ignore[attr-defined]
+        entry.task = self._new_task(self._attempt(entry, 1))  # type: ignore[attr-defined, arg-type]
+
+    async def process_watermark(self, watermark: Watermark) -> None:
+        """Add a watermark; it leaves as soon as everything before it has left."""
+        self._check_accepting("process_watermark()")
+        if type(watermark) is not Watermark:
+            raise ConfigurationError(
+                f"process_watermark() takes a Watermark; got {type(watermark).__name__}."
+            )
+        while self._queue.try_put(watermark) is None:
+            await self._wait_for_capacity()
+        self.metrics.watermarks_in += 1
+        self._output_completed()
+
+    def snapshot_state(self, checkpoint_id: int) -> list[StreamElement]:
+        """Every queue entry not yet emitted, in queue order, as its input element.
+
+        Pending and completed-but-unemitted records and watermarks are all included;
+        results and retry counts are not (a restore invokes those records again). Each
+        snapshot stands alone: it replaces, never extends, the previous one. Never blocks,
+        even on a full queue.
+        """
+        self._check_thread("snapshot_state()")
+        if self._failure is not None:
+            raise OperatorStateError(
+                f"Cannot take snapshot {checkpoint_id}: the operator has failed "
+                f"({self._failure}). A failed operator's state must not be checkpointed."
+            ) from self._failure
+        if self._state not in (_State.OPEN, _State.FINISHING, _State.FINISHED):
+            raise OperatorStateError(
+                f"Cannot take snapshot {checkpoint_id}: the operator is {self._state.value}."
+            )
+        if self._restoring:
+            raise OperatorStateError(
+                f"Cannot take snapshot {checkpoint_id} while open() is still re-adding restored "
+                "elements: the snapshot would miss those not yet re-added. Wait for open()."
+            )
+        return self._queue.values()
+
+    async def finish(self) -> None:
+        """Drain: no more input; pending retry backoffs fire now and retrying is disabled
+        (each element's current attempt is its last); waits until everything in flight has
+        completed and been emitted. Raises the operator's failure, if any."""
+        self._check_accepting("finish()")
+        self._state = _State.FINISHING
+        for entry in self._queue.entries():
+            if entry.backing_off:  # type: ignore[attr-defined]
+                self._timers.fire_now((entry, _RETRY))
+        while len(self._queue):
+            if self._failure is not None:
+                break
+            assert self._loop is not None
+            waiter = self._drain_waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._drain_waiter = None
+        if self._failure is not None:
+            raise self._failure
+        self._state = _State.FINISHED
+
+    async def close(self) -> None:
+        """Release everything: cancels timers and in-flight calls (without ``finish()``,
+        in-flight elements are discarded), then closes the function. Idempotent."""
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        self._timers.cancel_all()
+        tasks = self._cancel_in_flight()
+        self._wake_waiters(
+            OperatorStateError("The operator was closed while a call was waiting on it.")
+        )
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+        if self._fn_opened:
+            self._fn_opened = False
+            await self._fn.close()
+
+    # -- attempts, retries, timeouts ---------------------------------------------------
+
+    def _start_attempt(self, handler: _Element) -> None:
+        handler.attempts = attempt = handler.attempts + 1
+        handler.task = self._new_task(self._attempt(handler, attempt))
+
+    async def _attempt(self, handler: _Element, attempt: int) -> None:
+        """One call of the async function. Its outcome is handled in the same task step
+        that finishes the call: no extra mail per element."""
+        try:
+            results = await self._invoke(handler.element.value)  # type: ignore[union-attr]
+        except asyncio.CancelledError:
+            if handler.decided or attempt != handler.attempts:
+                return  # cancelled by the operator: the element was decided elsewhere
+            error: BaseException = asyncio.CancelledError(
+                "The attempt was cancelled by someone other than the operator."
+            )
+        except Exception as exc:
+            error = exc
+        else:
+            if handler.decided or attempt != handler.attempts:
+                return  # the element is decided, or this attempt was superseded: dropped
+            handler.task = None
+            if type(results) is list and self._retry is None and self._timeout is None:
+                # The common case without detours: nothing to release, decide and emit.
+                handler.decided = True
+                self._queue.complete(handler, results)
+                self._output_completed()
+            else:
+                self._on_attempt_result(handler, results)
+            return
+        if handler.decided or attempt != handler.attempts:
+            return
+        handler.task = None
+        self._on_attempt_error(handler, error)
+
+    def _on_attempt_error(self, handler: _Element, error: BaseException) -> None:
+        handler.last_error = error
+        if handler.timed_out:
+            return  # the timeout handler decides this element
+        retry = self._retry
+        if (
+            retry is not None
+            and self._state is _State.OPEN
+            and retry.can_retry(handler.attempts)
+            and retry.should_retry_exception(error)
+        ):
+            self._schedule_retry(handler)
+            return
+        self._decide_failure(
+            handler,
+            element_error(
+                AsyncFunctionError,
+                "The async function failed",
+                handler.element,
+                handler.attempts,
+                "Fix the cause; or retry this exception with retry=RetryStrategy(...); or "
+                "catch it in async_invoke and return a fallback result.",
+                cause=error,
+            ),
+        )
+
+    def _on_attempt_result(self, handler: _Element, results: Any) -> None:
+        try:
+            results = _as_results(results, handler.element, handler.attempts)
+        except InvalidResultError as exc:
+            self._decide_failure(handler, exc)
+            return
+        retry = self._retry
+        if (
+            retry is not None
+            and not handler.timed_out
+            and self._state is _State.OPEN
+            and retry.can_retry(handler.attempts)
+            and retry.should_retry_result(results)
+        ):
+            self._schedule_retry(handler)
+            return
+        self._decide(handler, results)
+
+    def _schedule_retry(self, handler: _Element) -> None:
+        assert self._retry is not None
+        when = self._clock.now() + self._retry.backoff(handler.attempts)
+        # Armed even when it ends past the deadline: the timeout timer, registered first,
+        # fires first (ties included), decides the element and cancels this one.
+        handler.backing_off = True
+        self._timers.register((handler, _RETRY), when, partial(self._on_retry_timer, handler))
+
+    def _on_retry_timer(self, handler: _Element) -> None:
+        handler.backing_off = False
+        if handler.decided:
+            return
+        if handler.deadline is not None and self._clock.now() >= handler.deadline:
+            return  # never start an attempt at or past the deadline; the timeout decides
+        self.metrics.retries += 1
+        self._start_attempt(handler)
+
+    def _on_timeout(self, handler: _Element) -> None:
+        if handler.decided:
+            return
+        handler.timed_out = True
+        self.metrics.timeouts += 1
+        if handler.backing_off:
+            handler.backing_off = False
+            self._timers.cancel((handler, _RETRY))
+        if not self._has_timeout_handler:
+            self._decide_failure(handler, self._timeout_error(handler, None))
+            return
+        assert self._loop is not None
+        try:
+            awaitable = self._fn.timeout(handler.element.value)  # type: ignore[union-attr]
+            task = asyncio.ensure_future(awaitable, loop=self._loop)
+        except BaseException as exc:
+            task = self._loop.create_future()
+            task.set_exception(exc)
+        handler.timeout_task = task
+        task.add_done_callback(partial(self._on_timeout_handler_done, handler))
+
+    def _on_timeout_handler_done(self, handler: _Element, task: asyncio.Future[Any]) -> None:
+        if handler.decided:
+            return
+        handler.timeout_task = None
+        error = (
+            asyncio.CancelledError("The timeout handler was cancelled.")
+            if task.cancelled()
+            else task.exception()
+        )
+        if error is None:
+            try:
+                results = _as_results(task.result(), handler.element, handler.attempts)
+            except InvalidResultError as exc:
+                self._decide_failure(handler, exc)
+                return
+            self._decide(handler, results)
+            return
+        if isinstance(error, _DefaultTimeout):
+            self._decide_failure(handler, self._timeout_error(handler, None))
+            return
+        self._decide_failure(
+            handler,
+            element_error(
+                TimeoutHandlerError,
+                f"The timeout handler raised after the {self._timeout:g} s timeout",
+                handler.element,
+                handler.attempts,
+                "Timeout handler errors are not retried: return fallback results from "
+                "timeout() instead of raising.",
+                cause=error,
+            ),
+        )
+
+    def _timeout_error(
+        self, handler: _Element, cause: BaseException | None
+    ) -> ElementFailedError:
+        error = element_error(
+            AsyncTimeoutError,
+            f"The element did not complete within the {self._timeout:g} s timeout",
+            handler.element,
+            handler.attempts,
+            "Raise the timeout, or implement timeout() on the AsyncFunction to return a "
+            "fallback result."
+            + (f" The last attempt failed with {handler.last_error!r}." if handler.last_error else ""),
+            cause=cause or handler.last_error,
+        )
+        return error
+
+    # -- outcomes and emission ----------------------------------------------------------
+
+    def _release(self, handler: _Element) -> None:
+        """The element is decided: cancel its timers and its other running calls."""
+        handler.decided = True
+        if self._timeout is None:
+            return  # no timers, no timeout handler; the attempt that decided has finished
+        self._timers.cancel((handler, _TIMEOUT))
+        if handler.backing_off:
+            handler.backing_off = False
+            self._timers.cancel((handler, _RETRY))
+        task = handler.task
+        if task is not None and not task.done():
+            task.cancel()
+        task = handler.timeout_task
+        if task is not None and not task.done():
+            task.cancel()
+        handler.task = handler.timeout_task = None
+
+    def _decide(self, handler: _Element, results: list[Any]) -> None:
+        self._release(handler)
+        self._queue.complete(handler, results)
+        self._output_completed()
+
+    def _decide_failure(self, handler: _Element, error: ElementFailedError) -> None:
+        self._release(handler)
+        self._fail(error)
+
+    def _fail(self, error: StatefulAsyncError) -> None:
+        if self._failure is not None:
+            return
+        self._failure = error
+        if self._state is not _State.CLOSED:
+            self._state = _State.FAILED
+        self._timers.cancel_all()
+        self._cancel_in_flight()
+        self._wake_waiters(error)
+
+    def _output_completed(self) -> None:
+        """Emit one completed queue entry; if more are ready, post a mail for the next."""
+        if self._failure is not None:
+            return
+        queue = self._queue
+        entry = queue.poll()
+        if entry is None:
+            return
+        element = entry.element
+        output = self._output
+        try:
+            if type(element) is Watermark:
+                output(element)
+                self.metrics.watermarks_out += 1
+            else:
+                timestamp = element.timestamp
+                results = entry.results
+                for result in results:  # type: ignore[union-attr]
+                    output(StreamRecord(result, timestamp))
+                self.metrics.results_out += len(results)  # type: ignore[arg-type]
+        except Exception as exc:
+            error = OperatorStateError(
+                f"The operator's output raised {type(exc).__name__}: {exc} while emitting the "
+                "results of an element; the operator has failed."
+            )
+            error.__cause__ = exc
+            self._fail(error)
+            return
+        waiter = self._capacity_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if self._drain_waiter is not None:
+            waiter = self._drain_waiter
+            if not len(queue) and not waiter.done():
+                waiter.set_result(None)
+        if not self._emit_scheduled and queue.has_completed():
+            self._emit_scheduled = True
+            self._post_emit(self._emit_mail)
+
+    def _emit_mail(self) -> None:
+        self._emit_scheduled = False
+        self._output_completed()
+
+    # -- helpers ------------------------------------------------------------------------
+
+    async def _wait_for_capacity(self) -> None:
+        if self._capacity_waiter is not None:
+            raise OperatorStateError(
+                "process_element()/process_watermark() was called while another call was "
+                "still waiting for queue capacity; await each call before the next."
+            )
+        assert self._loop is not None
+        waiter = self._capacity_waiter = self._loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._capacity_waiter = None
+        self._check_accepting("process_element()")
+
+    def _wake_waiters(self, error: BaseException) -> None:
+        for waiter in (self._capacity_waiter, self._drain_waiter):
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(error)
+
+    def _cancel_in_flight(self) -> list[asyncio.Future[Any]]:
+        tasks = []
+        for entry in self._queue.entries():
+            handler: _Element = entry  # type: ignore[assignment]
+            handler.decided = True
+            for task in (handler.task, handler.timeout_task):
+                if task is not None and not task.done():
+                    task.cancel()
+                    tasks.append(task)
+        return tasks
+
+    def _check_thread(self, what: str) -> None:
+        if self._mailbox is not None:
+            self._mailbox.check_thread(what)
+
+    def _check_accepting(self, what: str) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._state is not _State.OPEN:
+            hint = {
+                _State.CREATED: "call 'await open()' first",
+                _State.FINISHING: "finish() has been called; no more input is accepted",
+                _State.FINISHED: "finish() has been called; no more input is accepted",
+                _State.CLOSED: "it was closed",
+            }.get(self._state, "")
+            raise OperatorStateError(
+                f"{what} was called on an operator that is {self._state.value}: {hint}."
+            )
+        self._check_thread(what)
+
+
+def _check_mode(mode: OutputMode | str) -> OutputMode:
+    if isinstance(mode, OutputMode):
+        return mode
+    try:
+        return OutputMode(str(mode).lower())
+    except ValueError:
+        raise ConfigurationError(
+            f"mode must be OutputMode.ORDERED or OutputMode.UNORDERED; got {mode!r}."
+        ) from None
+
+
+def check_capacity_and_timeout(capacity: int, timeout: float | None, retry: Any) -> None:
+    """Validate operator options without building one (the Spark adapter checks them on
+    the driver, before a job starts)."""
+    AsyncWaitOperator(_noop_function, _discard, OutputMode.ORDERED, capacity, timeout, retry)
+
+
+async def _noop_function(value: Any) -> Sequence[Any]:
+    return ()
+
+
+def _discard(element: StreamElement) -> None:
+    return None
+
+
+def _not_open(coro: Any) -> asyncio.Future[Any]:
+    coro.close()
+    raise OperatorStateError("The operator started a call before open(); this is a bug.")

@@ -1,0 +1,147 @@
+"""Retry strategies for the async function: fixed delay and exponential backoff."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, Union
+
+from ._exceptions import ConfigurationError
+
+ExceptionPredicate = Union[
+    Callable[[BaseException], bool], type[BaseException], tuple[type[BaseException], ...]
+]
+ResultPredicate = Callable[[Sequence[Any]], bool]
+
+
+def _never(_: Sequence[Any]) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class RetryStrategy:
+    """When and how soon to try an element's async function again.
+
+    ``max_attempts`` counts **total attempts**, the first one included: ``max_attempts=3``
+    means one call and at most two retries. (Flink's ``maxAttempts`` counts retries only, so
+    Flink's ``maxAttempts=2`` is ``max_attempts=3`` here.)
+
+    An attempt is retried when its exception matches ``retry_on_exception`` (exception
+    types, or a predicate; default: any ``Exception``) or its result list matches
+    ``retry_on_result`` (default: never), while attempts remain. When attempts run out, an
+    exception fails the element and a result is emitted as it is.
+
+    The delay before attempt ``n + 1`` is ``initial_delay * multiplier ** (n - 1)``, capped
+    at ``max_delay``, then scaled by a random factor in ``[1 - jitter, 1 + jitter]``. It is
+    computed from the element's own attempt count: nothing is shared between elements.
+
+    Retries never outlive the operator's per-element timeout, which is why a timeout is
+    required with a retry strategy: a retry whose delay would end at or after the deadline
+    is not started, and the timeout handler decides the element.
+    """
+
+    max_attempts: int
+    initial_delay: float
+    multiplier: float = 1.0
+    max_delay: float | None = None
+    jitter: float = 0.0
+    retry_on_exception: ExceptionPredicate = Exception
+    retry_on_result: ResultPredicate = field(default=_never)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise ConfigurationError(
+                f"RetryStrategy max_attempts must be an integer >= 1 (total attempts, the first "
+                f"included); got {self.max_attempts!r}."
+            )
+        if self.initial_delay < 0:
+            raise ConfigurationError(
+                f"RetryStrategy delay must be >= 0 seconds; got {self.initial_delay!r}."
+            )
+        if self.multiplier < 1:
+            raise ConfigurationError(
+                f"RetryStrategy multiplier must be >= 1; got {self.multiplier!r}."
+            )
+        if self.max_delay is not None and self.max_delay < self.initial_delay:
+            raise ConfigurationError(
+                f"RetryStrategy max_delay ({self.max_delay!r}) must be >= the initial delay "
+                f"({self.initial_delay!r})."
+            )
+        if not 0 <= self.jitter <= 1:
+            raise ConfigurationError(
+                f"RetryStrategy jitter must be between 0 and 1; got {self.jitter!r}."
+            )
+        predicate = self.retry_on_exception
+        if not callable(predicate) and not isinstance(predicate, tuple):
+            raise ConfigurationError(
+                "RetryStrategy retry_on_exception must be exception types or a predicate; got "
+                f"{predicate!r}."
+            )
+        if not callable(self.retry_on_result):
+            raise ConfigurationError(
+                "RetryStrategy retry_on_result must be a predicate over the result list; got "
+                f"{self.retry_on_result!r}."
+            )
+
+    @classmethod
+    def fixed_delay(
+        cls,
+        max_attempts: int,
+        delay: float,
+        *,
+        retry_on_exception: ExceptionPredicate = Exception,
+        retry_on_result: ResultPredicate = _never,
+    ) -> RetryStrategy:
+        """Retry after the same ``delay`` (seconds), up to ``max_attempts`` total attempts."""
+        return cls(
+            max_attempts,
+            delay,
+            retry_on_exception=retry_on_exception,
+            retry_on_result=retry_on_result,
+        )
+
+    @classmethod
+    def exponential_backoff(
+        cls,
+        max_attempts: int,
+        initial_delay: float,
+        max_delay: float,
+        *,
+        multiplier: float = 2.0,
+        jitter: float = 0.0,
+        retry_on_exception: ExceptionPredicate = Exception,
+        retry_on_result: ResultPredicate = _never,
+    ) -> RetryStrategy:
+        """Retry after ``initial_delay``, then ``multiplier`` times longer each time, capped at
+        ``max_delay``, optionally with ``jitter``; up to ``max_attempts`` total attempts."""
+        return cls(
+            max_attempts,
+            initial_delay,
+            multiplier=multiplier,
+            max_delay=max_delay,
+            jitter=jitter,
+            retry_on_exception=retry_on_exception,
+            retry_on_result=retry_on_result,
+        )
+
+    def can_retry(self, attempts: int) -> bool:
+        """Whether another attempt may follow ``attempts`` attempts made so far."""
+        return attempts < self.max_attempts
+
+    def backoff(self, attempts: int) -> float:
+        """Seconds to wait after attempt number ``attempts`` (1-based) before the next."""
+        delay = self.initial_delay * self.multiplier ** (attempts - 1)
+        if self.max_delay is not None:
+            delay = min(delay, self.max_delay)
+        if self.jitter:
+            delay *= random.uniform(1 - self.jitter, 1 + self.jitter)
+        return delay
+
+    def should_retry_exception(self, exc: BaseException) -> bool:
+        predicate = self.retry_on_exception
+        if isinstance(predicate, tuple) or isinstance(predicate, type):
+            return isinstance(exc, predicate)
+        return bool(predicate(exc))
+
+    def should_retry_result(self, results: Sequence[Any]) -> bool:
+        return bool(self.retry_on_result(results))

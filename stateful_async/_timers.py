@@ -1,0 +1,201 @@
+"""Processing-time clocks and the operator's timer service.
+
+The operator never reads the wall clock or calls ``loop.call_at`` itself: it asks a
+``Clock`` for the time and for one wake-up. ``SystemClock`` is asyncio's monotonic clock;
+``VirtualClock`` only moves when a test says so, which lets tests of timeouts and backoff
+run without sleeping (the idea of trio's ``MockClock``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from typing import Callable, Hashable, Protocol
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Clock(Protocol):
+    """A source of processing time (seconds, monotonic) that can wake the loop once."""
+
+    def now(self) -> float:
+        """The current processing time in seconds."""
+        ...
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> Cancellable:
+        """Run ``callback`` on the event-loop thread once ``now() >= when``."""
+        ...
+
+
+class SystemClock:
+    """asyncio's monotonic clock (``loop.time()``); must be used on the loop thread."""
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> Cancellable:
+        return asyncio.get_running_loop().call_at(when, callback)
+
+
+class _VirtualHandle:
+    __slots__ = ("when", "callback", "cancelled")
+
+    def __init__(self, when: float, callback: Callable[[], None]) -> None:
+        self.when = when
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class VirtualClock:
+    """A clock that stands still until ``advance`` moves it.
+
+    ``await clock.advance(seconds)`` moves time forward deadline by deadline; before each
+    step, and at the end, it lets the event loop run until nothing is ready, so everything
+    that would happen "instantly" at a moment in time happens before time moves on.
+    """
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = float(start)
+        self._heap: list[tuple[float, int, _VirtualHandle]] = []
+        self._seq = itertools.count()
+
+    def now(self) -> float:
+        return self._now
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> Cancellable:
+        handle = _VirtualHandle(when, callback)
+        heapq.heappush(self._heap, (when, next(self._seq), handle))
+        return handle
+
+    def next_deadline(self) -> float | None:
+        """The earliest pending wake-up, or None."""
+        self._drop_cancelled()
+        return self._heap[0][0] if self._heap else None
+
+    async def advance(self, seconds: float) -> None:
+        """Move time forward by ``seconds``, firing every wake-up that falls due."""
+        if seconds < 0:
+            raise ValueError("A virtual clock cannot go backwards.")
+        target = self._now + seconds
+        await settle()
+        while True:
+            self._drop_cancelled()
+            if not self._heap or self._heap[0][0] > target:
+                break
+            when, _, handle = heapq.heappop(self._heap)
+            self._now = max(self._now, when)
+            handle.callback()
+            await settle()
+        self._now = target
+        await settle()
+
+    def _drop_cancelled(self) -> None:
+        while self._heap and self._heap[0][2].cancelled:
+            heapq.heappop(self._heap)
+
+
+async def settle(max_rounds: int = 10_000) -> None:
+    """Let the running loop work until no callback is ready (every task is blocked).
+
+    The loop-thread equivalent of trio's ``wait_all_tasks_blocked``; it never sleeps on
+    the wall clock. Threads that will post mails later are not waited for.
+    """
+    loop = asyncio.get_running_loop()
+    ready = getattr(loop, "_ready", None)
+    for _ in range(max_rounds):
+        await asyncio.sleep(0)
+        if ready is not None and not ready:
+            return
+    if ready is None:
+        return
+    raise RuntimeError(f"The event loop did not settle within {max_rounds} rounds.")
+
+
+class TimerService:
+    """Processing-time timers keyed by (owner, kind): registering a key again replaces its
+    timer, cancelling removes it. One heap; one clock wake-up armed for the earliest timer.
+
+    Cancellation is lazy (a cancelled timer stays in the heap until it reaches the top),
+    so register and cancel are O(log n) and O(1).
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._heap: list[tuple[float, int, Hashable]] = []
+        self._timers: dict[Hashable, tuple[int, Callable[[], None]]] = {}
+        self._seq = itertools.count()
+        self._armed: Cancellable | None = None
+        self._armed_at: float | None = None
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    def __len__(self) -> int:
+        return len(self._timers)
+
+    def register(self, key: Hashable, when: float, callback: Callable[[], None]) -> None:
+        """Run ``callback`` at processing time ``when``; replaces any timer under ``key``."""
+        seq = next(self._seq)
+        self._timers[key] = (seq, callback)
+        heapq.heappush(self._heap, (when, seq, key))
+        if self._armed_at is None or when < self._armed_at:
+            self._arm(when)
+
+    def cancel(self, key: Hashable) -> bool:
+        """Cancel the timer under ``key``; returns whether there was one."""
+        return self._timers.pop(key, None) is not None
+
+    def fire_now(self, key: Hashable) -> bool:
+        """Cancel the timer under ``key`` and run its callback immediately."""
+        entry = self._timers.pop(key, None)
+        if entry is None:
+            return False
+        entry[1]()
+        return True
+
+    def keys(self) -> list[Hashable]:
+        return list(self._timers)
+
+    def cancel_all(self) -> None:
+        self._timers.clear()
+        self._heap.clear()
+        if self._armed is not None:
+            self._armed.cancel()
+        self._armed = None
+        self._armed_at = None
+
+    def _arm(self, when: float) -> None:
+        if self._armed is not None:
+            self._armed.cancel()
+        self._armed_at = when
+        self._armed = self._clock.call_at(when, self._on_wakeup)
+
+    def _on_wakeup(self) -> None:
+        self._armed = None
+        self._armed_at = None
+        # asyncio may wake us up to one clock resolution early; a microsecond of slack
+        # avoids re-arming for the same deadline.
+        now = self._clock.now() + 1e-6
+        heap = self._heap
+        timers = self._timers
+        while heap and heap[0][0] <= now:
+            _, seq, key = heapq.heappop(heap)
+            entry = timers.get(key)
+            if entry is None or entry[0] != seq:
+                continue  # cancelled or replaced
+            del timers[key]
+            entry[1]()
+        while heap:
+            when, seq, key = heap[0]
+            entry = timers.get(key)
+            if entry is not None and entry[0] == seq:
+                self._arm(when)
+                break
+            heapq.heappop(heap)

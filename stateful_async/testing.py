@@ -1,0 +1,107 @@
+"""Tools for testing async functions and operators without a service or a wall clock.
+
+* ``ControlledFunction`` — an ``AsyncFunction`` whose calls wait until the test completes
+  or fails them, in any order the test chooses.
+* ``ControlledTimeoutFunction`` — the same, with a ``timeout()`` handler the test also
+  completes.
+* ``VirtualClock`` and ``settle`` — time that moves only when the test says so; pass the
+  clock to ``AsyncWaitOperator(..., clock=clock)``.
+
+Example::
+
+    fn = ControlledFunction()
+    op = AsyncWaitOperator(fn, out.append, OutputMode.ORDERED, capacity=10)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await op.process_element(StreamRecord("b"))
+    await settle()
+    fn.complete("b", ["B"])          # "b" finished first ...
+    fn.complete("a", ["A"])
+    await settle()
+    assert [r.value for r in out] == ["A", "B"]   # ... but ordered mode emits in input order
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any, Iterable
+
+from ._function import AsyncFunction
+from ._timers import VirtualClock, settle
+
+__all__ = ["ControlledFunction", "ControlledTimeoutFunction", "VirtualClock", "settle"]
+
+
+class ControlledFunction(AsyncFunction[Any, Any]):
+    """Every call returns a future that the test resolves with ``complete`` or ``fail``.
+
+    ``calls`` lists the values of every attempt in call order; ``pending(value)`` counts the
+    unresolved attempts of ``value``. Values must be hashable.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+        self._pending: dict[Any, deque[asyncio.Future[Any]]] = {}
+        self.opened = 0
+        self.closed = 0
+
+    async def open(self) -> None:
+        self.opened += 1
+
+    async def close(self) -> None:
+        self.closed += 1
+
+    async def async_invoke(self, value: Any) -> Iterable[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.calls.append(value)
+        self._pending.setdefault(value, deque()).append(future)
+        return await future
+
+    def pending(self, value: Any) -> int:
+        return sum(1 for f in self._pending.get(value, ()) if not f.done())
+
+    def pending_values(self) -> list[Any]:
+        return [v for v, fs in self._pending.items() for f in fs if not f.done()]
+
+    def complete(self, value: Any, results: Iterable[Any]) -> None:
+        """Resolve the oldest unresolved attempt of ``value`` with ``results``."""
+        self._next(value).set_result(list(results))
+
+    def fail(self, value: Any, error: BaseException) -> None:
+        """Make the oldest unresolved attempt of ``value`` raise ``error``."""
+        self._next(value).set_exception(error)
+
+    def _next(self, value: Any) -> asyncio.Future[Any]:
+        for future in self._pending.get(value, ()):
+            if not future.done():
+                return future
+        raise AssertionError(f"No call for {value!r} is waiting (calls so far: {self.calls!r}).")
+
+
+class ControlledTimeoutFunction(ControlledFunction):
+    """A ``ControlledFunction`` whose ``timeout()`` handler also waits for the test:
+    ``complete_timeout(value, results)`` or ``fail_timeout(value, error)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeout_calls: list[Any] = []
+        self._timeouts: dict[Any, deque[asyncio.Future[Any]]] = {}
+
+    async def timeout(self, value: Any) -> Iterable[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.timeout_calls.append(value)
+        self._timeouts.setdefault(value, deque()).append(future)
+        return await future
+
+    def complete_timeout(self, value: Any, results: Iterable[Any]) -> None:
+        self._next_timeout(value).set_result(list(results))
+
+    def fail_timeout(self, value: Any, error: BaseException) -> None:
+        self._next_timeout(value).set_exception(error)
+
+    def _next_timeout(self, value: Any) -> asyncio.Future[Any]:
+        for future in self._timeouts.get(value, ()):
+            if not future.done():
+                return future
+        raise AssertionError(f"No timeout handler for {value!r} is waiting.")

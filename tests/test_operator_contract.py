@@ -1,0 +1,484 @@
+"""The operator contract, run over both output modes with a test-controlled function.
+
+The test decides when and in which order each call completes; the exact emitted sequences
+(records and watermarks) are asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from stateful_async import (
+    AsyncFunction,
+    AsyncFunctionError,
+    AsyncWaitOperator,
+    ConfigurationError,
+    InvalidResultError,
+    OperatorStateError,
+    OutputMode,
+    RetryStrategy,
+    StreamRecord,
+    Watermark,
+)
+from stateful_async.testing import ControlledFunction, settle
+
+MODES = [OutputMode.ORDERED, OutputMode.UNORDERED]
+
+
+def make(mode: OutputMode, capacity: int = 10, **kwargs):
+    fn = ControlledFunction()
+    out: list = []
+    op = AsyncWaitOperator(fn, out.append, mode, capacity=capacity, **kwargs)
+    return fn, out, op
+
+
+def values(out: list) -> list:
+    """Emitted elements as plain values: record values, and ('wm', ts) for watermarks."""
+    return [("wm", e.timestamp) if isinstance(e, Watermark) else e.value for e in out]
+
+
+async def feed(op: AsyncWaitOperator, items: list) -> None:
+    for item in items:
+        if isinstance(item, Watermark):
+            await op.process_watermark(item)
+        else:
+            await op.process_element(StreamRecord(item))
+
+
+# -- ordering ------------------------------------------------------------------------------
+
+
+async def test_ordered_emits_in_input_order_whatever_the_completion_order() -> None:
+    fn, out, op = make(OutputMode.ORDERED)
+    await op.open()
+    await feed(op, ["a", "b", "c", "d"])
+    await settle()
+    for value in ["d", "b", "c"]:
+        fn.complete(value, [value.upper()])
+    await settle()
+    assert out == []  # "a" is still pending and holds everything back
+    fn.complete("a", ["A"])
+    await settle()
+    assert values(out) == ["A", "B", "C", "D"]
+
+
+async def test_unordered_without_watermarks_emits_in_completion_order() -> None:
+    fn, out, op = make(OutputMode.UNORDERED)
+    await op.open()
+    await feed(op, ["a", "b", "c", "d"])
+    await settle()
+    for value in ["c", "a", "d", "b"]:
+        fn.complete(value, [value.upper()])
+        await settle()
+    assert values(out) == ["C", "A", "D", "B"]
+
+
+async def test_ordered_watermarks_keep_their_position() -> None:
+    fn, out, op = make(OutputMode.ORDERED)
+    await op.open()
+    await feed(op, ["a", Watermark(10), "b", Watermark(20), "c"])
+    await settle()
+    fn.complete("c", ["C"])
+    fn.complete("b", ["B"])
+    await settle()
+    assert out == []
+    fn.complete("a", ["A"])
+    await settle()
+    assert values(out) == ["A", ("wm", 10), "B", ("wm", 20), "C"]
+
+
+async def test_unordered_records_never_cross_a_watermark() -> None:
+    fn, out, op = make(OutputMode.UNORDERED)
+    await op.open()
+    await feed(op, ["a", "b", Watermark(10), "c", "d", Watermark(20), "e"])
+    await settle()
+    # Everything after the first watermark completes first: none of it may overtake it.
+    for value in ["e", "d", "c"]:
+        fn.complete(value, [value.upper()])
+    await settle()
+    assert out == []
+    fn.complete("b", ["B"])
+    await settle()
+    assert values(out) == ["B"]
+    fn.complete("a", ["A"])
+    await settle()
+    # "a" leaves, then the watermark, then the next segment in completion order (d before c),
+    # then the second watermark, then "e".
+    assert values(out) == ["B", "A", ("wm", 10), "D", "C", ("wm", 20), "E"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_watermark_with_nothing_ahead_leaves_at_once(mode: OutputMode) -> None:
+    fn, out, op = make(mode)
+    await op.open()
+    await op.process_watermark(Watermark(5))
+    # Emitted before process_watermark returned: no loop iteration needed.
+    assert values(out) == [("wm", 5)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_watermark_waits_for_every_record_before_it(mode: OutputMode) -> None:
+    fn, out, op = make(mode)
+    await op.open()
+    await feed(op, ["a", Watermark(5)])
+    await settle()
+    assert out == []
+    fn.complete("a", ["A"])
+    await settle()
+    assert values(out) == ["A", ("wm", 5)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_results_carry_the_input_timestamp_and_can_be_many_or_none(mode: OutputMode) -> None:
+    fn, out, op = make(mode)
+    await op.open()
+    await op.process_element(StreamRecord("a", timestamp=100))
+    await op.process_element(StreamRecord("b", timestamp=200))
+    await settle()
+    fn.complete("a", ["a1", "a2", "a3"])
+    await settle()
+    fn.complete("b", [])
+    await settle()
+    assert out == [
+        StreamRecord("a1", 100),
+        StreamRecord("a2", 100),
+        StreamRecord("a3", 100),
+    ]
+    assert op.metrics.results_out == 3
+
+
+# -- capacity and backpressure -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_process_element_waits_for_capacity_while_completions_keep_running(
+    mode: OutputMode,
+) -> None:
+    fn, out, op = make(mode, capacity=2)
+    await op.open()
+    await feed(op, ["a", "b"])
+    third = asyncio.ensure_future(op.process_element(StreamRecord("c")))
+    await settle()
+    assert not third.done()  # full: waits
+    assert op.in_flight == 2
+    assert fn.calls == ["a", "b"]  # "c" has not been invoked
+    fn.complete("a", ["A"])  # a completion and its emission run while "c" waits
+    await settle()
+    assert third.done()
+    assert values(out) == ["A"]
+    assert fn.calls == ["a", "b", "c"]
+    assert op.in_flight == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_watermarks_take_capacity(mode: OutputMode) -> None:
+    fn, out, op = make(mode, capacity=2)
+    await op.open()
+    await feed(op, ["a", Watermark(1)])
+    blocked = asyncio.ensure_future(op.process_element(StreamRecord("b")))
+    await settle()
+    assert not blocked.done()
+    assert op.in_flight == 2
+    fn.complete("a", ["A"])
+    await settle()
+    assert blocked.done()
+    assert values(out) == ["A", ("wm", 1)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_queue_never_exceeds_capacity(mode: OutputMode) -> None:
+    sizes: list[int] = []
+
+    class Probe(AsyncFunction):
+        async def async_invoke(self, value):
+            sizes.append(op.in_flight)
+            await asyncio.sleep(0)
+            return [value]
+
+    out: list = []
+    op = AsyncWaitOperator(Probe(), out.append, mode, capacity=7)
+    async with op:
+        for i in range(200):
+            await op.process_element(StreamRecord(i))
+            sizes.append(op.in_flight)
+        await op.finish()
+    assert max(sizes) == 7
+    assert sorted(values(out)) == list(range(200))
+
+
+async def test_emission_is_one_queue_entry_per_mail() -> None:
+    fn, out, op = make(OutputMode.ORDERED)
+    await op.open()
+    await feed(op, [0, 1, 2, 3, 4])
+    await settle()
+    for value in [1, 2, 3, 4]:
+        fn.complete(value, [value])
+    await settle()
+    fn.complete(0, [0])
+    seen = []
+    for _ in range(50):
+        await asyncio.sleep(0)
+        seen.append(len(out))
+        if len(out) == 5:
+            break
+    # Four entries became ready at once, but each loop iteration emitted at most one.
+    assert seen[-1] == 5
+    assert all(b - a <= 1 for a, b in zip(seen, seen[1:]))
+    assert len(set(seen)) >= 5
+
+
+# -- snapshot and restore ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_snapshot_returns_unemitted_inputs_in_queue_order(mode: OutputMode) -> None:
+    fn, out, op = make(mode)
+    await op.open()
+    await feed(op, ["a", "b", Watermark(7), "c"])
+    await settle()
+    fn.complete("b", ["B"])  # completed but held back (ordered: by "a"; unordered: "a" too,
+    await settle()  # in the unordered mode "B" leaves)
+    snap = op.snapshot_state(checkpoint_id=1)
+    if mode is OutputMode.ORDERED:
+        assert snap == [StreamRecord("a"), StreamRecord("b"), Watermark(7), StreamRecord("c")]
+        assert out == []
+    else:
+        assert snap == [StreamRecord("a"), Watermark(7), StreamRecord("c")]
+        assert values(out) == ["B"]
+    # Each snapshot stands alone: a second one reflects the current queue only.
+    fn.complete("a", ["A"])
+    await settle()
+    assert op.snapshot_state(checkpoint_id=2) == [StreamRecord("c")]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_snapshot_never_blocks_on_a_full_queue(mode: OutputMode) -> None:
+    fn, out, op = make(mode, capacity=2)
+    await op.open()
+    await feed(op, ["a", "b"])
+    blocked = asyncio.ensure_future(op.process_element(StreamRecord("c")))
+    await settle()
+    assert not blocked.done()
+    assert op.snapshot_state(1) == [StreamRecord("a"), StreamRecord("b")]
+    blocked.cancel()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_restore_reinvokes_records_and_replays_watermarks_before_new_input(
+    mode: OutputMode,
+) -> None:
+    fn, out, op = make(mode)
+    await op.open()
+    await feed(op, ["a", Watermark(3), "b"])
+    await settle()
+    fn.complete("a", ["A"])  # attempt of "a" completes... but ordered "a" leaves; keep it pending
+    await settle()
+    saved = op.snapshot_state(1)
+    await op.close()
+
+    fn2 = ControlledFunction()
+    out2: list = []
+    op2 = AsyncWaitOperator(fn2, out2.append, mode, capacity=10)
+    await op2.open(restored=saved)
+    await op2.process_element(StreamRecord("new"))
+    await settle()
+    assert fn2.calls == ["b", "new"]  # restored records first, attempt 1 each
+    fn2.complete("new", ["NEW"])
+    fn2.complete("b", ["B"])
+    await settle()
+    assert values(out) == ["A", ("wm", 3)]
+    if mode is OutputMode.ORDERED:
+        assert values(out2) == ["B", "NEW"]
+    else:
+        assert values(out2) == ["NEW", "B"]
+    await op2.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_restoring_more_elements_than_capacity_does_not_deadlock(mode: OutputMode) -> None:
+    saved = [StreamRecord(i) for i in range(50)] + [Watermark(99)] + [StreamRecord(50)]
+
+    async def double(value: int) -> list[int]:
+        await asyncio.sleep(0)
+        return [value * 2]
+
+    out: list = []
+    op = AsyncWaitOperator(double, out.append, mode, capacity=3)
+    # The wall-clock bound only turns a deadlock into a failure; nothing waits on it.
+    await asyncio.wait_for(op.open(restored=saved), timeout=10)
+    await asyncio.wait_for(op.finish(), timeout=10)
+    await op.close()
+    records = [e.value for e in out if isinstance(e, StreamRecord)]
+    assert sorted(records[:50]) == [i * 2 for i in range(50)]
+    assert values(out)[50:] == [("wm", 99), 100]
+    assert op.metrics.restored == 52
+
+
+# -- failure -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_failure_names_the_element_and_keeps_what_was_emitted(mode: OutputMode) -> None:
+    fn, out, op = make(mode)
+    await op.open()
+    await feed(op, ["a", "b", "c"])
+    await settle()
+    fn.complete("a", ["A"])
+    await settle()
+    fn.fail("b", ConnectionError("service down"))
+    await settle()
+    assert values(out) == ["A"]
+    assert fn.pending("c") == 0  # the failed operator cancelled the rest
+    with pytest.raises(AsyncFunctionError) as info:
+        await op.process_element(StreamRecord("d"))
+    message = str(info.value)
+    assert "StreamRecord('b')" in message
+    assert "after 1 attempt" in message
+    assert "ConnectionError: service down" in message
+    assert isinstance(info.value.__cause__, ConnectionError)
+    assert info.value.element == StreamRecord("b")
+    with pytest.raises(AsyncFunctionError):
+        await op.finish()
+    with pytest.raises(OperatorStateError, match="has failed"):
+        op.snapshot_state(5)
+    await op.close()
+    assert fn.closed == 1
+
+
+async def test_a_failure_wakes_a_call_waiting_for_capacity() -> None:
+    fn, out, op = make(OutputMode.ORDERED, capacity=1)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    waiting = asyncio.ensure_future(op.process_element(StreamRecord("b")))
+    await settle()
+    fn.fail("a", ValueError("bad"))
+    await settle()
+    with pytest.raises(AsyncFunctionError, match="StreamRecord\\('a'\\)"):
+        await waiting
+
+
+@pytest.mark.parametrize("bad", [{"k": 1}, None, "text", 42])
+async def test_a_result_that_is_not_an_iterable_of_results_is_a_clear_error(bad) -> None:
+    async def wrong(value):
+        return bad
+
+    op = AsyncWaitOperator(wrong, lambda e: None, capacity=2)
+    await op.open()
+    await op.process_element(StreamRecord(1))
+    await settle()
+    with pytest.raises(InvalidResultError, match="Return a list: \\[result\\]"):
+        await op.finish()
+    await op.close()
+
+
+async def test_an_invalid_result_is_not_retried() -> None:
+    calls = []
+
+    async def wrong(value):
+        calls.append(value)
+        return {"not": "a list"}
+
+    op = AsyncWaitOperator(
+        wrong, lambda e: None, capacity=2, timeout=10, retry=RetryStrategy.fixed_delay(5, 0)
+    )
+    await op.open()
+    await op.process_element(StreamRecord(1))
+    with pytest.raises(InvalidResultError):
+        await op.finish()
+    assert calls == [1]
+    await op.close()
+
+
+async def test_an_output_that_raises_fails_the_operator() -> None:
+    def bad_output(element):
+        raise RuntimeError("sink full")
+
+    async def identity(value):
+        return [value]
+
+    op = AsyncWaitOperator(identity, bad_output)
+    await op.open()
+    await op.process_element(StreamRecord(1))
+    with pytest.raises(OperatorStateError, match="output raised RuntimeError: sink full"):
+        await op.finish()
+    await op.close()
+
+
+# -- construction and lifecycle ------------------------------------------------------------
+
+
+async def _noop(value):
+    return [value]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"capacity": 0}, "capacity must be an integer >= 1"),
+        ({"capacity": 2.5}, "capacity must be an integer >= 1"),
+        ({"timeout": -1}, "timeout must be > 0 seconds"),
+        ({"timeout": 0}, "Use timeout=None for no timeout"),
+        ({"retry": RetryStrategy.fixed_delay(3, 0.1)}, "A retry strategy needs a timeout"),
+        ({"mode": "sideways"}, "mode must be OutputMode.ORDERED or OutputMode.UNORDERED"),
+        ({"retry": 3, "timeout": 1}, "retry must be a RetryStrategy"),
+    ],
+)
+def test_invalid_arguments_fail_at_construction(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        AsyncWaitOperator(_noop, lambda e: None, **kwargs)
+
+
+def test_a_regular_function_is_refused_with_advice() -> None:
+    def sync(value):
+        return [value]
+
+    with pytest.raises(ConfigurationError, match="ThreadPoolAsyncFunction"):
+        AsyncWaitOperator(sync, lambda e: None)
+
+
+def test_mode_accepts_its_name() -> None:
+    assert AsyncWaitOperator(_noop, print, "unordered").mode is OutputMode.UNORDERED
+
+
+async def test_lifecycle_misuse_is_reported() -> None:
+    fn, out, op = make(OutputMode.ORDERED)
+    with pytest.raises(OperatorStateError, match="call 'await open\\(\\)' first"):
+        await op.process_element(StreamRecord(1))
+    await op.open()
+    with pytest.raises(OperatorStateError, match="an operator opens once"):
+        await op.open()
+    with pytest.raises(ConfigurationError, match="Wrap the value: StreamRecord"):
+        await op.process_element(1)  # type: ignore[arg-type]
+    await op.finish()
+    with pytest.raises(OperatorStateError, match="no more input is accepted"):
+        await op.process_element(StreamRecord(1))
+    await op.close()
+    await op.close()  # idempotent
+    assert (fn.opened, fn.closed) == (1, 1)
+
+
+async def test_close_without_finish_cancels_in_flight_calls() -> None:
+    fn, out, op = make(OutputMode.UNORDERED)
+    await op.open()
+    await feed(op, ["a", "b"])
+    await settle()
+    await op.close()
+    assert fn.pending_values() == []
+    assert out == []
+
+
+async def test_a_snapshot_during_restore_is_refused() -> None:
+    fn = ControlledFunction()
+    op = AsyncWaitOperator(fn, lambda e: None, capacity=1)
+    opening = asyncio.ensure_future(op.open(restored=[StreamRecord("a"), StreamRecord("b")]))
+    await settle()
+    assert not opening.done()  # "b" waits for room behind "a"
+    with pytest.raises(OperatorStateError, match="still re-adding restored elements"):
+        op.snapshot_state(1)
+    fn.complete("a", ["A"])
+    await settle()
+    assert opening.done()
+    assert op.snapshot_state(1) == [StreamRecord("b")]
+    await op.close()

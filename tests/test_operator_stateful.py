@@ -1,0 +1,290 @@
+"""Hypothesis drives the operator against a plain in-memory model.
+
+Random records and watermarks, completions in random order, retryable failures, time
+advancing (timeouts fall back to the same results), checkpoints, and crashes that restore a
+fresh operator from the last checkpoint. The output follows the checkpoint protocol the Spark
+adapter uses: output since the last checkpoint is uncommitted and a crash discards it; inputs
+consumed after the checkpoint are fed again after the restore.
+
+Invariants: never more than ``capacity`` queue entries; ordered output is a prefix of the
+input-order output; in unordered mode no record crosses a watermark either way; and in the
+end the committed output equals a failure-free run exactly once (as a sequence when ordered,
+as a multiset per watermark segment when unordered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from stateful_async import (
+    AsyncWaitOperator,
+    OutputMode,
+    RetryStrategy,
+    StreamRecord,
+    VirtualClock,
+    Watermark,
+)
+from stateful_async.testing import ControlledFunction, settle
+
+
+class Retryable(Exception):
+    pass
+
+
+def results_of(value: int) -> list[int]:
+    """The failure-free results of a record: none, one or two."""
+    if value % 5 == 4:
+        return []
+    if value % 3 == 0:
+        return [value * 10, value * 10 + 1]
+    return [value * 10]
+
+
+class ModelFunction(ControlledFunction):
+    async def timeout(self, value):  # the fallback is the real answer: output stays exact
+        return results_of(value)
+
+
+TIMEOUT = 5.0
+RETRY = RetryStrategy.fixed_delay(10_000, 1.0, retry_on_exception=(Retryable,))
+
+
+class OperatorMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.clock = VirtualClock()
+        self.next_value = 0
+        self.next_watermark = 0
+        self.consumed: list = []  # inputs in the operator (or emitted), in input order
+        self.to_feed: list = []  # inputs not yet consumed
+        self.committed: list = []  # output covered by the last checkpoint
+        self.uncommitted: list = []  # output since the last checkpoint
+        self.saved: tuple[list, int] = ([], 0)  # (snapshot, input position)
+        self.checkpoint_id = 0
+        self.max_in_flight = 0
+        self.feeder: asyncio.Task | None = None
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def new_operator(self) -> None:
+        self.fn = ModelFunction()
+        self.op = AsyncWaitOperator(
+            self.fn,
+            self.uncommitted_append,
+            self.mode,
+            capacity=self.capacity,
+            timeout=TIMEOUT,
+            retry=RETRY,
+            clock=self.clock,
+        )
+
+    def uncommitted_append(self, element) -> None:
+        self.uncommitted.append(element)
+
+    async def _feed(self, restored: list | None) -> None:
+        if restored is not None:
+            await self.op.open(restored=restored)
+        while self.to_feed:
+            item = self.to_feed[0]
+            if isinstance(item, Watermark):
+                await self.op.process_watermark(item)
+            else:
+                await self.op.process_element(item)
+            self.consumed.append(self.to_feed.pop(0))
+
+    def start_feeder(self, restored: list | None = None) -> None:
+        if self.feeder is None or self.feeder.done():
+            if self.feeder is not None:
+                self.feeder.result()  # surface any error of the previous feeder
+            self.feeder = self.loop.create_task(self._feed(restored))
+        self.run(settle())
+        self.max_in_flight = max(self.max_in_flight, self.op.in_flight)
+
+    def restoring(self) -> bool:
+        return self.op._restoring
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @initialize(
+        mode=st.sampled_from([OutputMode.ORDERED, OutputMode.UNORDERED]),
+        capacity=st.integers(1, 6),
+    )
+    def start(self, mode: OutputMode, capacity: int) -> None:
+        self.mode = mode
+        self.capacity = capacity
+        self.new_operator()
+        self.run(self.op.open())
+
+    @rule(count=st.integers(1, 4))
+    def add_records(self, count: int) -> None:
+        for _ in range(count):
+            self.to_feed.append(StreamRecord(self.next_value))
+            self.next_value += 1
+        self.start_feeder()
+
+    @rule()
+    def add_watermark(self) -> None:
+        self.next_watermark += 1
+        self.to_feed.append(Watermark(self.next_watermark))
+        self.start_feeder()
+
+    @rule(data=st.data())
+    def complete_one(self, data) -> None:
+        pending = sorted(set(self.fn.pending_values()))
+        if not pending:
+            return
+        value = data.draw(st.sampled_from(pending))
+        self.fn.complete(value, results_of(value))
+        self.run(settle())
+
+    @rule(data=st.data())
+    def fail_one_retryably(self, data) -> None:
+        pending = sorted(set(self.fn.pending_values()))
+        if not pending:
+            return
+        value = data.draw(st.sampled_from(pending))
+        self.fn.fail(value, Retryable(value))
+        self.run(settle())
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 3.0]))
+    def advance_time(self, seconds: float) -> None:
+        self.run(self.clock.advance(seconds))
+
+    @precondition(lambda self: not self.restoring())
+    @rule()
+    def checkpoint(self) -> None:
+        self.checkpoint_id += 1
+        snapshot = self.op.snapshot_state(self.checkpoint_id)
+        self.committed.extend(self.uncommitted)
+        self.uncommitted.clear()
+        self.saved = (snapshot, len(self.consumed))
+
+    @rule()
+    def crash_and_restore(self) -> None:
+        if self.feeder is not None:
+            self.feeder.cancel()
+            self.run(asyncio.wait([self.feeder]))
+            self.feeder = None
+        self.run(self.op.close())
+        self.uncommitted.clear()  # the failed attempt's output is discarded
+        snapshot, position = self.saved
+        self.to_feed = self.consumed[position:] + self.to_feed
+        del self.consumed[position:]
+        self.new_operator()
+        self.start_feeder(restored=list(snapshot))
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def within_capacity(self) -> None:
+        assert self.op.in_flight <= self.capacity
+
+    @invariant()
+    def output_is_consistent_so_far(self) -> None:
+        output = self.committed + self.uncommitted
+        inputs = self.consumed + self.to_feed
+        if self.mode is OutputMode.ORDERED:
+            expected = expected_sequence(inputs)
+            assert output == expected[: len(output)]
+        else:
+            check_unordered_prefix(output, inputs)
+
+    def teardown(self) -> None:
+        try:
+            self.drain_and_check()
+        finally:
+            self.run(self.op.close())
+            self.loop.close()
+
+    def drain_and_check(self) -> None:
+        if not hasattr(self, "op"):
+            return
+        self.start_feeder()
+        for _ in range(10_000):
+            if self.feeder is not None and self.feeder.done():
+                self.feeder.result()
+            if not self.to_feed and self.op.in_flight == 0 and not self.restoring():
+                break
+            for value in set(self.fn.pending_values()):
+                self.fn.complete(value, results_of(value))
+            self.run(self.clock.advance(1.0))
+        else:
+            raise AssertionError("The operator never drained.")
+        self.run(self.op.finish())
+        self.committed.extend(self.uncommitted)
+        self.uncommitted.clear()
+        inputs = self.consumed
+        if self.mode is OutputMode.ORDERED:
+            assert self.committed == expected_sequence(inputs)
+        else:
+            assert segments(self.committed) == [
+                (Counter(seg), wm) for seg, wm in expected_segments(inputs)
+            ]
+
+
+def expected_sequence(inputs: list) -> list:
+    out: list = []
+    for item in inputs:
+        if isinstance(item, Watermark):
+            out.append(item)
+        else:
+            out.extend(StreamRecord(r, item.timestamp) for r in results_of(item.value))
+    return out
+
+
+def expected_segments(inputs: list) -> list[tuple[list, Watermark | None]]:
+    result: list[tuple[list, Watermark | None]] = []
+    current: list = []
+    for item in inputs:
+        if isinstance(item, Watermark):
+            result.append((current, item))
+            current = []
+        else:
+            current.extend(results_of(item.value))
+    result.append((current, None))
+    return result
+
+
+def segments(output: list) -> list[tuple[Counter, Watermark | None]]:
+    result: list[tuple[Counter, Watermark | None]] = []
+    current: Counter = Counter()
+    for element in output:
+        if isinstance(element, Watermark):
+            result.append((current, element))
+            current = Counter()
+        else:
+            current[element.value] += 1
+    result.append((current, None))
+    return result
+
+
+def check_unordered_prefix(output: list, inputs: list) -> None:
+    """Every emitted segment is a sub-multiset of its expected segment, every segment
+    closed by a watermark is complete, and watermarks leave in order."""
+    expected = expected_segments(inputs)
+    emitted = segments(output)
+    assert len(emitted) <= len(expected)
+    for index, (counter, watermark) in enumerate(emitted):
+        want = Counter(expected[index][0])
+        assert not counter - want, f"segment {index} has results that do not belong to it"
+        if watermark is not None:
+            assert watermark == expected[index][1]
+            assert counter == want, f"watermark {watermark} overtook records of its segment"
+
+
+TestOperatorStateMachine = OperatorMachine.TestCase
+TestOperatorStateMachine.settings = settings(
+    max_examples=200,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

@@ -1,0 +1,122 @@
+"""Completions from foreign threads arrive as mails; operator state stays on the loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from stateful_async import (
+    AsyncWaitOperator,
+    ConfigurationError,
+    OperatorStateError,
+    OutputMode,
+    StreamRecord,
+    ThreadPoolAsyncFunction,
+)
+
+
+@pytest.mark.parametrize("mode", [OutputMode.ORDERED, OutputMode.UNORDERED])
+async def test_thread_pool_completions_touch_operator_state_only_on_the_loop_thread(
+    mode: OutputMode,
+) -> None:
+    loop_thread = threading.get_ident()
+    call_threads: set[int] = set()
+    state_threads: list[tuple[str, int]] = []
+
+    def blocking_lookup(value: int) -> list[int]:
+        call_threads.add(threading.get_ident())
+        time.sleep(random.random() * 0.002)  # a blocking client call
+        return [value * 10]
+
+    out: list = []
+    op = AsyncWaitOperator(
+        ThreadPoolAsyncFunction(blocking_lookup, max_workers=8), out.append, mode, capacity=16
+    )
+    # Record the thread of every operation that changes operator state.
+    queue = op._queue
+    for name in ("try_put", "complete", "poll"):
+        original = getattr(queue, name)
+
+        def traced(*args, _original=original, _name=name):
+            result = _original(*args)
+            if _name != "poll" or result is not None:  # count entries actually emitted
+                state_threads.append((_name, threading.get_ident()))
+            return result
+
+        setattr(queue, name, traced)
+
+    async with op:
+        for i in range(300):
+            await op.process_element(StreamRecord(i))
+        await op.finish()
+
+    assert loop_thread not in call_threads  # the client ran on pool threads
+    assert len(call_threads) > 1
+    counts = {
+        name: sum(1 for n, _ in state_threads if n == name) for name in ("complete", "poll")
+    }
+    assert counts == {"complete": 300, "poll": 300}  # every completion and emission...
+    assert {thread for _, thread in state_threads} == {loop_thread}  # ...ran on the loop thread
+    results = [e.value for e in out]
+    if mode is OutputMode.ORDERED:
+        assert results == [i * 10 for i in range(300)]
+    else:
+        assert sorted(results) == [i * 10 for i in range(300)]
+
+
+async def test_thread_pool_exceptions_reach_the_operator() -> None:
+    def broken(value):
+        raise KeyError(value)
+
+    op = AsyncWaitOperator(ThreadPoolAsyncFunction(broken, max_workers=2), lambda e: None)
+    await op.open()
+    await op.process_element(StreamRecord("k"))
+    with pytest.raises(Exception, match="KeyError: 'k'"):
+        await op.finish()
+    await op.close()
+
+
+async def test_thread_pool_subclass_overrides_invoke() -> None:
+    class Upper(ThreadPoolAsyncFunction):
+        def invoke(self, value):
+            return [value.upper()]
+
+    out: list = []
+    async with AsyncWaitOperator(Upper(max_workers=2), out.append) as op:
+        await op.process_element(StreamRecord("x"))
+        await op.finish()
+    assert [e.value for e in out] == ["X"]
+
+
+def test_thread_pool_function_needs_a_function() -> None:
+    with pytest.raises(ConfigurationError, match="pass fn=..., or subclass"):
+        ThreadPoolAsyncFunction()
+    with pytest.raises(ConfigurationError, match="max_workers must be an integer >= 1"):
+        ThreadPoolAsyncFunction(len, max_workers=0)
+
+
+async def test_operator_methods_refuse_foreign_threads() -> None:
+    async def identity(value):
+        return [value]
+
+    op = AsyncWaitOperator(identity, lambda e: None)
+    await op.open()
+    errors: list[BaseException] = []
+
+    def from_another_thread() -> None:
+        try:
+            op.snapshot_state(1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=from_another_thread)
+    worker.start()
+    await asyncio.get_running_loop().run_in_executor(None, worker.join)
+    assert len(errors) == 1
+    assert isinstance(errors[0], OperatorStateError)
+    assert "belongs to its event-loop thread" in str(errors[0])
+    await op.close()

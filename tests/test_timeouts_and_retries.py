@@ -1,0 +1,434 @@
+"""Timeouts and retries on a virtual clock: no test here sleeps on the wall clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from stateful_async import (
+    AsyncFunction,
+    AsyncFunctionError,
+    AsyncTimeoutError,
+    AsyncWaitOperator,
+    OutputMode,
+    RetryStrategy,
+    StreamRecord,
+    TimeoutHandlerError,
+    VirtualClock,
+)
+from stateful_async.testing import ControlledFunction, ControlledTimeoutFunction, settle
+
+
+class Flaky(Exception):
+    pass
+
+
+class Fatal(Exception):
+    pass
+
+
+def make(fn, clock, *, mode=OutputMode.ORDERED, capacity=10, timeout=None, retry=None):
+    out: list = []
+    op = AsyncWaitOperator(
+        fn, out.append, mode, capacity=capacity, timeout=timeout, retry=retry, clock=clock
+    )
+    return out, op
+
+
+class Timed(AsyncFunction):
+    """Records the virtual time of every attempt; fails while ``fail_until`` says so."""
+
+    def __init__(self, clock: VirtualClock, fail_first: int = 10**9, result=None) -> None:
+        self.clock = clock
+        self.fail_first = fail_first
+        self.result = result
+        self.started: list[float] = []
+
+    async def async_invoke(self, value):
+        self.started.append(self.clock.now())
+        if len(self.started) <= self.fail_first:
+            raise Flaky(f"attempt {len(self.started)}")
+        return [self.result if self.result is not None else value]
+
+
+# -- timeouts ------------------------------------------------------------------------------
+
+
+async def test_default_timeout_fails_the_operator_naming_the_element() -> None:
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    out, op = make(fn, clock, timeout=5)
+    await op.open()
+    await op.process_element(StreamRecord("slow"))
+    await clock.advance(4.999)
+    assert op.failure is None
+    await clock.advance(0.001)
+    with pytest.raises(AsyncTimeoutError) as info:
+        await op.finish()
+    assert "StreamRecord('slow')" in str(info.value)
+    assert "within the 5 s timeout" in str(info.value)
+    assert "implement timeout()" in str(info.value)
+    assert fn.pending("slow") == 0  # the attempt was cancelled
+    await op.close()
+
+
+async def test_timeout_handler_results_replace_the_element_results() -> None:
+    clock = VirtualClock()
+
+    class Fallback(ControlledFunction):
+        async def timeout(self, value):
+            return [f"fallback-{value}"]
+
+    fn = Fallback()
+    out, op = make(fn, clock, timeout=2)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await op.process_element(StreamRecord("b"))
+    await settle()
+    fn.complete("b", ["B"])
+    await clock.advance(2)
+    assert [e.value for e in out] == ["fallback-a", "B"]
+    assert op.metrics.timeouts == 1
+    await op.close()
+
+
+async def test_the_timeout_clock_starts_when_the_element_enters_the_queue() -> None:
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    out, op = make(fn, clock, capacity=1, timeout=10)
+    await op.open()
+    await op.process_element(StreamRecord("a"))  # enters at t=0
+    blocked = asyncio.ensure_future(op.process_element(StreamRecord("b")))
+    await clock.advance(8)
+    assert not blocked.done()
+    fn.complete("a", ["A"])
+    await settle()
+    assert blocked.done()  # "b" entered at t=8: its deadline is t=18, not t=10
+    await clock.advance(9.9)  # t=17.9
+    assert op.failure is None
+    await clock.advance(0.1)  # t=18
+    assert isinstance(op.failure, AsyncTimeoutError)
+    assert "StreamRecord('b')" in str(op.failure)
+    await op.close()
+
+
+async def test_a_result_arriving_while_the_timeout_handler_runs_wins() -> None:
+    clock = VirtualClock()
+    fn = ControlledTimeoutFunction()
+    out, op = make(fn, clock, timeout=1)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(1)
+    assert fn.timeout_calls == ["a"]  # the handler is running (waiting on the test)
+    fn.complete("a", ["real"])  # the attempt finishes first: it wins
+    await settle()
+    assert [e.value for e in out] == ["real"]
+    with pytest.raises(AssertionError, match="No timeout handler"):
+        fn.complete_timeout("a", ["fallback"])  # the handler was cancelled: dropped
+    await op.finish()
+    assert [e.value for e in out] == ["real"]
+    await op.close()
+
+
+async def test_a_timeout_handler_finishing_first_wins_and_cancels_the_attempt() -> None:
+    clock = VirtualClock()
+    fn = ControlledTimeoutFunction()
+    out, op = make(fn, clock, timeout=1)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(1)
+    fn.complete_timeout("a", ["fallback"])
+    await settle()
+    assert [e.value for e in out] == ["fallback"]
+    assert fn.pending("a") == 0  # the late attempt was cancelled
+    await op.finish()
+    await op.close()
+
+
+async def test_a_failing_attempt_cannot_beat_a_running_timeout_handler() -> None:
+    clock = VirtualClock()
+    fn = ControlledTimeoutFunction()
+    out, op = make(fn, clock, timeout=1)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(1)
+    fn.fail("a", Fatal("late failure"))
+    await settle()
+    assert op.failure is None
+    fn.complete_timeout("a", ["fallback"])
+    await settle()
+    assert [e.value for e in out] == ["fallback"]
+    await op.close()
+
+
+async def test_a_failing_timeout_handler_is_not_retried() -> None:
+    clock = VirtualClock()
+    fn = ControlledTimeoutFunction()
+    retry = RetryStrategy.fixed_delay(10, 0.1)
+    out, op = make(fn, clock, timeout=1, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(1)
+    fn.fail_timeout("a", Flaky("handler broke"))
+    await clock.advance(10)
+    assert fn.timeout_calls == ["a"]
+    assert fn.calls == ["a"]
+    assert isinstance(op.failure, TimeoutHandlerError)
+    assert "handler broke" in str(op.failure)
+    assert "not retried" in str(op.failure)
+    await op.close()
+
+
+async def test_completion_and_timeout_at_the_same_instant_give_one_outcome() -> None:
+    clock = VirtualClock()
+
+    class Fallback(ControlledFunction):
+        async def timeout(self, value):
+            return ["fallback"]
+
+    fn = Fallback()
+    out, op = make(fn, clock, timeout=1)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(0.999)
+    fn.complete("a", ["real"])  # completes, but its mail runs inside the next advance
+    await clock.advance(0.001)
+    await clock.advance(5)
+    assert [e.value for e in out] == ["real"]
+    assert op.metrics.results_out == 1
+    await op.close()
+
+
+# -- retries -------------------------------------------------------------------------------
+
+
+async def test_max_attempts_counts_total_attempts() -> None:
+    clock = VirtualClock()
+    fn = Timed(clock)
+    out, op = make(fn, clock, timeout=100, retry=RetryStrategy.fixed_delay(3, 1.0))
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(50)
+    assert fn.started == [0.0, 1.0, 2.0]
+    assert isinstance(op.failure, AsyncFunctionError)
+    assert "after 3 attempts" in str(op.failure)
+    assert "Flaky: attempt 3" in str(op.failure)
+    assert op.metrics.retries == 2
+    await op.close()
+
+
+async def test_exponential_backoff_delays_are_capped() -> None:
+    clock = VirtualClock()
+    fn = Timed(clock, fail_first=5)
+    retry = RetryStrategy.exponential_backoff(10, initial_delay=1, max_delay=5, multiplier=2)
+    out, op = make(fn, clock, timeout=1000, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(100)
+    # delays 1, 2, 4, 5 (capped), 5
+    assert fn.started == [0, 1, 3, 7, 12, 17]
+    assert [e.value for e in out] == ["a"]
+    await op.close()
+
+
+async def test_jitter_stays_within_its_bounds() -> None:
+    retry = RetryStrategy.exponential_backoff(5, 1.0, 8.0, jitter=0.25)
+    for attempts, base in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 8.0), (5, 8.0)]:
+        for _ in range(50):
+            assert base * 0.75 <= retry.backoff(attempts) <= base * 1.25
+
+
+async def test_backoff_is_per_element() -> None:
+    clock = VirtualClock()
+    starts: dict[str, list[float]] = {"a": [], "b": []}
+
+    async def flaky(value):
+        starts[value].append(clock.now())
+        if len(starts[value]) < 4:
+            raise Flaky(value)
+        return [value]
+
+    retry = RetryStrategy.exponential_backoff(5, 1, 100)
+    out, op = make(flaky, clock, mode=OutputMode.UNORDERED, timeout=1000, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(2.5)  # "a" is on its second backoff when "b" starts
+    await op.process_element(StreamRecord("b"))
+    await clock.advance(100)
+    assert starts["a"] == [0, 1, 3, 7]
+    assert starts["b"] == [2.5, 3.5, 5.5, 9.5]  # its own sequence, from 1 again
+    await op.close()
+
+
+async def test_exceptions_outside_the_predicate_fail_at_once() -> None:
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    retry = RetryStrategy.fixed_delay(5, 1, retry_on_exception=(Flaky,))
+    out, op = make(fn, clock, timeout=100, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    fn.fail("a", Flaky("retry me"))
+    await clock.advance(1)
+    fn.fail("a", Fatal("do not retry me"))
+    await clock.advance(10)
+    assert fn.calls == ["a", "a"]
+    assert isinstance(op.failure, AsyncFunctionError)
+    assert "after 2 attempts" in str(op.failure)
+    assert "Fatal" in str(op.failure)
+    await op.close()
+
+
+async def test_retry_on_result_then_the_last_result_is_emitted() -> None:
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    retry = RetryStrategy.fixed_delay(3, 1, retry_on_result=lambda results: results == [])
+    out, op = make(fn, clock, timeout=100, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    fn.complete("a", [])
+    await clock.advance(1)
+    fn.complete("a", [])
+    await clock.advance(1)
+    fn.complete("a", [])  # third and last attempt: its (empty) result is final
+    await clock.advance(10)
+    assert fn.calls == ["a", "a", "a"]
+    assert out == []
+    await op.finish()
+    await op.close()
+
+
+async def test_timeout_during_a_backoff() -> None:
+    clock = VirtualClock()
+
+    class Fallback(ControlledFunction):
+        async def timeout(self, value):
+            return ["fallback"]
+
+    fn = Fallback()
+    out, op = make(fn, clock, timeout=3, retry=RetryStrategy.fixed_delay(5, 5.0))
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(1)
+    fn.fail("a", Flaky("first"))  # backoff until t=6, past the t=3 deadline
+    await clock.advance(1)  # t=2: waiting in backoff
+    assert out == []
+    await clock.advance(1)  # t=3: the timeout fires during the backoff
+    assert [e.value for e in out] == ["fallback"]
+    await clock.advance(10)
+    assert fn.calls == ["a"]  # the retry was cancelled: no attempt past the deadline
+    await op.close()
+
+
+async def test_the_timeout_budget_spans_all_attempts_and_no_retry_starts_past_it() -> None:
+    clock = VirtualClock()
+    fn = Timed(clock)
+    out, op = make(fn, clock, timeout=10, retry=RetryStrategy.fixed_delay(100, 3.0))
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(60)
+    # attempts at 0, 3, 6, 9; the next would start at 12 > 10: the timeout decides at 10
+    assert fn.started == [0, 3, 6, 9]
+    assert all(t < 10 for t in fn.started)
+    assert isinstance(op.failure, AsyncTimeoutError)
+    assert "after 4 attempts" in str(op.failure)
+    assert "Flaky('attempt 4')" in str(op.failure)  # the last failure is in the message
+    await op.close()
+
+
+async def test_a_retry_due_exactly_at_the_deadline_does_not_start() -> None:
+    clock = VirtualClock()
+    fn = Timed(clock)
+    out, op = make(fn, clock, timeout=4, retry=RetryStrategy.fixed_delay(100, 2.0))
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(10)
+    assert fn.started == [0, 2]  # the retry due at t=4 == deadline never started
+    assert isinstance(op.failure, AsyncTimeoutError)
+    await op.close()
+
+
+async def test_finish_during_a_backoff_fires_it_at_once_and_disables_retry() -> None:
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    out, op = make(fn, clock, timeout=100, retry=RetryStrategy.fixed_delay(10, 50.0))
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await op.process_element(StreamRecord("b"))
+    await settle()
+    fn.fail("a", Flaky("first"))
+    fn.complete("b", ["B"])
+    await settle()
+    assert fn.calls == ["a", "b"]
+    finishing = asyncio.ensure_future(op.finish())
+    await settle()
+    assert fn.calls == ["a", "b", "a"]  # the backoff fired at once, no time passed
+    assert clock.now() == 0
+    fn.fail("a", Flaky("second"))  # retrying is now disabled: this outcome is final
+    await settle()
+    with pytest.raises(AsyncFunctionError, match="after 2 attempts"):
+        await asyncio.wait_for(finishing, timeout=5)  # bound only turns a hang into a failure
+    assert [e.value for e in out] == []  # ordered: "B" waits behind the failed "a"
+    await op.close()
+
+
+async def test_finish_during_a_backoff_emits_the_final_attempts_result() -> None:
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    retry = RetryStrategy.fixed_delay(10, 50.0, retry_on_result=lambda r: r == ["retry"])
+    out, op = make(fn, clock, timeout=100, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    fn.complete("a", ["retry"])
+    await settle()
+    finishing = asyncio.ensure_future(op.finish())
+    await settle()
+    fn.complete("a", ["retry"])  # would be retried, but retrying is disabled: emitted
+    await settle()
+    await asyncio.wait_for(finishing, timeout=5)  # bound only turns a hang into a failure
+    assert [e.value for e in out] == ["retry"]
+    assert fn.calls == ["a", "a"]
+    await op.close()
+
+
+async def test_a_late_result_of_a_superseded_attempt_is_dropped() -> None:
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    out, op = make(fn, clock, timeout=100, retry=RetryStrategy.fixed_delay(5, 1.0))
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    fn.fail("a", Flaky("1"))
+    await clock.advance(1)
+    fn.complete("a", ["A"])
+    await settle()
+    await clock.advance(10)
+    assert [e.value for e in out] == ["A"]
+    assert op.metrics.results_out == 1
+    await op.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_attempts": 0, "initial_delay": 1}, "max_attempts must be an integer >= 1"),
+        ({"max_attempts": 2, "initial_delay": -1}, "delay must be >= 0"),
+        ({"max_attempts": 2, "initial_delay": 1, "multiplier": 0.5}, "multiplier must be >= 1"),
+        ({"max_attempts": 2, "initial_delay": 1, "jitter": 2}, "jitter must be between 0 and 1"),
+        ({"max_attempts": 2, "initial_delay": 5, "max_delay": 1}, "max_delay"),
+    ],
+)
+def test_invalid_retry_strategies_fail_at_construction(kwargs: dict, message: str) -> None:
+    from stateful_async import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=message):
+        RetryStrategy(**kwargs)
+
+
+def test_retry_strategy_docstring_says_max_attempts_counts_total_attempts() -> None:
+    doc = RetryStrategy.__doc__ or ""
+    assert "counts **total attempts**" in doc
+    assert "Flink's ``maxAttempts`` counts retries" in doc
