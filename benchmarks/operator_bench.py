@@ -172,9 +172,15 @@ def run(quick: bool = False) -> dict[str, Any]:
     for mode in ("ordered", "unordered"):
         small = peak_rss(10_000, capacity, mode)
         large = peak_rss(100_000 if quick else 1_000_000, capacity, mode)
-        memory.append({"mode": mode, "rss_10k_mib": small, "rss_large_mib": large,
-                       "large_elements": 100_000 if quick else 1_000_000,
-                       "ratio": large / small})
+        memory.append(
+            {
+                "mode": mode,
+                "rss_10k_mib": small,
+                "rss_large_mib": large,
+                "large_elements": 100_000 if quick else 1_000_000,
+                "ratio": large / small,
+            }
+        )
     return {"throughput": rows, "memory": memory}
 
 

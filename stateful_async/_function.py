@@ -78,8 +78,8 @@ def as_async_function(fn: Any) -> AsyncFunction[Any, Any]:
                 "'async def async_invoke(self, value)'."
             )
         return fn
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)
+    if inspect.iscoroutinefunction(fn) or (
+        callable(fn) and inspect.iscoroutinefunction(type(fn).__call__)
     ):
         return CoroutineFunction(fn)
     if callable(fn):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from threading import get_ident
 from functools import partial
-from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
+from threading import get_ident
+from typing import Any, Awaitable, Callable, Generic, Iterable, Sequence, TypeVar
 
 from ._elements import StreamElement, StreamRecord, Watermark
 from ._exceptions import (
@@ -303,6 +303,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._loop = loop = asyncio.get_running_loop()
         self._mailbox = Mailbox(loop)
         self._post_emit = self._mailbox.execute
+        self._done: asyncio.Future[None] = loop.create_future()
+        self._done.set_result(None)
         self._thread_id = get_ident()
         # asyncio.Task(coro, loop=...) skips the Python wrapper of loop.create_task; a loop
         # with a task factory (or a non-asyncio loop) gets create_task, honouring it.
@@ -333,27 +335,47 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 )
             self.metrics.restored += 1
 
-    async def process_element(self, record: StreamRecord[IN]) -> None:
-        """Add a record; waits while the queue is full, then starts its first attempt."""
+    def process_element(self, record: StreamRecord[IN]) -> Awaitable[None]:
+        """Add a record and start its first attempt; await the returned awaitable.
+
+        Use it as ``await op.process_element(record)``. When the queue has room the record
+        is added at once and an already-completed awaitable is returned; when it is full, the
+        awaitable waits for room (completions, timers and emission keep running) and then
+        adds the record. Misuse raises at the call.
+        """
         if self._state is not _State.OPEN or get_ident() != self._thread_id:
             self._check_accepting("process_element()")
         if type(record) is not StreamRecord:
             raise ConfigurationError(
                 f"process_element() takes a StreamRecord; got {type(record).__name__}. Wrap "
                 "the value: StreamRecord(value, timestamp)."
-                + (" Use process_watermark() for watermarks." if isinstance(record, Watermark) else "")
+                + (
+                    " Use process_watermark() for watermarks."
+                    if isinstance(record, Watermark)
+                    else ""
+                )
             )
         entry = self._queue.try_put(record)
+        if entry is None:
+            return self._put_when_room(record)
+        self._start(entry)  # type: ignore[arg-type]
+        return self._done  # no coroutine per element on the fast path
+
+    async def _put_when_room(self, record: StreamRecord[IN]) -> None:
+        entry = None
         while entry is None:
             await self._wait_for_capacity()
             entry = self._queue.try_put(record)
+        self._start(entry)  # type: ignore[arg-type]
+
+    def _start(self, entry: _Element) -> None:
+        """A record entered the queue: its timeout clock starts, and its first attempt."""
         if self._timeout is not None:
-            entry.deadline = deadline = self._clock.now() + self._timeout  # type: ignore[attr-defined]
+            entry.deadline = deadline = self._clock.now() + self._timeout
             self._timers.register((entry, _TIMEOUT), deadline, partial(self._on_timeout, entry))
         self.metrics.records_in += 1
-        # The first attempt, inlined (_start_attempt does the same for retries).
-        entry.attempts = 1  # type: ignore[attr-defined]
-        entry.task = self._new_task(self._attempt(entry, 1))  # type: ignore[attr-defined, arg-type]
+        entry.attempts = 1
+        entry.task = self._new_task(self._attempt(entry, 1))
 
     async def process_watermark(self, watermark: Watermark) -> None:
         """Add a watermark; it leaves as soon as everything before it has left."""
@@ -540,10 +562,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             self._decide_failure(handler, self._timeout_error(handler, None))
             return
         assert self._loop is not None
+        task: asyncio.Future[Any]
         try:
             awaitable = self._fn.timeout(handler.element.value)  # type: ignore[union-attr]
             task = asyncio.ensure_future(awaitable, loop=self._loop)
-        except BaseException as exc:
+        except Exception as exc:
             task = self._loop.create_future()
             task.set_exception(exc)
         handler.timeout_task = task
@@ -582,9 +605,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             ),
         )
 
-    def _timeout_error(
-        self, handler: _Element, cause: BaseException | None
-    ) -> ElementFailedError:
+    def _timeout_error(self, handler: _Element, cause: BaseException | None) -> ElementFailedError:
         error = element_error(
             AsyncTimeoutError,
             f"The element did not complete within the {self._timeout:g} s timeout",
@@ -592,7 +613,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             handler.attempts,
             "Raise the timeout, or implement timeout() on the AsyncFunction to return a "
             "fallback result."
-            + (f" The last attempt failed with {handler.last_error!r}." if handler.last_error else ""),
+            + (
+                f" The last attempt failed with {handler.last_error!r}."
+                if handler.last_error
+                else ""
+            ),
             cause=cause or handler.last_error,
         )
         return error

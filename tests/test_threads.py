@@ -56,9 +56,7 @@ async def test_thread_pool_completions_touch_operator_state_only_on_the_loop_thr
 
     assert loop_thread not in call_threads  # the client ran on pool threads
     assert len(call_threads) > 1
-    counts = {
-        name: sum(1 for n, _ in state_threads if n == name) for name in ("complete", "poll")
-    }
+    counts = {name: sum(1 for n, _ in state_threads if n == name) for name in ("complete", "poll")}
     assert counts == {"complete": 300, "poll": 300}  # every completion and emission...
     assert {thread for _, thread in state_threads} == {loop_thread}  # ...ran on the loop thread
     results = [e.value for e in out]
