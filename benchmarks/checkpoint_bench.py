@@ -1,0 +1,273 @@
+"""Snapshot store latency: commit and load sizes, and concurrent committers.
+
+    python benchmarks/checkpoint_bench.py           # full run (~2 minutes)
+    python benchmarks/checkpoint_bench.py --quick
+
+1. Commit latency of one checkpoint holding 100, 10k and 100k in-flight elements (median
+   of several commits), and the latency of loading and restoring it.
+2. Commit latency with 1, 8 and 32 processes committing at once, each to its own subtask
+   (this store's layout: one Delta table per subtask), against the same processes
+   appending to ONE shared Delta table (the layout this store avoids). Committers are paced
+   like periodic checkpoints (one every ``--period`` seconds, random phase), so the figure
+   shows commit contention rather than 32 processes sharing 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from checkpoint import SnapshotStore
+from stateful_async import StreamRecord, Watermark
+
+INPUT = pa.schema(
+    [
+        ("id", pa.int64()),
+        ("user", pa.string()),
+        ("amount", pa.float64()),
+        ("tags", pa.list_(pa.string())),
+    ]
+)
+OUTPUT = pa.schema([("id", pa.int64()), ("score", pa.float64())])
+
+
+def elements(count: int) -> list[Any]:
+    items: list[Any] = [
+        StreamRecord(
+            {"id": i, "user": f"user-{i % 997}", "amount": i * 0.25, "tags": ["a", "b"]}, i
+        )
+        for i in range(count)
+    ]
+    items.append(Watermark(count))
+    return items
+
+
+def results(count: int) -> pa.Table:
+    return pa.table({"id": pa.array(range(count), pa.int64()), "score": pa.array([0.5] * count)})
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def sizes(repeat: int, sizes_: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for size in sizes_:
+        with tempfile.TemporaryDirectory() as root:
+            log = SnapshotStore(root).subtask("bench", "op", 0)
+            batch = elements(size)
+            commits, loads, restores = [], [], []
+            start = time.perf_counter()
+            parent = log.commit(
+                "run",
+                1,
+                batch,
+                results(min(size, 1000)),
+                input_schema=INPUT,
+                output_schema=OUTPUT,
+                position=size,
+            ).ref
+            create = time.perf_counter() - start  # the first commit also creates the table
+            for ckpt in range(2, repeat + 2):
+                start = time.perf_counter()
+                parent = log.commit(
+                    "run",
+                    ckpt,
+                    batch,
+                    results(min(size, 1000)),
+                    input_schema=INPUT,
+                    output_schema=OUTPUT,
+                    position=ckpt * size,
+                    parent=parent,
+                ).ref
+                commits.append(time.perf_counter() - start)
+                fresh = SnapshotStore(root).subtask("bench", "op", 0)
+                start = time.perf_counter()
+                fresh.load(ckpt)
+                loads.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                fresh.restore(ckpt)
+                restores.append(time.perf_counter() - start)
+            rows.append(
+                {
+                    "in_flight": size,
+                    "first_commit_ms": create * 1000,
+                    "commit_ms": statistics.median(commits) * 1000,
+                    "load_ms": statistics.median(loads) * 1000,
+                    "restore_ms": statistics.median(restores) * 1000,
+                }
+            )
+    return rows
+
+
+def _committer(root: str, layout: str, subtask: int, count: int, period: float, go: str) -> None:
+    from deltalake import write_deltalake
+
+    log = SnapshotStore(root).subtask("bench", "op", subtask)
+    batch = elements(100)
+    shared = os.path.join(root, "shared")
+    # Checkpoint 1 creates the subtask's table before the clock starts: table creation
+    # happens once per subtask and is reported by the size benchmark.
+    parent = log.commit(
+        "run", 1, batch, results(20), input_schema=INPUT, output_schema=OUTPUT, position=100
+    ).ref
+    print("ready", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.001)
+    rng = random.Random(subtask)
+    time.sleep(rng.uniform(0, period))
+    latencies = []
+    next_at = time.monotonic()
+    for ckpt in range(2, count + 2):
+        start = time.perf_counter()
+        if layout == "per-subtask":
+            parent = log.commit(
+                "run",
+                ckpt,
+                batch,
+                results(20),
+                input_schema=INPUT,
+                output_schema=OUTPUT,
+                position=ckpt * 100,
+                parent=parent,
+            ).ref
+        else:
+            write_deltalake(
+                shared,
+                pa.table(
+                    {"subtask": [subtask] * 100, "ckpt": [ckpt] * 100, "payload": ["x" * 40] * 100}
+                ),
+                mode="append",
+            )
+        latencies.append(time.perf_counter() - start)
+        next_at += period
+        time.sleep(max(0.0, next_at - time.monotonic()))
+    print(json.dumps(latencies))
+
+
+def concurrency(committers: list[int], count: int, period: float) -> list[dict[str, Any]]:
+    rows = []
+    for layout in ("per-subtask", "shared-table"):
+        for n in committers:
+            with tempfile.TemporaryDirectory() as root:
+                if layout == "shared-table":  # created up front: creation is not what we time
+                    from deltalake import write_deltalake
+
+                    write_deltalake(
+                        os.path.join(root, "shared"),
+                        pa.table(
+                            {
+                                "subtask": pa.array([], pa.int64()),
+                                "ckpt": pa.array([], pa.int64()),
+                                "payload": pa.array([], pa.string()),
+                            }
+                        ),
+                    )
+                go = os.path.join(root, "go")
+                procs = [
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            __file__,
+                            "--committer",
+                            root,
+                            layout,
+                            str(i),
+                            str(count),
+                            str(period),
+                            go,
+                        ],
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                    for i in range(n)
+                ]
+                for proc in procs:  # every committer is ready; the go file starts them together
+                    assert proc.stdout is not None
+                    while proc.stdout.readline().strip() != "ready":
+                        if proc.poll() is not None:
+                            raise RuntimeError(
+                                proc.stderr.read() if proc.stderr else "committer died"
+                            )
+                Path(go).touch()
+                latencies: list[float] = []
+                failures = 0
+                for proc in procs:
+                    out, err = proc.communicate(timeout=900)
+                    if proc.returncode != 0:
+                        failures += 1
+                        sys.stderr.write(err[-500:])
+                        continue
+                    latencies.extend(json.loads(out.strip().splitlines()[-1]))
+                rows.append(
+                    {
+                        "layout": layout,
+                        "committers": n,
+                        "commits": len(latencies),
+                        "failed_processes": failures,
+                        "median_ms": statistics.median(latencies) * 1000
+                        if latencies
+                        else float("nan"),
+                        "p95_ms": percentile(latencies, 0.95) * 1000 if latencies else float("nan"),
+                    }
+                )
+    return rows
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    return {
+        "sizes": sizes(2 if quick else 5, [100, 10_000] if quick else [100, 10_000, 100_000]),
+        "concurrency": concurrency(
+            [1, 8] if quick else [1, 8, 32], 5 if quick else 12, 1.0 if quick else 2.0
+        ),
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = ["in-flight   first commit ms   commit ms   load ms   restore ms"]
+    for r in result["sizes"]:
+        lines.append(
+            f"{r['in_flight']:>9,} {r['first_commit_ms']:>17.1f} {r['commit_ms']:>11.1f} "
+            f"{r['load_ms']:>9.1f} {r['restore_ms']:>12.1f}"
+        )
+    lines.append("")
+    lines.append("layout          committers  commits  median ms  p95 ms   failed")
+    base: dict[str, float] = {}
+    for r in result["concurrency"]:
+        base.setdefault(r["layout"], r["median_ms"])
+        lines.append(
+            f"{r['layout']:<15} {r['committers']:>10} {r['commits']:>8} {r['median_ms']:>10.1f} "
+            f"{r['p95_ms']:>7.1f} {r['failed_processes']:>8}   "
+            f"({r['median_ms'] / base[r['layout']]:.2f}x of 1 committer)"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--committer":
+        root, layout, subtask, count, period, go = sys.argv[2:8]
+        _committer(root, layout, int(subtask), int(count), float(period), go)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    result = run(quick=args.quick)
+    print(json.dumps(result, indent=2) if args.json else report(result))
+
+
+if __name__ == "__main__":
+    main()

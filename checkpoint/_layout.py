@@ -1,0 +1,93 @@
+"""Where checkpoints live under a location, and how to list them.
+
+One Delta table per (job, operator, subtask)::
+
+    <location>/<job_id>/<operator_id>/subtask=<nnnnn>/_delta_log/...
+
+A subtask only ever commits to its own table, so commits never contend with each other
+and their latency does not grow with the number of partitions (a single shared Delta log
+serialises every commit). A job's checkpoints are still one directory: list it, or read all
+of its tables together with ``SnapshotStore.read_job``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+
+from ._exceptions import CheckpointError, CheckpointLocationError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=-]{0,127}$")
+_SUBTASK_DIR = re.compile(r"^subtask=(\d{5,})$")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Job and operator ids become directory names: keep them portable."""
+    if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
+        raise CheckpointError(
+            f"{kind} {name!r} cannot name a checkpoint directory: use 1-128 letters, digits, "
+            "'.', '_', '-' or '=', starting with a letter or digit."
+        )
+    return name
+
+
+def is_local(location: str) -> bool:
+    scheme = urlparse(location).scheme
+    return scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt")
+
+
+def normalize(location: str | os.PathLike[str]) -> str:
+    text = os.fspath(location)
+    if is_local(text):
+        path = urlparse(text).path if text.startswith("file://") else text
+        return os.path.abspath(path)
+    return text.rstrip("/")
+
+
+def subtask_dir(location: str, job_id: str, operator_id: str, subtask: int) -> str:
+    return f"{location}/{job_id}/{operator_id}/subtask={subtask:05d}"
+
+
+def list_dirs(location: str, *parts: str) -> list[str]:
+    """Names of the subdirectories of ``location/parts...`` (empty if it does not exist)."""
+    path = "/".join([location, *parts])
+    if is_local(location):
+        try:
+            return sorted(e.name for e in os.scandir(path) if e.is_dir())
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise CheckpointLocationError(
+                f"Cannot list checkpoint directory {path}: {exc}"
+            ) from exc
+    try:
+        fs, root = pafs.FileSystem.from_uri(path)
+        infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    except Exception as exc:  # pyarrow raises several types for remote stores
+        raise CheckpointLocationError(
+            f"Cannot list checkpoint directory {path}: {exc}. Object-store listing uses "
+            "pyarrow's filesystems and the environment's credentials."
+        ) from exc
+    return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+
+
+def subtask_numbers(names: list[str]) -> list[int]:
+    numbers = []
+    for name in names:
+        match = _SUBTASK_DIR.match(name)
+        if match:
+            numbers.append(int(match.group(1)))
+    return sorted(numbers)
+
+
+def location_exists(location: str) -> bool:
+    if is_local(location):
+        return os.path.isdir(location)
+    try:
+        fs, root = pafs.FileSystem.from_uri(location)
+        return fs.get_file_info(root).type != pafs.FileType.NotFound
+    except Exception:
+        return True  # cannot tell: let the read that follows report the real error

@@ -1,0 +1,941 @@
+"""The Delta snapshot store: operator snapshots as Arrow rows in Delta tables.
+
+A checkpoint of one subtask is one Delta commit (an append) to the subtask's own table,
+holding three kinds of rows:
+
+* one ``checkpoint`` row: the metadata (position, fingerprint, counts, parent, ...);
+* one ``record`` or ``watermark`` row per queue entry in flight, in queue order, with the
+  input row as a native struct column ``input`` (the input schema);
+* one ``result`` row per result emitted since the parent checkpoint, as a native struct
+  column ``result`` (the output schema).
+
+Every row carries job id, operator id, run id, subtask and checkpoint id, so the table can
+be queried with any Delta reader (delta-rs, DuckDB, Polars, Spark with Delta).
+
+Each checkpoint is complete on its own: it is the operator's whole state at its barrier
+(the operator's state is cleared and every in-flight element written, never a delta on
+the previous one), so any retained checkpoint restores by itself. Only results are
+incremental; restoring collects them along the checkpoint's chain of parents.
+
+Guarantees:
+
+* **Atomic**: one checkpoint becomes visible in exactly one Delta commit, or not at all; a
+  crash at any point leaves earlier checkpoints intact (at worst, orphan Parquet files).
+* **Idempotent**: the commit carries a Delta app transaction, app id = the run, version =
+  the checkpoint id. The committed version is read from, and the rows written against, the
+  same table snapshot, so an equal or older id (a zombie or speculative attempt
+  committing late) is refused, and of two attempts racing on one id exactly one lands.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Iterable, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake.exceptions import CommitFailedError, TableNotFoundError
+
+from stateful_async import StreamElement, StreamRecord, Watermark
+from stateful_async import __version__ as library_version
+
+from . import _layout
+from ._exceptions import (
+    CheckpointConflictError,
+    CheckpointError,
+    CheckpointLocationError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    SchemaChangedError,
+    UnsupportedTypeError,
+)
+from ._model import CheckpointMetadata, CheckpointRef, RestorePoint, Snapshot
+from ._types import from_storage, storage_type, to_storage
+
+KIND_CHECKPOINT = "checkpoint"
+KIND_RECORD = "record"
+KIND_WATERMARK = "watermark"
+KIND_RESULT = "result"
+
+# The original Arrow schemas live in the table description (JSON): delta-rs 1.6 refuses
+# custom table properties, and the description is set once, at creation.
+_DESCRIPTION_KEY = "stateful_async"
+_LAYOUT_VERSION = 1
+
+_KEY_FIELDS = [
+    pa.field("job_id", pa.string()),
+    pa.field("operator_id", pa.string()),
+    pa.field("run_id", pa.string()),
+    pa.field("subtask", pa.int32()),
+    pa.field("checkpoint_id", pa.int64()),
+    pa.field("kind", pa.string()),
+    pa.field("seq", pa.int64()),
+    pa.field("input_seq", pa.int64()),
+    pa.field("timestamp", pa.int64()),
+]
+_META_FIELDS = [
+    pa.field("parent_run_id", pa.string()),
+    pa.field("parent_checkpoint_id", pa.int64()),
+    pa.field("position", pa.int64()),
+    pa.field("fingerprint", pa.string()),
+    pa.field("in_flight", pa.int64()),
+    pa.field("result_count", pa.int64()),
+    pa.field("final", pa.bool_()),
+    pa.field("expired", pa.bool_()),
+    pa.field("created_at", pa.timestamp("us", tz="UTC")),
+    pa.field("library_version", pa.string()),
+    pa.field("properties", pa.string()),
+]
+_META_COLUMNS = [f.name for f in _KEY_FIELDS] + [f.name for f in _META_FIELDS]
+
+# delta-rs retries a commit that lost to a concurrent append on another app id; a subtask's
+# table has one committer at a time, so this only matters for zombies and maintenance.
+_COMMIT_RETRIES = 100
+
+
+def _schema_to_text(schema: pa.Schema) -> str:
+    return base64.b64encode(schema.serialize().to_pybytes()).decode("ascii")
+
+
+def _schema_from_text(text: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
+
+
+def _table_schema(input_schema: pa.Schema, output_schema: pa.Schema) -> pa.Schema:
+    return pa.schema(
+        _KEY_FIELDS
+        + _META_FIELDS
+        + [
+            pa.field("input", storage_type(pa.struct(list(input_schema)), "input")),
+            pa.field("result", storage_type(pa.struct(list(output_schema)), "result")),
+        ]
+    )
+
+
+def _sql_string(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _refs_predicate(refs: Iterable[CheckpointRef]) -> str:
+    by_run: dict[str, list[int]] = {}
+    for ref in refs:
+        by_run.setdefault(ref.run_id, []).append(ref.checkpoint_id)
+    return " OR ".join(
+        f"(run_id = {_sql_string(run)} AND checkpoint_id IN ({', '.join(map(str, sorted(ids)))}))"
+        for run, ids in sorted(by_run.items())
+    )
+
+
+def _refs_filter(refs: Iterable[CheckpointRef]) -> pc.Expression:
+    by_run: dict[str, list[int]] = {}
+    for ref in refs:
+        by_run.setdefault(ref.run_id, []).append(ref.checkpoint_id)
+    expression: pc.Expression | None = None
+    for run, ids in by_run.items():
+        term = (pc.field("run_id") == run) & pc.field("checkpoint_id").isin(ids)
+        expression = term if expression is None else expression | term
+    assert expression is not None
+    return expression
+
+
+def _metadata_from_row(row: dict[str, Any]) -> CheckpointMetadata:
+    parent = None
+    if row["parent_run_id"] is not None:
+        parent = CheckpointRef(row["parent_run_id"], int(row["parent_checkpoint_id"]))
+    return CheckpointMetadata(
+        job_id=row["job_id"],
+        operator_id=row["operator_id"],
+        run_id=row["run_id"],
+        subtask=int(row["subtask"]),
+        checkpoint_id=int(row["checkpoint_id"]),
+        parent=parent,
+        position=int(row["position"]),
+        fingerprint=row["fingerprint"] or "",
+        in_flight=int(row["in_flight"]),
+        result_count=int(row["result_count"]),
+        final=bool(row["final"]),
+        expired=bool(row["expired"]),
+        created_at=row["created_at"],
+        library_version=row["library_version"] or "",
+        properties=json.loads(row["properties"] or "{}"),
+    )
+
+
+def _describe_refs(metas: Sequence[CheckpointMetadata]) -> str:
+    if not metas:
+        return "none"
+    by_run: dict[str, list[int]] = {}
+    for m in metas:
+        by_run.setdefault(m.run_id, []).append(m.checkpoint_id)
+    return "; ".join(
+        f"run {run}: {', '.join(map(str, sorted(ids)))}" for run, ids in by_run.items()
+    )
+
+
+@dataclass
+class ExpireReport:
+    """What ``expire`` did: checkpoints whose state was dropped (``expired``: their results
+    stay, later checkpoints need them) and checkpoints removed entirely (``deleted``)."""
+
+    expired: list[CheckpointRef] = field(default_factory=list)
+    deleted: list[CheckpointRef] = field(default_factory=list)
+    files_removed: int = 0
+
+
+class SubtaskLog:
+    """The checkpoints of one (job, operator, subtask): one Delta table.
+
+    Keep one ``SubtaskLog`` per task and commit through it: it holds the Delta table
+    snapshot that commits are checked and written against.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        job_id: str,
+        operator_id: str,
+        subtask: int,
+        storage_options: dict[str, str] | None = None,
+    ) -> None:
+        self.uri = uri
+        self.job_id = job_id
+        self.operator_id = operator_id
+        self.subtask = subtask
+        self._storage_options = storage_options
+        self._table: DeltaTable | None = None
+        self._schemas: tuple[pa.Schema, pa.Schema] | None = None
+        # (table version, metadata of every checkpoint at that version): reading metadata
+        # opens every data file, so it is read once per version, not once per question.
+        self._metadata: tuple[int, list[CheckpointMetadata]] | None = None
+
+    def __repr__(self) -> str:
+        return f"SubtaskLog({self.uri!r})"
+
+    # -- reading ------------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        return self._open() is not None
+
+    def schemas(self) -> tuple[pa.Schema, pa.Schema] | None:
+        """The (input, output) Arrow schemas this subtask's checkpoints were written with."""
+        if self._schemas is not None:
+            return self._schemas
+        table = self._open()
+        if table is None:
+            return None
+        try:
+            info = json.loads(table.metadata().description or "{}")[_DESCRIPTION_KEY]
+            self._schemas = (
+                _schema_from_text(info["input_schema"]),
+                _schema_from_text(info["output_schema"]),
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise CorruptCheckpointError(
+                f"{self.uri} is a Delta table but not a stateful-async checkpoint table (its "
+                "description does not hold the snapshot schemas). Point the store at a "
+                "checkpoint location."
+            ) from exc
+        return self._schemas
+
+    def checkpoints(self, include_expired: bool = True) -> list[CheckpointMetadata]:
+        """Every checkpoint of this subtask, oldest first."""
+        table = self._open(refresh=True)
+        if table is None:
+            return []
+        version = table.version()
+        if self._metadata is None or self._metadata[0] != version:
+            rows = self._read(table, pc.field("kind") == KIND_CHECKPOINT, _META_COLUMNS)
+            metas = [_metadata_from_row(row) for row in rows.to_pylist()]
+            metas.sort(key=lambda m: (m.created_at, m.checkpoint_id))
+            self._metadata = (version, metas)
+        return [m for m in self._metadata[1] if include_expired or not m.expired]
+
+    def latest(
+        self, run_id: str | None = None, max_id: int | None = None
+    ) -> CheckpointMetadata | None:
+        """The newest restorable checkpoint, optionally of one run and with id <= max_id.
+
+        Within a run, newest means the highest id; across runs, the most recently created.
+        """
+        candidates = [
+            m
+            for m in self.checkpoints(include_expired=False)
+            if (run_id is None or m.run_id == run_id)
+            and (max_id is None or m.checkpoint_id <= max_id)
+        ]
+        if not candidates:
+            return None
+        if run_id is not None:
+            return max(candidates, key=lambda m: m.checkpoint_id)
+        return candidates[-1]
+
+    def find(self, checkpoint_id: int, run_id: str | None = None) -> CheckpointMetadata:
+        """The restorable checkpoint with this id (of ``run_id``, or the newest such)."""
+        metas = self.checkpoints()
+        matches = [
+            m
+            for m in metas
+            if m.checkpoint_id == checkpoint_id and (run_id is None or m.run_id == run_id)
+        ]
+        live = [m for m in matches if not m.expired]
+        if live:
+            return live[-1]
+        where = f"job {self.job_id!r}, operator {self.operator_id!r}, subtask {self.subtask}"
+        if run_id is not None:
+            where += f", run {run_id!r}"
+        available = [m for m in metas if not m.expired]
+        if matches:
+            raise CheckpointNotFoundError(
+                f"Checkpoint {checkpoint_id} of {where} has expired (retention removed its "
+                f"state). Checkpoints that can be restored: {_describe_refs(available)}."
+            )
+        raise CheckpointNotFoundError(
+            f"There is no checkpoint {checkpoint_id} of {where} at {self.uri}. Checkpoints "
+            f"that exist: {_describe_refs(available)}."
+        )
+
+    def load(self, checkpoint_id: int, run_id: str | None = None) -> Snapshot:
+        """One checkpoint: its in-flight elements and the results it committed."""
+        meta = self.find(checkpoint_id, run_id)
+        table = self._open()
+        assert table is not None
+        input_schema, output_schema = self.schemas()  # type: ignore[misc]
+        rows = self._read(
+            table,
+            (pc.field("run_id") == meta.run_id)
+            & (pc.field("checkpoint_id") == meta.checkpoint_id)
+            & (pc.field("kind") != KIND_CHECKPOINT),
+            None,
+        )
+        elements, seqs = self._elements(rows, input_schema, meta)
+        results, timestamps = self._results(rows, output_schema)
+        if len(results) != meta.result_count:
+            raise CorruptCheckpointError(
+                f"Checkpoint {meta.ref} of subtask {self.subtask} records {meta.result_count} "
+                f"results but {len(results)} are stored."
+            )
+        return Snapshot(meta, elements, seqs, results, timestamps)
+
+    def chain(self, meta: CheckpointMetadata) -> list[CheckpointMetadata]:
+        """``meta`` and its ancestors, oldest first."""
+        by_ref = {m.ref: m for m in self.checkpoints()}
+        chain = [meta]
+        seen = {meta.ref}
+        current = meta
+        while current.parent is not None:
+            parent = by_ref.get(current.parent)
+            if parent is None:
+                raise CorruptCheckpointError(
+                    f"Checkpoint {current.ref} of subtask {self.subtask} follows {current.parent}, "
+                    "which is missing: its results cannot be restored. Was the checkpoint "
+                    "directory modified by hand?"
+                )
+            if parent.ref in seen:
+                raise CorruptCheckpointError(
+                    f"Checkpoint chain of {meta.ref} loops at {parent.ref}."
+                )
+            seen.add(parent.ref)
+            chain.append(parent)
+            current = parent
+        chain.reverse()
+        return chain
+
+    def restore(self, checkpoint_id: int, run_id: str | None = None) -> RestorePoint:
+        """What a subtask resumes from: the checkpoint's in-flight elements, and every result
+        committed along its chain, in commit order."""
+        snapshot = self.load(checkpoint_id, run_id)
+        chain = self.chain(snapshot.metadata)
+        if len(chain) == 1:
+            return RestorePoint(
+                snapshot.metadata,
+                snapshot.elements,
+                snapshot.input_seqs,
+                snapshot.results,
+                snapshot.result_timestamps,
+            )
+        table = self._open()
+        assert table is not None
+        _, output_schema = self.schemas()  # type: ignore[misc]
+        rows = self._read(
+            table,
+            (pc.field("kind") == KIND_RESULT) & _refs_filter(m.ref for m in chain),
+            ["run_id", "checkpoint_id", "seq", "timestamp", "result"],
+        )
+        order = {m.ref: i for i, m in enumerate(chain)}
+        position = [
+            order[CheckpointRef(r, c)]
+            for r, c in zip(
+                rows.column("run_id").to_pylist(),
+                rows.column("checkpoint_id").to_pylist(),
+                strict=True,
+            )
+        ]
+        rows = rows.append_column("_order", pa.array(position, pa.int64()))
+        rows = rows.sort_by([("_order", "ascending"), ("seq", "ascending")])
+        results = _struct_to_table(rows.column("result"), output_schema)
+        expected = sum(m.result_count for m in chain)
+        if len(results) != expected:
+            raise CorruptCheckpointError(
+                f"The chain of checkpoint {snapshot.metadata.ref} of subtask {self.subtask} "
+                f"records {expected} results but {len(results)} are stored."
+            )
+        return RestorePoint(
+            snapshot.metadata,
+            snapshot.elements,
+            snapshot.input_seqs,
+            results,
+            rows.column("timestamp").to_pylist(),
+        )
+
+    # -- writing ------------------------------------------------------------------------
+
+    def commit(
+        self,
+        run_id: str,
+        checkpoint_id: int,
+        elements: Sequence[StreamElement],
+        results: pa.Table | pa.RecordBatch | Sequence[dict[str, Any]] | None = None,
+        *,
+        input_schema: pa.Schema,
+        output_schema: pa.Schema,
+        position: int,
+        fingerprint: str = "",
+        parent: CheckpointRef | None = None,
+        input_seqs: Sequence[int | None] | None = None,
+        result_timestamps: Sequence[int | None] | None = None,
+        final: bool = False,
+        properties: dict[str, str] | None = None,
+    ) -> CheckpointMetadata:
+        """Commit one checkpoint atomically: ``elements`` (the operator's snapshot, in queue
+        order; record values are dicts of ``input_schema``) and ``results`` (rows of
+        ``output_schema`` emitted since ``parent``).
+
+        Raises ``CheckpointConflictError`` (and writes nothing) if this run already
+        committed ``checkpoint_id`` or a later one.
+        """
+        _check_commit_args(run_id, checkpoint_id, position, elements, input_seqs)
+        if not isinstance(input_schema, pa.Schema) or not isinstance(output_schema, pa.Schema):
+            raise CheckpointError("input_schema and output_schema must be pyarrow.Schema objects.")
+        result_table = _as_result_table(results, output_schema)
+        if result_timestamps is not None and len(result_timestamps) != result_table.num_rows:
+            raise CheckpointError(
+                f"result_timestamps has {len(result_timestamps)} entries for "
+                f"{result_table.num_rows} results."
+            )
+        meta = CheckpointMetadata(
+            job_id=self.job_id,
+            operator_id=self.operator_id,
+            run_id=run_id,
+            subtask=self.subtask,
+            checkpoint_id=checkpoint_id,
+            parent=parent,
+            position=position,
+            fingerprint=fingerprint,
+            in_flight=len(elements),
+            result_count=result_table.num_rows,
+            final=final,
+            expired=False,
+            created_at=datetime.now(timezone.utc),
+            library_version=library_version,
+            properties=dict(properties or {}),
+        )
+        data = _checkpoint_rows(
+            meta, elements, input_seqs, result_table, result_timestamps, input_schema, output_schema
+        )
+        app_id = f"stateful-async:{run_id}"
+        properties_for_commit = CommitProperties(
+            app_transactions=[Transaction(app_id, checkpoint_id)],
+            max_commit_retries=_COMMIT_RETRIES,
+            custom_metadata={"stateful_async.checkpoint": str(meta.ref)},
+        )
+        table = self._open(refresh=True)
+        if table is None:
+            if self._create(data, input_schema, output_schema, properties_for_commit):
+                return meta
+            table = self._open(refresh=True)  # another attempt created it first
+            assert table is not None
+        self._check_schemas(input_schema, output_schema)
+        committed = table.transaction_version(app_id)
+        if committed is not None and committed >= checkpoint_id:
+            raise CheckpointConflictError(
+                f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} was "
+                f"refused: checkpoint {committed} of that run is already committed. This is a "
+                "zombie or speculative attempt committing late; its snapshot is discarded."
+            )
+        try:
+            # The same table object that answered transaction_version(): a racing commit of
+            # the same app id makes this one fail instead of landing twice.
+            write_deltalake(table, data, mode="append", commit_properties=properties_for_commit)
+        except CommitFailedError as exc:
+            if "Concurrent transaction" in str(exc):
+                raise CheckpointConflictError(
+                    f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} lost "
+                    "a race with another attempt committing the same checkpoint; that attempt's "
+                    "commit stands and this one wrote nothing."
+                ) from exc
+            raise CheckpointError(f"Committing checkpoint {meta.ref} failed: {exc}") from exc
+        except (OSError, ValueError, TypeError) as exc:
+            raise CheckpointError(
+                f"Committing checkpoint {meta.ref} to {self.uri} failed: {exc}"
+            ) from exc
+        cached = self._metadata
+        if cached is not None and table.version() == cached[0] + 1:
+            self._metadata = (cached[0] + 1, [*cached[1], meta])  # nobody else committed
+        return meta
+
+    def expire(self, retain: int, vacuum: bool = True) -> ExpireReport:
+        """Keep the ``retain`` newest checkpoints of this subtask restorable; drop the rest.
+
+        The state of older checkpoints is removed; their results are kept as long as a
+        retained checkpoint's chain needs them; everything else is deleted. One Delta
+        commit; then, with ``vacuum``, the files it removed are deleted from storage.
+        """
+        if not isinstance(retain, int) or retain < 0:
+            raise CheckpointError(f"retain must be an integer >= 0; got {retain!r}.")
+        report = ExpireReport()
+        metas = self.checkpoints()
+        if not metas:
+            return report
+        live = [m for m in metas if not m.expired]
+        keep = live[len(live) - retain :] if retain else []
+        needed: set[CheckpointRef] = set()
+        for meta in keep:
+            needed.update(m.ref for m in self.chain(meta))
+        keep_refs = {m.ref for m in keep}
+        to_expire = [m.ref for m in live if m.ref not in keep_refs and m.ref in needed]
+        to_delete = [m.ref for m in metas if m.ref not in needed]
+        if not to_expire and not to_delete:
+            return report
+        table = self._open(refresh=True)
+        assert table is not None
+        touched = to_expire + to_delete
+        rows = self._read(table, _refs_filter(touched), None)
+        expire_set = {(r.run_id, r.checkpoint_id) for r in to_expire}
+        run_ids = rows.column("run_id").to_pylist()
+        ckpt_ids = rows.column("checkpoint_id").to_pylist()
+        kinds = rows.column("kind").to_pylist()
+        survive = [
+            (run, ckpt) in expire_set and kind in (KIND_RESULT, KIND_CHECKPOINT)
+            for run, ckpt, kind in zip(run_ids, ckpt_ids, kinds, strict=True)
+        ]
+        kept = rows.filter(pa.array(survive, pa.bool_()))
+        if kept.num_rows:
+            is_meta = pc.equal(kept.column("kind"), KIND_CHECKPOINT)
+            expired = pc.if_else(is_meta, True, kept.column("expired"))
+            kept = kept.set_column(kept.schema.get_field_index("expired"), "expired", expired)
+        predicate = _refs_predicate(touched)
+        try:
+            if kept.num_rows:
+                write_deltalake(
+                    table,
+                    kept,
+                    mode="overwrite",
+                    predicate=predicate,
+                    commit_properties=CommitProperties(max_commit_retries=_COMMIT_RETRIES),
+                )
+            else:
+                table.delete(predicate)
+            if vacuum:
+                removed = table.vacuum(
+                    retention_hours=0, enforce_retention_duration=False, dry_run=False
+                )
+                report.files_removed = len(removed)
+        except (CommitFailedError, OSError) as exc:
+            raise CheckpointError(f"Expiring checkpoints in {self.uri} failed: {exc}") from exc
+        report.expired = to_expire
+        report.deleted = to_delete
+        return report
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _open(self, refresh: bool = False) -> DeltaTable | None:
+        if self._table is not None:
+            if refresh:
+                try:
+                    self._table.update_incremental()
+                except Exception as exc:
+                    raise CheckpointError(
+                        f"Cannot read checkpoint table {self.uri}: {exc}"
+                    ) from exc
+            return self._table
+        try:
+            self._table = DeltaTable(self.uri, storage_options=self._storage_options)
+        except TableNotFoundError:
+            return None
+        except Exception as exc:
+            raise CheckpointLocationError(
+                f"Cannot open checkpoint table {self.uri}: {exc}"
+            ) from exc
+        return self._table
+
+    def _create(
+        self,
+        data: pa.Table,
+        input_schema: pa.Schema,
+        output_schema: pa.Schema,
+        commit_properties: CommitProperties,
+    ) -> bool:
+        """Create the table with the first checkpoint in its first commit; False if another
+        attempt created it meanwhile."""
+        description = json.dumps(
+            {
+                _DESCRIPTION_KEY: {
+                    "layout": _LAYOUT_VERSION,
+                    "input_schema": _schema_to_text(input_schema),
+                    "output_schema": _schema_to_text(output_schema),
+                }
+            }
+        )
+        try:
+            write_deltalake(
+                self.uri,
+                data,
+                mode="error",
+                description=description,
+                storage_options=self._storage_options,
+                commit_properties=commit_properties,
+                name=f"{self.job_id}/{self.operator_id}/subtask={self.subtask:05d}",
+            )
+        except CommitFailedError:
+            return False
+        except Exception as exc:
+            if "already exists" in str(exc).lower() or "version 0" in str(exc).lower():
+                return False
+            raise CheckpointError(f"Cannot create checkpoint table {self.uri}: {exc}") from exc
+        self._table = None
+        return True
+
+    def _check_schemas(self, input_schema: pa.Schema, output_schema: pa.Schema) -> None:
+        stored = self.schemas()
+        assert stored is not None
+        for what, old, new in (
+            ("input", stored[0], input_schema),
+            ("output", stored[1], output_schema),
+        ):
+            if not old.equals(new):
+                raise SchemaChangedError(
+                    f"The {what} schema differs from the one the checkpoints of job "
+                    f"{self.job_id!r} (operator {self.operator_id!r}) were written with.\n"
+                    f"  stored: {old.to_string(show_schema_metadata=False)}\n"
+                    f"  now:    {new.to_string(show_schema_metadata=False)}\n"
+                    "Checkpoints cannot be resumed across schema changes: use a new job id, or "
+                    "remove the old checkpoints (stateful-async checkpoints expire --retain 0)."
+                )
+
+    def _read(
+        self, table: DeltaTable, expression: pc.Expression, columns: list[str] | None
+    ) -> pa.Table:
+        try:
+            return table.to_pyarrow_dataset().to_table(filter=expression, columns=columns)
+        except Exception as exc:
+            raise CheckpointError(f"Cannot read checkpoint table {self.uri}: {exc}") from exc
+
+    def _elements(
+        self, rows: pa.Table, input_schema: pa.Schema, meta: CheckpointMetadata
+    ) -> tuple[list[StreamElement], list[int | None]]:
+        kinds = rows.column("kind")
+        mask = pc.or_(pc.equal(kinds, KIND_RECORD), pc.equal(kinds, KIND_WATERMARK))
+        part = rows.filter(mask).sort_by("seq")
+        if part.num_rows != meta.in_flight:
+            raise CorruptCheckpointError(
+                f"Checkpoint {meta.ref} of subtask {self.subtask} records {meta.in_flight} "
+                f"in-flight elements but {part.num_rows} are stored."
+            )
+        values = from_storage(
+            part.column("input").combine_chunks(), pa.struct(list(input_schema))
+        ).to_pylist()
+        elements: list[StreamElement] = []
+        for kind, value, timestamp in zip(
+            part.column("kind").to_pylist(),
+            values,
+            part.column("timestamp").to_pylist(),
+            strict=True,
+        ):
+            if kind == KIND_WATERMARK:
+                elements.append(Watermark(timestamp))
+            else:
+                elements.append(StreamRecord(value, timestamp))
+        return elements, part.column("input_seq").to_pylist()
+
+    def _results(
+        self, rows: pa.Table, output_schema: pa.Schema
+    ) -> tuple[pa.Table, list[int | None]]:
+        part = rows.filter(pc.equal(rows.column("kind"), KIND_RESULT)).sort_by("seq")
+        return _struct_to_table(part.column("result"), output_schema), part.column(
+            "timestamp"
+        ).to_pylist()
+
+
+class SnapshotStore:
+    """Durable operator snapshots under a checkpoint location (a local path, or an object
+    store URI whose credentials go in ``storage_options``, passed through to deltalake).
+
+    Layout: one Delta table per (job, operator, subtask), see ``checkpoint._layout``.
+    """
+
+    def __init__(
+        self, location: str | os.PathLike[str], storage_options: dict[str, str] | None = None
+    ) -> None:
+        self.location = _layout.normalize(location)
+        self.storage_options = storage_options
+
+    def __repr__(self) -> str:
+        return f"SnapshotStore({self.location!r})"
+
+    def subtask(self, job_id: str, operator_id: str, subtask: int) -> SubtaskLog:
+        _layout.check_name("job id", job_id)
+        _layout.check_name("operator id", operator_id)
+        if not isinstance(subtask, int) or subtask < 0:
+            raise CheckpointError(f"subtask must be an integer >= 0; got {subtask!r}.")
+        uri = _layout.subtask_dir(self.location, job_id, operator_id, subtask)
+        return SubtaskLog(uri, job_id, operator_id, subtask, self.storage_options)
+
+    # -- listing ------------------------------------------------------------------------
+
+    def jobs(self) -> list[str]:
+        self._require_location()
+        return _layout.list_dirs(self.location)
+
+    def operators(self, job_id: str) -> list[str]:
+        self._require_job(job_id)
+        return _layout.list_dirs(self.location, job_id)
+
+    def subtasks(self, job_id: str, operator_id: str) -> list[int]:
+        self._require_job(job_id)
+        return _layout.subtask_numbers(_layout.list_dirs(self.location, job_id, operator_id))
+
+    def checkpoints(
+        self, job_id: str, operator_id: str | None = None, include_expired: bool = False
+    ) -> list[CheckpointMetadata]:
+        """Every checkpoint of every subtask of a job (optionally one operator), sorted by
+        operator, run, checkpoint id and subtask."""
+        metas: list[CheckpointMetadata] = []
+        for operator in [operator_id] if operator_id else self.operators(job_id):
+            for number in self.subtasks(job_id, operator):
+                metas.extend(self.subtask(job_id, operator, number).checkpoints(include_expired))
+        metas.sort(key=lambda m: (m.operator_id, m.created_at, m.checkpoint_id, m.subtask))
+        return metas
+
+    def read_job(self, job_id: str, operator_id: str | None = None) -> pa.Table:
+        """All rows of all checkpoint tables of a job, as one Arrow table (for queries)."""
+        tables = []
+        for operator in [operator_id] if operator_id else self.operators(job_id):
+            for number in self.subtasks(job_id, operator):
+                log = self.subtask(job_id, operator, number)
+                table = log._open()
+                if table is not None:
+                    tables.append(table.to_pyarrow_table())
+        if not tables:
+            raise CheckpointNotFoundError(f"Job {job_id!r} has no checkpoints at {self.location}.")
+        return pa.concat_tables(tables, promote_options="permissive")
+
+    # -- per checkpoint -----------------------------------------------------------------
+
+    def load(
+        self,
+        job_id: str,
+        operator_id: str,
+        subtask: int,
+        checkpoint_id: int,
+        run_id: str | None = None,
+    ) -> Snapshot:
+        self._require_job(job_id)
+        return self.subtask(job_id, operator_id, subtask).load(checkpoint_id, run_id)
+
+    def restore(
+        self,
+        job_id: str,
+        operator_id: str,
+        subtask: int,
+        checkpoint_id: int,
+        run_id: str | None = None,
+    ) -> RestorePoint:
+        self._require_job(job_id)
+        return self.subtask(job_id, operator_id, subtask).restore(checkpoint_id, run_id)
+
+    def expire(
+        self, job_id: str, retain: int, operator_id: str | None = None, vacuum: bool = True
+    ) -> ExpireReport:
+        """Keep the ``retain`` newest checkpoints of every subtask of the job; see
+        ``SubtaskLog.expire``."""
+        total = ExpireReport()
+        for operator in [operator_id] if operator_id else self.operators(job_id):
+            for number in self.subtasks(job_id, operator):
+                report = self.subtask(job_id, operator, number).expire(retain, vacuum)
+                total.expired.extend(report.expired)
+                total.deleted.extend(report.deleted)
+                total.files_removed += report.files_removed
+        return total
+
+    # -- checks -------------------------------------------------------------------------
+
+    def _require_location(self) -> None:
+        if not _layout.location_exists(self.location):
+            raise CheckpointLocationError(
+                f"The checkpoint location {self.location} does not exist. Check the path (it "
+                "is created by the first checkpoint a job commits)."
+            )
+
+    def _require_job(self, job_id: str) -> None:
+        _layout.check_name("job id", job_id)
+        jobs = self.jobs()
+        if job_id not in jobs:
+            raise CheckpointNotFoundError(
+                f"Job {job_id!r} has no checkpoints at {self.location}. Jobs there: "
+                f"{', '.join(jobs) if jobs else 'none'}."
+            )
+
+
+# -- row building --------------------------------------------------------------------------
+
+
+def _check_commit_args(
+    run_id: str,
+    checkpoint_id: int,
+    position: int,
+    elements: Sequence[StreamElement],
+    input_seqs: Sequence[int | None] | None,
+) -> None:
+    if not isinstance(run_id, str) or not run_id:
+        raise CheckpointError(f"run_id must be a non-empty string; got {run_id!r}.")
+    if isinstance(checkpoint_id, bool) or not isinstance(checkpoint_id, int) or checkpoint_id < 1:
+        raise CheckpointError(f"checkpoint_id must be an integer >= 1; got {checkpoint_id!r}.")
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise CheckpointError(f"position must be an integer >= 0; got {position!r}.")
+    if input_seqs is not None and len(input_seqs) != len(elements):
+        raise CheckpointError(
+            f"input_seqs has {len(input_seqs)} entries for {len(elements)} elements."
+        )
+
+
+def _as_result_table(
+    results: pa.Table | pa.RecordBatch | Sequence[dict[str, Any]] | None, schema: pa.Schema
+) -> pa.Table:
+    if results is None:
+        return schema.empty_table()
+    if isinstance(results, pa.RecordBatch):
+        results = pa.Table.from_batches([results])
+    if isinstance(results, pa.Table):
+        if not results.schema.equals(schema, check_metadata=False):
+            try:
+                return results.select(schema.names).cast(schema)
+            except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise SchemaChangedError(
+                    f"The results do not match the output schema: {exc}.\n  results: "
+                    f"{results.schema}\n  output schema: {schema}"
+                ) from exc
+        return results
+    try:
+        return pa.Table.from_pylist(list(results), schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:
+        raise UnsupportedTypeError(
+            f"The results do not fit the output schema {schema}: {exc}"
+        ) from exc
+
+
+def _struct_to_table(column: pa.ChunkedArray | pa.Array, schema: pa.Schema) -> pa.Table:
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks else pa.array([], column.type)
+    restored = from_storage(column, pa.struct(list(schema)))
+    if len(restored) == 0:
+        return schema.empty_table()
+    return pa.Table.from_batches([pa.RecordBatch.from_struct_array(restored)]).cast(schema)
+
+
+def _checkpoint_rows(
+    meta: CheckpointMetadata,
+    elements: Sequence[StreamElement],
+    input_seqs: Sequence[int | None] | None,
+    results: pa.Table,
+    result_timestamps: Sequence[int | None] | None,
+    input_schema: pa.Schema,
+    output_schema: pa.Schema,
+) -> pa.Table:
+    schema = _table_schema(input_schema, output_schema)
+    n_el, n_res = len(elements), results.num_rows
+    total = 1 + n_el + n_res
+    kinds: list[str] = [KIND_CHECKPOINT]
+    timestamps: list[int | None] = [None]
+    values: list[Any] = []
+    for element in elements:
+        if type(element) is Watermark:
+            kinds.append(KIND_WATERMARK)
+            values.append(None)
+        elif type(element) is StreamRecord:
+            kinds.append(KIND_RECORD)
+            values.append(element.value)
+        else:
+            raise CheckpointError(
+                "A snapshot holds StreamRecord and Watermark elements; got "
+                f"{type(element).__name__}."
+            )
+        timestamps.append(element.timestamp)
+    kinds.extend([KIND_RESULT] * n_res)
+    timestamps.extend(result_timestamps if result_timestamps is not None else [None] * n_res)
+
+    input_type = pa.struct(list(input_schema))
+    try:
+        element_inputs = pa.array(values, type=input_type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError) as exc:
+        raise UnsupportedTypeError(
+            f"An in-flight record does not fit the input schema {input_schema}: {exc}"
+        ) from exc
+    input_storage = schema.field("input").type
+    result_storage = schema.field("result").type
+    input_column = pa.concat_arrays(
+        [
+            pa.nulls(1, input_storage),
+            to_storage(element_inputs, input_type),
+            pa.nulls(n_res, input_storage),
+        ]
+    )
+    result_struct = pa.StructArray.from_arrays(
+        [c.combine_chunks() if c.num_chunks else pa.array([], c.type) for c in results.columns],
+        fields=list(output_schema),
+    )
+    result_column = pa.concat_arrays(
+        [
+            pa.nulls(1 + n_el, result_storage),
+            to_storage(result_struct, pa.struct(list(output_schema))),
+        ]
+    )
+
+    def meta_then_nulls(value: Any, data_type: pa.DataType) -> pa.Array:
+        return pa.concat_arrays([pa.array([value], data_type), pa.nulls(total - 1, data_type)])
+
+    parent = meta.parent
+    columns = {
+        "job_id": pa.array([meta.job_id] * total, pa.string()),
+        "operator_id": pa.array([meta.operator_id] * total, pa.string()),
+        "run_id": pa.array([meta.run_id] * total, pa.string()),
+        "subtask": pa.array([meta.subtask] * total, pa.int32()),
+        "checkpoint_id": pa.array([meta.checkpoint_id] * total, pa.int64()),
+        "kind": pa.array(kinds, pa.string()),
+        "seq": pa.array([0, *range(n_el), *range(n_res)], pa.int64()),
+        "input_seq": pa.array(
+            [None, *(input_seqs if input_seqs is not None else [None] * n_el), *([None] * n_res)],
+            pa.int64(),
+        ),
+        "timestamp": pa.array(timestamps, pa.int64()),
+        "parent_run_id": meta_then_nulls(parent.run_id if parent else None, pa.string()),
+        "parent_checkpoint_id": meta_then_nulls(
+            parent.checkpoint_id if parent else None, pa.int64()
+        ),
+        "position": meta_then_nulls(meta.position, pa.int64()),
+        "fingerprint": meta_then_nulls(meta.fingerprint, pa.string()),
+        "in_flight": meta_then_nulls(meta.in_flight, pa.int64()),
+        "result_count": meta_then_nulls(meta.result_count, pa.int64()),
+        "final": meta_then_nulls(meta.final, pa.bool_()),
+        "expired": meta_then_nulls(False, pa.bool_()),
+        "created_at": meta_then_nulls(meta.created_at, pa.timestamp("us", tz="UTC")),
+        "library_version": meta_then_nulls(meta.library_version, pa.string()),
+        "properties": meta_then_nulls(json.dumps(meta.properties, sort_keys=True), pa.string()),
+        "input": input_column,
+        "result": result_column,
+    }
+    return pa.Table.from_arrays([columns[f.name] for f in schema], schema=schema)

@@ -1,0 +1,111 @@
+"""Lossless storage types: Arrow types that Delta cannot hold, mapped to ones it can.
+
+Delta (delta-rs 1.6) refuses time, duration and interval types, and silently narrows some
+others (``uint32`` is stored as ``int32``, which wraps values above 2**31; nanosecond
+timestamps are truncated to microseconds). Snapshots must restore exactly what was saved,
+so every column is mapped, by type and never by value, to a storage type that holds all
+of its values:
+
+=================================  ===========================================
+original                           stored as
+=================================  ===========================================
+uint8 / uint16 / uint32            int16 / int32 / int64
+uint64                             decimal128(20, 0)
+float16                            float32
+timestamp[ns] (any time zone)      int64 nanoseconds since the epoch
+time32 / time64                    int32 / int64 in the type's unit
+duration                           int64 in the type's unit
+dictionary<value>                  value (decoded)
+large_string / large_binary /      string / binary / list (delta-rs does this
+large_list, fixed_size_binary      itself; restored by the cast back)
+=================================  ===========================================
+
+The original Arrow schema is kept with the table, and loading casts every column back to
+it. Interval and extension types have no lossless form and are refused with
+``UnsupportedTypeError`` naming the column.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.types as pt
+
+from ._exceptions import UnsupportedTypeError
+
+
+def storage_type(data_type: pa.DataType, path: str = "") -> pa.DataType:
+    """The Delta-safe type that holds every value of ``data_type`` exactly."""
+    t = data_type
+    if pt.is_uint8(t):
+        return pa.int16()
+    if pt.is_uint16(t):
+        return pa.int32()
+    if pt.is_uint32(t):
+        return pa.int64()
+    if pt.is_uint64(t):
+        return pa.decimal128(20, 0)
+    if pt.is_float16(t):
+        return pa.float32()
+    if pt.is_timestamp(t):
+        return pa.int64() if t.unit == "ns" else t
+    if pt.is_time32(t):
+        return pa.int32()
+    if pt.is_time64(t) or pt.is_duration(t):
+        return pa.int64()
+    if pt.is_dictionary(t):
+        return storage_type(t.value_type, path)
+    if pt.is_struct(t):
+        return pa.struct(
+            [pa.field(f.name, storage_type(f.type, _join(path, f.name)), f.nullable) for f in t]
+        )
+    if pt.is_map(t):
+        return pa.map_(
+            storage_type(t.key_type, _join(path, "key")),
+            storage_type(t.item_type, _join(path, "value")),
+        )
+    if pt.is_list(t) or pt.is_large_list(t) or pt.is_fixed_size_list(t):
+        item = t.value_field
+        return pa.list_(
+            pa.field(item.name, storage_type(item.type, _join(path, "element")), item.nullable)
+        )
+    if pt.is_interval(t) or isinstance(t, pa.ExtensionType):
+        raise UnsupportedTypeError(
+            f"Column {path or '<value>'!r} has type {t}, which a Delta table cannot store "
+            "without losing information. Convert it in your DataFrame first (for example to "
+            "a string or an integer) before enriching."
+        )
+    return t
+
+
+def storage_schema(schema: pa.Schema) -> pa.Schema:
+    """``storage_type`` applied to every field of a schema."""
+    return pa.schema([pa.field(f.name, storage_type(f.type, f.name), f.nullable) for f in schema])
+
+
+def to_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
+    """Cast ``array`` (of type ``original``) to its storage type; exact by construction."""
+    target = storage_type(original)
+    if array.type == target:
+        return array
+    return _cast(array, target)
+
+
+def from_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
+    """Cast a stored array back to its original type."""
+    if array.type == original:
+        return array
+    return _cast(array, original)
+
+
+def _cast(array: pa.Array | pa.ChunkedArray, target: pa.DataType) -> pa.Array:
+    try:
+        return array.cast(target, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        raise UnsupportedTypeError(
+            f"Cannot convert values of type {array.type} to {target} exactly: {exc}. Convert "
+            "the column to a type Delta supports before enriching."
+        ) from exc
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
