@@ -209,7 +209,8 @@ def concurrency(committers: list[int], count: int, period: float) -> list[dict[s
                     out, err = proc.communicate(timeout=900)
                     if proc.returncode != 0:
                         failures += 1
-                        sys.stderr.write(err[-500:])
+                        lines = err.strip().splitlines()
+                        sys.stderr.write(f"{layout} committer failed: {lines[-1] if lines else '?'}\n")
                         continue
                     latencies.extend(json.loads(out.strip().splitlines()[-1]))
                 rows.append(
