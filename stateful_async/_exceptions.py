@@ -16,8 +16,12 @@ Hierarchy::
     │   ├── AsyncTimeoutError     (also TimeoutError) the element timed out (default handler)
     │   └── TimeoutHandlerError                       the user's ``timeout()`` raised
     ├── ResultSchemaError         (also ValueError)   a result does not match the output schema
-    └── InputMismatchError                            resuming on input that differs from the
-                                                      input the checkpoint consumed
+    ├── InputMismatchError                            resuming on input that differs from the
+    │                                                 input the checkpoint consumed
+    └── DeltaSinkError                                the ``delta_rs`` Spark sink could not
+        │                                             write or commit to its Delta table
+        └── SinkSchemaMismatchError (also ValueError) the data's schema or partitioning
+                                                      differs from the Delta table's
 
 The ``checkpoint`` package has its own module, rooted at ``checkpoint.CheckpointError``,
 which is also a ``StatefulAsyncError``.
@@ -105,3 +109,16 @@ def element_error(
     if cause is not None:
         error.__cause__ = cause
     return error
+
+
+# -- the Delta sink (stateful_async.spark, format "delta_rs") ------------------------------
+
+
+class DeltaSinkError(StatefulAsyncError):
+    """The ``delta_rs`` Spark sink could not write its files or commit them to the Delta
+    table; the message says which table, what failed and what to do."""
+
+
+class SinkSchemaMismatchError(DeltaSinkError, ValueError):
+    """The data written to the ``delta_rs`` sink does not match the Delta table: different
+    columns or types, a NOT NULL column holding nulls, or different partition columns."""

@@ -1,0 +1,471 @@
+"""Driver side of the ``delta_rs`` sink: plan a write, commit it once, abort it safely.
+
+These functions run in Python workers that Spark spawns (planning, commit, abort), never
+in the user's driver process, so they take everything from their arguments: the options,
+the planned schema and the executors' ``DataFile`` descriptions.
+
+Exactly-once rests on three rules:
+
+* one Delta transaction adds every file of a write, together with an app transaction
+  ``(app id, version)``; the version already recorded for the app id is read from the
+  *same* ``DeltaTable`` object that commits, so a writer racing on the same app id fails
+  with delta-rs's "Concurrent transaction" conflict instead of both committing;
+* a version at or below the recorded one is refused: nothing is added, and the refused
+  attempt's own files (fresh names, in no Delta version) are deleted;
+* ``abort`` deletes files only when the commit that carried them provably did not land: the
+  commit records a ``stateful_async.sink.commitId`` (a digest of its file paths) in its
+  commit info, and ``abort`` looks for it in the table history first.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import logging
+import posixpath
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .._exceptions import ConfigurationError, DeltaSinkError, SinkSchemaMismatchError
+from ._sink_files import DataFile, TableStorage, as_file_schema, check_partition_columns
+from ._sink_options import SinkOptions, is_uri
+
+log = logging.getLogger("stateful_async.spark.sink")
+
+#: Commit-info key that names the files of a commit (see ``commit_id``).
+COMMIT_ID_KEY = "stateful_async.sink.commitId"
+
+#: Executor and committer clocks may disagree; look this far before the oldest file.
+CLOCK_SKEW_MS = 10 * 60 * 1000
+
+
+class Outcome(enum.Enum):
+    COMMITTED = "committed"
+    REFUSED = "refused"  # the app transaction already holds this version (a replay)
+    NOTHING = "nothing"  # an append of no rows to an existing table
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """What executors need to write files the commit will accept."""
+
+    schema: pa.Schema  # file form of the data's schema, partition columns included
+    partition_by: tuple[str, ...]
+    not_null: frozenset[str]
+
+
+# -- tables and schemas ------------------------------------------------------------------
+
+
+def load_table(table_uri: str, storage_options: dict[str, str] | None) -> Any:
+    """The Delta table at ``table_uri``, or None if there is none yet."""
+    from deltalake import DeltaTable
+    from deltalake.exceptions import DeltaError, TableNotFoundError
+
+    try:
+        if not DeltaTable.is_deltatable(table_uri, storage_options or None):
+            return None
+        return DeltaTable(table_uri, storage_options=storage_options or None)
+    except TableNotFoundError:
+        return None
+    except (DeltaError, OSError) as exc:
+        raise DeltaSinkError(
+            f"The delta_rs sink could not read the Delta table at {table_uri}: {exc}. Check "
+            "the path and, for object stores, the storage.* options."
+        ) from exc
+
+
+def delta_schema(schema: pa.Schema) -> Any:
+    """The Delta schema of an Arrow schema; unsupported types raise ConfigurationError."""
+    from deltalake import Schema as DeltaSchema
+
+    try:
+        return DeltaSchema.from_arrow(schema)
+    except Exception as exc:  # deltalake raises plain Exception subclasses here
+        raise ConfigurationError(
+            f"The data cannot be stored in a Delta table: {exc}. Cast the unsupported "
+            "columns (intervals, unsigned or half-precision numbers, nanosecond "
+            "timestamps...) to a Delta type before writing."
+        ) from exc
+
+
+def _strip(node: Any) -> Any:
+    """A Delta type in JSON form without nullability or metadata (compared by name/type)."""
+    if isinstance(node, dict):
+        return {
+            k: _strip(v)
+            for k, v in node.items()
+            if k not in ("nullable", "containsNull", "valueContainsNull", "metadata")
+        }
+    if isinstance(node, list):
+        return [_strip(v) for v in node]
+    return node
+
+
+def _type_name(node: Any) -> str:
+    if isinstance(node, str):
+        return node
+    kind = node.get("type")
+    if kind == "struct":
+        inner = ", ".join(f"{f['name']}: {_type_name(f['type'])}" for f in node["fields"])
+        return f"struct<{inner}>"
+    if kind == "array":
+        return f"array<{_type_name(node['elementType'])}>"
+    if kind == "map":
+        return f"map<{_type_name(node['keyType'])}, {_type_name(node['valueType'])}>"
+    return json.dumps(node)
+
+
+def _fields(schema: Any) -> dict[str, Any]:
+    return {f["name"]: _strip(f["type"]) for f in json.loads(schema.to_json())["fields"]}
+
+
+def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) -> list[Any]:
+    """Compare the data's schema with the table's; return the fields ``mergeSchema`` adds.
+
+    Columns are matched by name, types compared without nullability. Extra columns are
+    allowed only with ``merge``; missing columns and changed types are never allowed.
+    """
+    ours = delta_schema(schema)
+    table_fields = _fields(table.schema())
+    data_fields = _fields(ours)
+    problems = []
+    for name, table_type in table_fields.items():
+        if name not in data_fields:
+            problems.append(f"the table column {name!r} is missing from the data")
+        elif data_fields[name] != table_type:
+            problems.append(
+                f"the column {name!r} is {_type_name(table_type)} in the table but "
+                f"{_type_name(data_fields[name])} in the data"
+            )
+    extra = [name for name in data_fields if name not in table_fields]
+    if extra and not merge:
+        problems.extend(f"the data column {name!r} is not in the table" for name in extra)
+    if problems:
+        advice = (
+            "Select and cast the columns to match the table"
+            + ("" if merge else ", or set the option mergeSchema=true to add new columns")
+            + "."
+        )
+        raise SinkSchemaMismatchError(
+            f"The data's schema does not match the Delta table at {table_uri}: "
+            + "; ".join(problems)
+            + f". {advice}"
+        )
+    return [f for f in ours.fields if f.name in extra]
+
+
+def _check_partitioning(table: Any, partition_by: tuple[str, ...], table_uri: str) -> None:
+    existing = tuple(table.metadata().partition_columns)
+    if existing != partition_by:
+        raise SinkSchemaMismatchError(
+            f"The Delta table at {table_uri} is partitioned by "
+            f"{list(existing) or 'no column'}, but the write is partitioned by "
+            f"{list(partition_by) or 'no column'}. Set the option partitionBy to "
+            f"{','.join(existing)!r} (or leave it out to follow the table)."
+        )
+
+
+def plan_write(opts: SinkOptions, spark_arrow_schema: pa.Schema) -> WritePlan:
+    """Check the data against the table (if any) before executors write a single file."""
+    schema = as_file_schema(spark_arrow_schema)
+    delta_schema(schema)
+    table = load_table(opts.table_uri, opts.storage_options)
+    if table is None:
+        check_partition_columns(schema, opts.partition_by)
+        return WritePlan(schema, opts.partition_by, frozenset())
+    existing = tuple(table.metadata().partition_columns)
+    if opts.partition_by_given:
+        _check_partitioning(table, opts.partition_by, opts.table_uri)
+    check_schema(table, schema, merge=opts.merge_schema, table_uri=opts.table_uri)
+    check_partition_columns(schema, existing)
+    not_null = frozenset(
+        f["name"]
+        for f in json.loads(table.schema().to_json())["fields"]
+        if not f.get("nullable", True) and f["name"] in schema.names
+    )
+    return WritePlan(schema, existing, not_null)
+
+
+# -- commit ------------------------------------------------------------------------------
+
+
+def commit_id(files: Sequence[DataFile]) -> str:
+    """A digest naming one set of files; file names are unique, so it names one write."""
+    digest = hashlib.sha256("\n".join(sorted(f.path for f in files)).encode("utf-8"))
+    return digest.hexdigest()[:32]
+
+
+def commit_write(
+    opts: SinkOptions,
+    plan: WritePlan,
+    files: Sequence[DataFile],
+    *,
+    mode: str,
+    app_id: str | None,
+    version: int | None,
+) -> Outcome:
+    """Add ``files`` to the table in one transaction, or refuse a version already there.
+
+    ``mode`` is ``append`` or ``overwrite``. With ``app_id``, the transaction records
+    ``(app_id, version)`` and a version at or below the recorded one is refused.
+    """
+    from deltalake.exceptions import CommitFailedError, DeltaError
+    from deltalake.transaction import (
+        AddAction,
+        CommitProperties,
+        Transaction,
+        create_table_with_add_actions,
+    )
+
+    uri = opts.table_uri
+    adds = [
+        AddAction(f.path, f.size, f.partition_values, f.modification_time, True, f.stats)
+        for f in files
+    ]
+    cid = commit_id(files) if files else f"empty-{time.time_ns()}"
+    props = CommitProperties(
+        custom_metadata={COMMIT_ID_KEY: cid},
+        max_commit_retries=opts.max_commit_retries,
+        app_transactions=(
+            [Transaction(app_id, version)] if app_id is not None and version is not None else None
+        ),
+    )
+    what = _describe(files, app_id, version)
+    table = load_table(uri, opts.storage_options)
+    if table is None:
+        try:
+            create_table_with_add_actions(
+                uri,
+                delta_schema(plan.schema),
+                adds,
+                mode="error",
+                partition_by=list(plan.partition_by),
+                storage_options=opts.storage_options or None,
+                commit_properties=props,
+            )
+            log.info("Created the Delta table at %s with %s.", uri, what)
+            return Outcome.COMMITTED
+        except DeltaError as exc:
+            # Another writer may have created the table first: then commit normally.
+            table = load_table(uri, opts.storage_options)
+            if table is None:
+                raise DeltaSinkError(
+                    f"The delta_rs sink could not create the Delta table at {uri}: {exc}. "
+                    "Check that the location is writable."
+                ) from exc
+    _check_partitioning(table, plan.partition_by, uri)
+    new_fields = check_schema(table, plan.schema, merge=opts.merge_schema, table_uri=uri)
+    if _already_committed(table, app_id, version):
+        return _refuse(opts, files, app_id, version)
+    if not files and mode == "append":
+        return Outcome.NOTHING
+    try:
+        if new_fields:
+            table.alter.add_columns(new_fields)
+            log.info("Added the columns %s to %s (mergeSchema).", [f.name for f in new_fields], uri)
+            # alter() moved this object to a newer snapshot: check again on that one.
+            if _already_committed(table, app_id, version):
+                return _refuse(opts, files, app_id, version)
+        table.create_write_transaction(
+            adds,
+            mode,
+            table.schema(),
+            partition_by=list(plan.partition_by),
+            commit_properties=props,
+        )
+    except CommitFailedError as exc:
+        raise DeltaSinkError(
+            f"The commit of {what} to the Delta table at {uri} failed: {exc}. Another "
+            "writer committed a conflicting change (for the same app id, a concurrent "
+            "commit of the same batch). Spark aborts this write and removes its files; "
+            "restart the query or re-run the write."
+        ) from exc
+    except DeltaError as exc:
+        raise DeltaSinkError(
+            f"The commit of {what} to the Delta table at {uri} failed: {exc}. Spark aborts "
+            "this write and removes its files; fix the cause and re-run the write."
+        ) from exc
+    log.info("Committed %s to %s.", what, uri)
+    return Outcome.COMMITTED
+
+
+def _describe(files: Sequence[DataFile], app_id: str | None, version: int | None) -> str:
+    rows = sum(f.num_records for f in files)
+    text = f"{len(files)} file(s) holding {rows} row(s)"
+    if app_id is not None:
+        text += f" (app id {app_id!r}, version {version})"
+    return text
+
+
+def _already_committed(table: Any, app_id: str | None, version: int | None) -> bool:
+    if app_id is None or version is None:
+        return False
+    committed = table.transaction_version(app_id)
+    return committed is not None and version <= committed
+
+
+def _refuse(
+    opts: SinkOptions, files: Sequence[DataFile], app_id: str | None, version: int | None
+) -> Outcome:
+    if files and commit_landed(opts, files):
+        # This very set of files is in the table: a retried commit() of a commit that
+        # landed. Report success so Spark moves on, and keep the files.
+        return Outcome.COMMITTED
+    deleted = _delete(opts, files)
+    log.warning(
+        "Refused version %s of app id %r for the Delta table at %s: the table already "
+        "holds that version (a replayed batch). Nothing was added; the replay's %d "
+        "file(s) were deleted.",
+        version,
+        app_id,
+        opts.table_uri,
+        len(deleted),
+    )
+    return Outcome.REFUSED
+
+
+def commit_landed(opts: SinkOptions, files: Sequence[DataFile]) -> bool:
+    """True if a commit of exactly these files is in the table's history.
+
+    Only commits made after the oldest file was written (minus clock skew) can hold
+    them, so the history is read newest first, in growing pages, back to that time.
+    """
+    table = load_table(opts.table_uri, opts.storage_options)
+    if table is None or not files:
+        return False
+    wanted = commit_id(files)
+    not_before = min(f.modification_time for f in files) - CLOCK_SKEW_MS
+    limit = 32
+    while True:
+        history = table.history(limit)
+        if any(entry.get(COMMIT_ID_KEY) == wanted for entry in history):
+            return True
+        if len(history) < limit:
+            return False
+        if min(int(entry.get("timestamp", 0)) for entry in history) < not_before:
+            return False
+        limit *= 4
+
+
+def abort_write(opts: SinkOptions, files: Sequence[DataFile]) -> list[str]:
+    """Delete the files of a write that did not land; keep them if it might have.
+
+    Never raises: Spark calls this after a failure, whose error is the one to report.
+    """
+    if not files:
+        return []
+    try:
+        if commit_landed(opts, files):
+            log.warning(
+                "Not deleting the %d file(s) of an aborted write to %s: a commit holding "
+                "them is in the table.",
+                len(files),
+                opts.table_uri,
+            )
+            return []
+        return _delete(opts, files)
+    except Exception:  # noqa: BLE001 - abort must not mask the original failure
+        log.exception(
+            "Could not clean up an aborted write to %s; its files are orphans that "
+            "clean_orphan_files() removes.",
+            opts.table_uri,
+        )
+        return []
+
+
+def _delete(opts: SinkOptions, files: Sequence[DataFile]) -> list[str]:
+    storage = TableStorage(opts.table_uri, opts.storage_options)
+    return [f.path for f in files if storage.delete(f.path)]
+
+
+# -- orphan files ------------------------------------------------------------------------
+
+
+def _is_hidden(rel: str) -> bool:
+    parts = rel.split("/")
+    if parts[0] == "_delta_log":
+        return True
+    return any(p.startswith(("_", ".")) and "=" not in p for p in parts)
+
+
+def _log_path(path: str, storage: TableStorage) -> str | None:
+    """A path from an add/remove action as a path relative to the table root."""
+    if not is_uri(path):
+        return unquote(path)
+    full = unquote(urlparse(path).path)
+    root = urlparse(storage.table_uri).path if is_uri(storage.table_uri) else storage.table_uri
+    root = root.rstrip("/") + "/"
+    return full[len(root) :] if full.startswith(root) else None
+
+
+def referenced_paths(storage: TableStorage) -> set[str]:
+    """Every data file that any retained version of the table refers to.
+
+    Commit files (``*.json``) hold every add and remove since the oldest retained one;
+    checkpoints (and v2 sidecars) hold the files live or tombstoned at their version.
+    """
+    refs: set[str] = set()
+    for rel, _ in storage.list_files("_delta_log"):
+        name = posixpath.basename(rel)
+        paths: list[str] = []
+        if name.endswith(".json"):
+            for line in storage.read_text(rel).splitlines():
+                if not line.strip():
+                    continue
+                action = json.loads(line)
+                for kind in ("add", "remove", "cdc"):
+                    body = action.get(kind)
+                    if isinstance(body, dict) and isinstance(body.get("path"), str):
+                        paths.append(body["path"])
+        elif name.endswith(".parquet"):
+            parquet = pq.ParquetFile(storage.open_input(rel))
+            kinds = [k for k in ("add", "remove", "cdc") if k in parquet.schema_arrow.names]
+            if kinds:
+                data = parquet.read(columns=kinds)
+                for kind in kinds:
+                    column = data.column(kind).combine_chunks()
+                    index = column.type.get_field_index("path")
+                    if index >= 0:
+                        values = column.flatten()[index]
+                        paths.extend(p for p in values.to_pylist() if p is not None)
+        for path in paths:
+            relative = _log_path(path, storage)
+            if relative is not None:
+                refs.add(relative)
+    return refs
+
+
+def find_orphans(storage: TableStorage, older_than_seconds: float) -> list[str]:
+    """Parquet files under the table that no retained version refers to and that were
+    last modified more than ``older_than_seconds`` ago."""
+    cutoff_ms = (time.time() - older_than_seconds) * 1000
+    # List the files before reading the log: a file committed in between is then in the
+    # log we read, so it cannot be mistaken for an orphan.
+    candidates = [
+        (rel, mtime)
+        for rel, mtime in storage.list_files()
+        if rel.endswith(".parquet") and not _is_hidden(rel)
+    ]
+    referenced = referenced_paths(storage)
+    return sorted(rel for rel, mtime in candidates if rel not in referenced and mtime < cutoff_ms)
+
+
+def clean_after_commit(opts: SinkOptions) -> None:
+    """The ``cleanOrphans`` option: remove old orphans; failures are only logged."""
+    try:
+        storage = TableStorage(opts.table_uri, opts.storage_options)
+        orphans = find_orphans(storage, opts.orphan_retention_seconds)
+        for rel in orphans:
+            storage.delete(rel)
+        if orphans:
+            log.info("Removed %d orphan file(s) from %s.", len(orphans), opts.table_uri)
+    except Exception:  # noqa: BLE001 - the commit landed; cleaning can wait for next time
+        log.exception("Could not remove orphan files from %s after a commit.", opts.table_uri)

@@ -1,0 +1,234 @@
+"""The ``delta_rs`` Python data source: Spark's side of the sink (needs PySpark).
+
+Where each piece runs (measured on Spark 4.2, see docs/delta_sink.md):
+
+* ``DeltaRsDataSource.writer``/``streamWriter`` run in a planning Python worker; the writer
+  object is pickled to the executors and (batch) to the commit worker. For streaming,
+  Spark builds a new writer for every micro-batch and again, from the data source, in the
+  commit worker;
+* ``write`` runs in each task on executors and returns a ``SinkCommitMessage``;
+* ``commit``/``abort`` run in a separate Python worker spawned by the driver JVM: they know
+  only the options, the schema and the messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark import TaskContext
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.types import StructType
+
+from .._exceptions import ConfigurationError, DeltaSinkError
+from ._sink import FORMAT_NAME
+from ._sink_commit import (
+    Outcome,
+    WritePlan,
+    abort_write,
+    clean_after_commit,
+    commit_write,
+    plan_write,
+)
+from ._sink_files import DataFile, TableStorage, TaskFileWriter
+from ._sink_options import SinkOptions
+
+
+@dataclass(frozen=True)
+class SinkCommitMessage(WriterCommitMessage):
+    """What one successful task wrote, sent by Spark from the executor to ``commit``."""
+
+    files: tuple[DataFile, ...]
+    partition_by: tuple[str, ...]
+    query_id: str | None
+    batch_id: int | None
+    partition_id: int
+    attempt: int
+
+
+class _DeltaWriter:
+    """Shared by the batch and the streaming writer."""
+
+    def __init__(self, options: Any, schema: StructType, overwrite: bool, *, streaming: bool):
+        self._options = SinkOptions.parse(options, streaming=streaming)
+        self._overwrite = overwrite
+        try:
+            arrow = to_arrow_schema(schema, timezone="UTC")
+        except Exception as exc:  # pyspark raises its own errors for unsupported types
+            raise ConfigurationError(
+                f"The delta_rs sink cannot write the schema {schema.simpleString()}: {exc}. "
+                "Cast the unsupported columns to types Delta tables can hold."
+            ) from exc
+        self._plan = plan_write(self._options, arrow)
+
+    def _write_task(self, batches: Iterator[pa.RecordBatch]) -> SinkCommitMessage:
+        context = TaskContext.get()
+        partition_id = context.partitionId() if context is not None else 0
+        attempt = context.attemptNumber() if context is not None else 0
+        batch_id = context.getLocalProperty("streaming.sql.batchId") if context else None
+        query_id = context.getLocalProperty("sql.streaming.queryId") if context else None
+        return write_task_files(
+            self._options,
+            self._plan,
+            batches,
+            partition_id=partition_id,
+            attempt=attempt,
+            batch_id=int(batch_id) if batch_id is not None else None,
+            query_id=query_id,
+        )
+
+    def _commit(
+        self,
+        messages: list[WriterCommitMessage | None],
+        app_id: str | None,
+        version: int | None,
+    ) -> Outcome:
+        received = _messages(messages, self._options.table_uri)
+        plan = self._plan
+        if received:
+            # Executors partitioned by what they planned; a streaming commit plans again,
+            # and the files must be committed the way they were laid out.
+            plan = dataclasses.replace(plan, partition_by=received[0].partition_by)
+        files = [f for m in received for f in m.files]
+        outcome = commit_write(
+            self._options,
+            plan,
+            files,
+            mode="overwrite" if self._overwrite else "append",
+            app_id=app_id,
+            version=version,
+        )
+        if outcome is Outcome.COMMITTED and self._options.clean_orphans:
+            clean_after_commit(self._options)
+        return outcome
+
+    def _abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        files = [f for m in messages if isinstance(m, SinkCommitMessage) for f in m.files]
+        abort_write(self._options, files)
+
+
+def write_task_files(
+    options: SinkOptions,
+    plan: WritePlan,
+    batches: Iterator[pa.RecordBatch],
+    *,
+    partition_id: int,
+    attempt: int,
+    batch_id: int | None,
+    query_id: str | None,
+) -> SinkCommitMessage:
+    """Write one task's batches as Parquet files and describe them for the commit."""
+    writer = TaskFileWriter(
+        TableStorage(options.table_uri, options.storage_options),
+        plan.schema,
+        plan.partition_by,
+        not_null=plan.not_null,
+        compression=options.compression,
+        max_records_per_file=options.max_records_per_file,
+        file_tag=f"{partition_id:05d}",
+    )
+    try:
+        for batch in batches:
+            writer.write(batch)
+        files = tuple(writer.close())
+    except BaseException:
+        writer.discard()
+        raise
+    return SinkCommitMessage(
+        files=files,
+        partition_by=plan.partition_by,
+        query_id=query_id,
+        batch_id=batch_id,
+        partition_id=partition_id,
+        attempt=attempt,
+    )
+
+
+def _messages(
+    messages: list[WriterCommitMessage | None], table_uri: str
+) -> list[SinkCommitMessage]:
+    received = []
+    for message in messages:
+        if not isinstance(message, SinkCommitMessage):
+            raise DeltaSinkError(
+                f"The commit to the Delta table at {table_uri} received "
+                f"{type(message).__name__} instead of a delta_rs commit message: a task "
+                "result is missing. Nothing was committed; re-run the write."
+            )
+        received.append(message)
+    partitionings = {m.partition_by for m in received}
+    if len(partitionings) > 1:
+        raise DeltaSinkError(
+            f"The tasks of one write to {table_uri} partitioned their files differently "
+            f"({sorted(partitionings)}): the table changed while the write was planned. "
+            "Nothing was committed; re-run the write."
+        )
+    return received
+
+
+class DeltaBatchWriter(_DeltaWriter, DataSourceArrowWriter):
+    """``df.write.format("delta_rs")``: append or overwrite in one Delta commit."""
+
+    def __init__(self, options: Any, schema: StructType, overwrite: bool) -> None:
+        super().__init__(options, schema, overwrite, streaming=False)
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> SinkCommitMessage:
+        return self._write_task(iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        self._commit(messages, self._options.app_id, self._options.txn_version)
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        self._abort(messages)
+
+
+class DeltaStreamWriter(_DeltaWriter, DataSourceStreamArrowWriter):
+    """``df.writeStream.format("delta_rs")``: one Delta commit per micro-batch, carrying the
+    app transaction (query id or ``txnAppId``, batch id). Complete mode overwrites."""
+
+    def __init__(self, options: Any, schema: StructType, overwrite: bool) -> None:
+        super().__init__(options, schema, overwrite, streaming=True)
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> SinkCommitMessage:
+        return self._write_task(iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        self._commit(messages, self._app_id(messages), batchId)
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        self._abort(messages)
+
+    def _app_id(self, messages: list[WriterCommitMessage | None]) -> str | None:
+        if self._options.app_id is not None:
+            return self._options.app_id
+        ids = {m.query_id for m in messages if isinstance(m, SinkCommitMessage) and m.query_id}
+        if len(ids) > 1:
+            raise DeltaSinkError(
+                f"The tasks of one micro-batch reported different streaming query ids "
+                f"({sorted(ids)}); nothing was committed to {self._options.table_uri}. "
+                "Set the option txnAppId to a fixed id for this query."
+            )
+        return ids.pop() if ids else None
+
+
+class DeltaRsDataSource(DataSource):
+    """The ``delta_rs`` format: writes Delta tables with delta-rs, no Delta JVM jars."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT_NAME
+
+    def writer(self, schema: StructType, overwrite: bool) -> DeltaBatchWriter:
+        return DeltaBatchWriter(self.options, schema, overwrite)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DeltaStreamWriter:
+        return DeltaStreamWriter(self.options, schema, overwrite)

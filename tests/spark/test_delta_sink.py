@@ -1,0 +1,830 @@
+"""The delta_rs sink: exactly-once Delta writes from Spark with delta-rs, no Delta jars.
+
+Spark tests use the shared ``local[2,3]`` session (a failed task gets two more attempts);
+the SIGKILL test runs its first driver in a subprocess (``sink_stream_driver.py``). Every
+table is read back with deltalake, Polars and DuckDB, never through the sink itself.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from urllib.parse import unquote
+
+import duckdb
+import polars as pl
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from deltalake import DeltaTable
+from pyspark import TaskContext
+from pyspark.errors import AnalysisException, StreamingQueryException
+
+from stateful_async import ConfigurationError, DeltaSinkError, SinkSchemaMismatchError
+from stateful_async.spark import clean_orphan_files, register_delta_sink
+from stateful_async.spark._sink_commit import (
+    Outcome,
+    abort_write,
+    commit_write,
+    plan_write,
+)
+from stateful_async.spark._sink_files import DataFile
+from stateful_async.spark._sink_options import SinkOptions
+from stateful_async.spark._sink_source import (
+    DeltaBatchWriter,
+    DeltaRsDataSource,
+    SinkCommitMessage,
+    write_task_files,
+)
+
+HERE = Path(__file__).resolve().parent
+SOURCE_ARROW = pa.schema(
+    [
+        ("id", pa.int64()),
+        ("name", pa.string()),
+        ("amount", pa.float64()),
+        ("ts", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+
+def _driver_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "sink_stream_driver", HERE / "sink_stream_driver.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+DRIVER = _driver_module()
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def _rows(start: int, count: int) -> pa.Table:
+    ids = list(range(start, start + count))
+    return pa.table(
+        {
+            "id": ids,
+            "name": [f"name-{i % 97}" if i % 11 else None for i in ids],
+            "amount": [i * 0.5 for i in ids],
+            "ts": [
+                dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc) + dt.timedelta(seconds=i)
+                for i in ids
+            ],
+        },
+        schema=SOURCE_ARROW,
+    )
+
+
+def _write_source(directory: Path, files: int, rows_per_file: int) -> list[int]:
+    """Parquet input files with consecutive ids, oldest first; returns every id."""
+    directory.mkdir(parents=True)
+    for n in range(files):
+        path = directory / f"part-{n:03d}.parquet"
+        pq.write_table(_rows(n * rows_per_file, rows_per_file), path)
+        # The file source orders new files by modification time.
+        os.utime(path, (1_700_000_000 + n, 1_700_000_000 + n))
+    return list(range(files * rows_per_file))
+
+
+def _ids(table_path: Path) -> list[int]:
+    return sorted(
+        DeltaTable(str(table_path)).to_pyarrow_table(columns=["id"]).column("id").to_pylist()
+    )
+
+
+def _assert_exactly_once(table_path: Path, expected_ids: list[int]) -> None:
+    """Every expected row once, as read by deltalake, Polars and DuckDB, right schema."""
+    table = DeltaTable(str(table_path))
+    data = table.to_pyarrow_table()
+    assert sorted(data.column("id").to_pylist()) == sorted(expected_ids)
+    assert expected_ids == list(range(len(expected_ids)))  # as _write_source makes them
+    assert data.sort_by("id").to_pylist() == _rows(0, len(expected_ids)).to_pylist()
+    assert data.schema.field("ts").type == pa.timestamp("us", tz="UTC")
+    assert table.count() == len(expected_ids)  # from the numRecords stats alone
+
+    frame = pl.read_delta(str(table_path))
+    assert frame.height == len(expected_ids)
+    assert frame["id"].n_unique() == len(expected_ids)
+    assert dict(frame.schema) == {
+        "id": pl.Int64,
+        "name": pl.String,
+        "amount": pl.Float64,
+        "ts": pl.Datetime("us", "UTC"),
+    }
+
+    con = duckdb.connect()
+    con.register("sink_table", table.to_pyarrow_dataset())
+    n, distinct, total = con.execute(
+        "SELECT count(*), count(DISTINCT id), sum(amount) FROM sink_table"
+    ).fetchone()
+    assert (n, distinct) == (len(expected_ids), len(expected_ids))
+    assert total == pytest.approx(sum(i * 0.5 for i in expected_ids))
+
+
+def _table_files(table_path: Path) -> set[str]:
+    """Parquet files on disk under the table, relative to its root."""
+    return {
+        str(p.relative_to(table_path))
+        for p in table_path.rglob("*.parquet")
+        if "_delta_log" not in p.parts
+    }
+
+
+def _live_files(table_path: Path) -> set[str]:
+    actions = pa.table(DeltaTable(str(table_path)).get_add_actions())
+    return {unquote(p) for p in actions.column("path").to_pylist()}
+
+
+def _poll(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def _delta_version(table_path: Path) -> int:
+    """The table's latest version, -1 before its first commit."""
+    if not DeltaTable.is_deltatable(str(table_path)):
+        return -1
+    return DeltaTable(str(table_path)).version()
+
+
+@pytest.fixture(scope="module")
+def sink(spark: Any) -> Any:
+    register_delta_sink(spark)
+    return spark
+
+
+# -- fault injection (test-only subclasses, shipped to workers by value) -----------------
+
+
+class _FaultyWriter(DeltaBatchWriter):
+    def __init__(
+        self, options: Any, schema: Any, overwrite: bool, fault: str, marker: str | None
+    ) -> None:
+        super().__init__(options, schema, overwrite)
+        self._fault = fault
+        self._marker = marker
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> SinkCommitMessage:
+        message = super().write(iterator)
+        context = TaskContext.get()
+        if (
+            self._fault == "die-after-write"
+            and context.partitionId() == 0
+            and context.attemptNumber() == 0
+        ):
+            assert self._marker is not None
+            Path(self._marker).write_text(json.dumps([f.path for f in message.files]))
+            os._exit(1)  # the Python worker dies after its Parquet file is complete
+        return message
+
+    def commit(self, messages: list[Any]) -> None:
+        if self._fault == "fail-before-commit":
+            raise RuntimeError("injected failure before the Delta commit")
+        super().commit(messages)
+        if self._fault == "fail-after-commit":
+            raise RuntimeError("injected failure after the Delta commit landed")
+
+
+class _FaultySink(DeltaRsDataSource):
+    @classmethod
+    def name(cls) -> str:
+        return "delta_rs_faulty"
+
+    def writer(self, schema: Any, overwrite: bool) -> _FaultyWriter:
+        options = dict(self.options)
+        fault = options.pop("fault")
+        marker = options.pop("marker", None)
+        return _FaultyWriter(options, schema, overwrite, fault, marker)
+
+
+@pytest.fixture(scope="module")
+def faulty_sink(sink: Any) -> Iterator[Any]:
+    from pyspark import cloudpickle
+
+    # Workers cannot import this test module: ship its classes by value.
+    module = sys.modules[__name__]
+    cloudpickle.register_pickle_by_value(module)
+    sink.dataSource.register(_FaultySink)
+    yield sink
+    cloudpickle.unregister_pickle_by_value(module)
+
+
+# -- 1. streaming: stop, restart, SIGKILL -------------------------------------------------
+
+
+@pytest.mark.spark
+def test_streaming_stopped_midway_and_restarted_writes_every_row_once(
+    sink: Any, tmp_path: Path
+) -> None:
+    source, table, checkpoint = tmp_path / "src", tmp_path / "table", tmp_path / "chk"
+    expected = _write_source(source, files=8, rows_per_file=250)
+
+    query = DRIVER.start_query(
+        sink, str(source), str(table), str(checkpoint), interval="0.5 seconds"
+    )
+    try:
+        _poll(lambda: _delta_version(table) >= 2, "three committed micro-batches")
+    finally:
+        query.stop()
+    committed = _ids(table)
+    assert len(committed) < len(expected), "the query should have been stopped mid-way"
+    assert len(set(committed)) == len(committed)
+
+    restarted = DRIVER.start_query(sink, str(source), str(table), str(checkpoint), interval=None)
+    restarted.awaitTermination()
+    assert restarted.id == query.id  # same checkpoint, same query id, same app id
+    _assert_exactly_once(table, expected)
+    last_batch = restarted.lastProgress["batchId"]
+    assert DeltaTable(str(table)).transaction_version(str(query.id)) == last_batch
+
+
+@pytest.mark.spark
+def test_streaming_driver_killed_with_sigkill_resumes_exactly_once(
+    sink: Any, tmp_path: Path
+) -> None:
+    import psutil
+
+    source, table, checkpoint = tmp_path / "src", tmp_path / "table", tmp_path / "chk"
+    expected = _write_source(source, files=12, rows_per_file=200)
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            str(HERE / "sink_stream_driver.py"),
+            str(source),
+            str(table),
+            str(checkpoint),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _poll(
+            lambda: _delta_version(table) >= 3 or driver.poll() is not None,
+            "the driver to commit four micro-batches",
+            timeout=180,
+        )
+        assert driver.poll() is None, "the driver process exited on its own"
+    finally:
+        # SIGKILL the driver, its JVM and the JVM's Python workers, by pid.
+        descendants = psutil.Process(driver.pid).children(recursive=True)
+        driver.kill()
+        for process in descendants:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        driver.wait(timeout=60)
+        _, alive = psutil.wait_procs(descendants, timeout=60)
+        assert alive == [], f"processes survived SIGKILL: {alive}"
+    assert driver.returncode == -9
+    before = _ids(table)
+    assert 0 < len(before) < len(expected), "the kill should land mid-way"
+    assert len(set(before)) == len(before)
+
+    restarted = DRIVER.start_query(sink, str(source), str(table), str(checkpoint), interval=None)
+    restarted.awaitTermination()
+    _assert_exactly_once(table, expected)
+
+    # Files the killed run wrote but never committed are orphans; cleaning removes only them.
+    live, on_disk = _live_files(table), _table_files(table)
+    orphans = clean_orphan_files(str(table), older_than=dt.timedelta(0))
+    assert set(orphans) == on_disk - live
+    assert _table_files(table) == live
+    _assert_exactly_once(table, expected)
+
+
+# -- 2. a task that dies after writing its file -----------------------------------------
+
+
+@pytest.mark.spark
+def test_task_dying_after_writing_its_file_is_never_committed(
+    faulty_sink: Any, tmp_path: Path
+) -> None:
+    table, marker = tmp_path / "table", tmp_path / "attempt0-files.json"
+    df = faulty_sink.range(0, 3000, numPartitions=3).selectExpr("id", "id * 2 AS doubled")
+
+    (
+        df.write.format("delta_rs_faulty")
+        .option("fault", "die-after-write")
+        .option("marker", str(marker))
+        .mode("append")
+        .save(str(table))
+    )
+
+    dead_files = json.loads(marker.read_text())
+    assert dead_files, "attempt 0 of partition 0 wrote a file before dying"
+    on_disk = _table_files(table)
+    live = _live_files(table)
+    assert set(dead_files) <= on_disk  # the dead attempt's file is complete on disk ...
+    assert not set(dead_files) & live  # ... but in no Delta version
+    data = DeltaTable(str(table)).to_pyarrow_table()
+    assert sorted(data.column("id").to_pylist()) == list(range(3000))
+    assert data.column("doubled").to_pylist() == [i * 2 for i in data.column("id").to_pylist()]
+    assert DeltaTable(str(table)).version() == 0  # one transaction
+
+    # The maintenance call finds exactly those orphans, and a dry run deletes nothing.
+    fresh = clean_orphan_files(str(table))  # default grace period: one hour
+    assert fresh == []
+    found = clean_orphan_files(str(table), older_than=dt.timedelta(0), dry_run=True)
+    assert found == sorted(dead_files)
+    assert set(dead_files) <= _table_files(table)
+
+    # The cleanOrphans option does the same after a later commit (no grace period here).
+    (
+        faulty_sink.range(3000, 3100, numPartitions=1)
+        .selectExpr("id", "id * 2 AS doubled")
+        .write.format("delta_rs")
+        .option("cleanOrphans", "true")
+        .option("orphanRetentionSeconds", "0")
+        .mode("append")
+        .save(str(table))
+    )
+    assert not set(dead_files) & _table_files(table)
+    assert _table_files(table) == _live_files(table)
+    assert _ids(table) == list(range(3100))
+    assert clean_orphan_files(str(table), older_than=dt.timedelta(0)) == []
+
+
+@pytest.mark.spark
+def test_abort_keeps_a_landed_commit_and_deletes_one_that_did_not_land(
+    faulty_sink: Any, tmp_path: Path
+) -> None:
+    table = tmp_path / "table"
+    df = faulty_sink.range(0, 1000, numPartitions=2).selectExpr("id")
+
+    # commit() lands, then raises: Spark calls abort(), which must keep the files.
+    with pytest.raises(AnalysisException) as landed:
+        df.write.format("delta_rs_faulty").option("fault", "fail-after-commit").mode("append").save(
+            str(table)
+        )
+    assert "injected failure after the Delta commit landed" in str(landed.value)
+    assert _ids(table) == list(range(1000))
+    assert _table_files(table) == _live_files(table)  # abort deleted nothing
+    assert DeltaTable(str(table)).to_pyarrow_table().num_rows == 1000  # files readable
+
+    # commit() fails before committing: abort() deletes the write's files.
+    with pytest.raises(AnalysisException) as failed:
+        faulty_sink.range(5000, 6000, numPartitions=2).selectExpr("id").write.format(
+            "delta_rs_faulty"
+        ).option("fault", "fail-before-commit").mode("append").save(str(table))
+    assert "injected failure before the Delta commit" in str(failed.value)
+    assert _ids(table) == list(range(1000))
+    assert _table_files(table) == _live_files(table)  # no orphan left behind
+
+
+# -- 3. a replayed batch id ----------------------------------------------------------------
+
+
+@pytest.mark.spark
+def test_replayed_batch_is_refused_without_duplicates(sink: Any, tmp_path: Path) -> None:
+    source, table, checkpoint = tmp_path / "src", tmp_path / "table", tmp_path / "chk"
+    expected = _write_source(source, files=3, rows_per_file=300)
+    first = DRIVER.start_query(sink, str(source), str(table), str(checkpoint), interval=None)
+    first.awaitTermination()
+    _assert_exactly_once(table, expected)
+    last = max(int(p.name) for p in (checkpoint / "commits").iterdir() if p.name.isdigit())
+    version_before = DeltaTable(str(table)).version()
+    assert DeltaTable(str(table)).transaction_version(str(first.id)) == last
+
+    # Forget that the last batch was committed: Spark replays it with the same batch id.
+    (checkpoint / "commits" / str(last)).unlink()
+    crc = checkpoint / "commits" / f".{last}.crc"
+    if crc.exists():
+        crc.unlink()
+    replay = DRIVER.start_query(sink, str(source), str(table), str(checkpoint), interval=None)
+    replay.awaitTermination()
+
+    assert (checkpoint / "commits" / str(last)).exists()  # Spark did run the batch again
+    assert DeltaTable(str(table)).version() == version_before  # ... and nothing was committed
+    _assert_exactly_once(table, expected)
+    assert _table_files(table) == _live_files(table)  # the replay's files were removed
+
+
+def _unit_options(table: Path, **extra: str) -> SinkOptions:
+    return SinkOptions.parse({"path": str(table), **extra}, streaming=True)
+
+
+def _unit_write(opts: SinkOptions, start: int, count: int, batch_id: int) -> list[DataFile]:
+    plan = plan_write(opts, SOURCE_ARROW)
+    message = write_task_files(
+        opts,
+        plan,
+        iter(_rows(start, count).to_batches()),
+        partition_id=0,
+        attempt=0,
+        batch_id=batch_id,
+        query_id="query-1",
+    )
+    assert message.batch_id == batch_id
+    return list(message.files)
+
+
+def test_commit_refuses_versions_at_or_below_the_recorded_one(tmp_path: Path) -> None:
+    table = tmp_path / "table"
+    opts = _unit_options(table)
+    plan = plan_write(opts, SOURCE_ARROW)
+
+    files = _unit_write(opts, 0, 100, batch_id=3)
+    assert (
+        commit_write(opts, plan, files, mode="append", app_id="q", version=3) is Outcome.COMMITTED
+    )
+    # The same commit retried (same files) is recognised as landed, and keeps its files.
+    assert (
+        commit_write(opts, plan, files, mode="append", app_id="q", version=3) is Outcome.COMMITTED
+    )
+    assert {f.path for f in files} <= _table_files(table)
+
+    for version in (3, 2):
+        replay = _unit_write(opts, 0, 100, batch_id=version)
+        outcome = commit_write(opts, plan, replay, mode="append", app_id="q", version=version)
+        assert outcome is Outcome.REFUSED
+        assert not {f.path for f in replay} & _table_files(table)  # refused files deleted
+    assert DeltaTable(str(table)).version() == 0
+    assert _ids(table) == list(range(100))
+
+    newer = _unit_write(opts, 100, 50, batch_id=4)
+    assert (
+        commit_write(opts, plan, newer, mode="append", app_id="q", version=4) is Outcome.COMMITTED
+    )
+    assert DeltaTable(str(table)).transaction_version("q") == 4
+    assert _ids(table) == list(range(150))
+
+
+def test_abort_deletes_only_files_whose_commit_did_not_land(tmp_path: Path) -> None:
+    table = tmp_path / "table"
+    opts = _unit_options(table)
+    plan = plan_write(opts, SOURCE_ARROW)
+    landed = _unit_write(opts, 0, 10, batch_id=0)
+    commit_write(opts, plan, landed, mode="append", app_id="q", version=0)
+    assert abort_write(opts, landed) == []
+    assert {f.path for f in landed} <= _table_files(table)
+
+    lost = _unit_write(opts, 10, 10, batch_id=1)
+    assert sorted(abort_write(opts, lost)) == sorted(f.path for f in lost)
+    assert _table_files(table) == {f.path for f in landed}
+    assert _ids(table) == list(range(10))
+
+
+# -- 4. batch append, overwrite, schemas ---------------------------------------------------
+
+
+@pytest.mark.spark
+def test_batch_append_overwrite_and_schema_rules(sink: Any, tmp_path: Path) -> None:
+    table = str(tmp_path / "table")
+    first = sink.range(0, 1000, numPartitions=2).selectExpr("id", "CAST(id AS STRING) AS label")
+    second = sink.range(1000, 1500, numPartitions=2).selectExpr("id", "CAST(id AS STRING) AS label")
+    first.write.format("delta_rs").mode("append").save(table)
+    second.write.format("delta_rs").mode("append").save(table)
+    assert _ids(Path(table)) == list(range(1500))
+
+    replacement = sink.range(7000, 7100, numPartitions=1).selectExpr(
+        "id", "CONCAT('r', id) AS label"
+    )
+    replacement.write.format("delta_rs").mode("overwrite").save(table)
+    current = DeltaTable(table)
+    assert _ids(Path(table)) == list(range(7000, 7100))
+    assert set(current.to_pyarrow_table().column("label").to_pylist()) == {
+        f"r{i}" for i in range(7000, 7100)
+    }
+    assert current.history(1)[0]["operationParameters"]["mode"] == "Overwrite"
+    previous = DeltaTable(table)
+    previous.load_as_version(current.version() - 1)
+    assert previous.count() == 1500  # time travel still sees the overwritten files
+
+    version = current.version()
+    wrong = sink.range(0, 10).selectExpr("CAST(id AS STRING) AS id", "CAST(id AS STRING) AS label")
+    with pytest.raises(AnalysisException) as mismatch:
+        wrong.write.format("delta_rs").mode("append").save(table)
+    text = str(mismatch.value)
+    assert "SinkSchemaMismatchError" in text
+    assert "the column 'id' is long in the table but string in the data" in text, text
+    assert "mergeSchema=true" in text
+    assert DeltaTable(table).version() == version  # nothing committed ...
+    assert _table_files(Path(table)) >= _live_files(Path(table))
+    assert DeltaTable(table).count() == 100
+
+    extra = sink.range(9000, 9010).selectExpr(
+        "id", "CAST(id AS STRING) AS label", "id * 3 AS tripled"
+    )
+    with pytest.raises(AnalysisException) as refused:
+        extra.write.format("delta_rs").mode("append").save(table)
+    assert "the data column 'tripled' is not in the table" in str(refused.value)
+    extra.write.format("delta_rs").mode("append").option("mergeSchema", "true").save(table)
+    merged = DeltaTable(table).to_pyarrow_table().sort_by("id")
+    assert merged.schema.names == ["id", "label", "tripled"]
+    assert merged.column("tripled").to_pylist() == [None] * 100 + [i * 3 for i in range(9000, 9010)]
+
+
+@pytest.mark.spark
+def test_idempotent_batch_write_with_txn_options(sink: Any, tmp_path: Path) -> None:
+    table = str(tmp_path / "table")
+    df = sink.range(0, 200, numPartitions=2)
+    for _ in range(2):
+        df.write.format("delta_rs").option("txnAppId", "nightly").option("txnVersion", "7").mode(
+            "append"
+        ).save(table)
+    assert _ids(Path(table)) == list(range(200))
+    assert DeltaTable(table).transaction_version("nightly") == 7
+    assert _table_files(Path(table)) == _live_files(Path(table))
+
+
+@pytest.mark.spark
+def test_partitioned_table_and_file_uri(sink: Any, tmp_path: Path) -> None:
+    table = tmp_path / "table"
+    df = sink.createDataFrame(
+        [(1, "fr"), (2, "a b/c%d"), (3, None), (4, "fr"), (5, "x=y")],
+        "id long, country string",
+    )
+    df.write.format("delta_rs").option("partitionBy", "country").mode("append").save(
+        table.as_uri()  # file:// goes through delta-rs's object-store file system
+    )
+    delta = DeltaTable(str(table))
+    assert delta.metadata().partition_columns == ["country"]
+    rows = sorted(delta.to_pyarrow_table().to_pylist(), key=lambda r: r["id"])
+    assert rows == [
+        {"id": 1, "country": "fr"},
+        {"id": 2, "country": "a b/c%d"},
+        {"id": 3, "country": None},
+        {"id": 4, "country": "fr"},
+        {"id": 5, "country": "x=y"},
+    ]
+    assert pl.read_delta(str(table)).filter(pl.col("country") == "fr")["id"].sort().to_list() == [
+        1,
+        4,
+    ]
+    assert {
+        Path(p).parent.name
+        for p in delta.file_uris(file_pruning_predicate=[("country", "=", "a b/c%d")])
+    } == {"country=a%20b%2Fc%25d"}
+
+    # A later write follows the table's partitioning; a different one is refused.
+    sink.createDataFrame([(6, "de")], "id long, country string").write.format("delta_rs").mode(
+        "append"
+    ).save(str(table))
+    assert DeltaTable(str(table)).count() == 6
+    with pytest.raises(AnalysisException) as wrong:
+        sink.createDataFrame([(7, "de")], "id long, country string").write.format(
+            "delta_rs"
+        ).option("partitionBy", "id").mode("append").save(str(table))
+    assert "is partitioned by ['country'], but the write is partitioned by ['id']" in str(
+        wrong.value
+    )
+    assert clean_orphan_files(table.as_uri(), older_than=dt.timedelta(0)) == []
+
+
+# -- 5. statistics and file skipping -------------------------------------------------------
+
+
+@pytest.mark.spark
+def test_stats_are_exact_and_skip_files(sink: Any, tmp_path: Path) -> None:
+    table = str(tmp_path / "table")
+    df = sink.range(0, 20_000, numPartitions=4).selectExpr(
+        "id",
+        "CASE WHEN id % 5 = 0 THEN NULL ELSE CONCAT('n', id) END AS name",
+        "CAST(id AS DOUBLE) / 7 AS ratio",
+        "TIMESTAMP_MICROS(1700000000000000 + id * 1001) AS ts",
+        "DATE_ADD(DATE'2024-01-01', CAST(id % 400 AS INT)) AS day",
+        "NAMED_STRUCT('inner', CASE WHEN id % 3 = 0 THEN NULL ELSE id END) AS nested",
+    )
+    df.write.format("delta_rs").option("maxRecordsPerFile", "3000").mode("append").save(table)
+
+    delta = DeltaTable(table)
+    assert delta.count() == 20_000
+    actions = pa.table(delta.get_add_actions(flatten=True)).to_pylist()
+    assert len(actions) >= 8  # 4 tasks x 5000 rows, rolled over at 3000 rows
+    for action in actions:
+        data = pl.read_parquet(Path(table) / action["path"])
+        assert action["num_records"] == data.height
+        for column in ("id", "name", "ratio", "ts", "day"):
+            assert action[f"null_count.{column}"] == data[column].null_count()
+            assert action[f"min.{column}"] == data[column].min(), column
+            assert action[f"max.{column}"] == data[column].max(), column
+        inner = data["nested"].struct.field("inner")
+        assert action["null_count.nested.inner"] == inner.null_count()
+        assert (action["min.nested.inner"], action["max.nested.inner"]) == (
+            inner.min(),
+            inner.max(),
+        )
+
+    # File skipping: a filtered scan opens only the files whose id range can match.
+    threshold = 17_500
+    dataset = delta.to_pyarrow_dataset()
+    needed = {a["path"] for a in actions if a["max.id"] >= threshold}
+    assert 0 < len(needed) < len(actions)
+    scanned = {f.path for f in dataset.get_fragments(filter=ds.field("id") >= threshold)}
+    assert scanned == needed  # pyarrow's pruning with the fragments' min/max
+    pruned = delta.file_uris(file_pruning_predicate=f"id >= {threshold}")
+    assert {str(Path(u).relative_to(table)) for u in pruned} == needed  # delta-rs's own
+    assert dataset.to_table(filter=ds.field("id") >= threshold).num_rows == 20_000 - threshold
+
+
+def test_stats_leave_out_bounds_they_cannot_state_exactly(tmp_path: Path) -> None:
+    from stateful_async.spark._sink_files import TableStorage, TaskFileWriter
+
+    schema = pa.schema(
+        [
+            ("f", pa.float64()),
+            ("nan", pa.float64()),
+            ("inf", pa.float32()),
+            ("zeros", pa.float64()),
+            ("long_text", pa.string()),
+            ("dec", pa.decimal128(10, 2)),
+            ("all_null", pa.int32()),
+            ("ntz", pa.timestamp("us")),
+            ("items", pa.list_(pa.int64())),
+        ]
+    )
+    data = pa.table(
+        {
+            "f": [1.5, -2.25, None],
+            "nan": [1.0, math.nan, 3.0],
+            "inf": pa.array([1.0, math.inf, 0.5], pa.float32()),
+            "zeros": [0.0, -0.0, 0.0],
+            "long_text": ["z" * 65, "b", None],
+            "dec": pa.array([None, None, None], pa.decimal128(10, 2)),
+            "all_null": pa.array([None, None, None], pa.int32()),
+            "ntz": [dt.datetime(2020, 1, 1, 0, 0, 0, 123456), None, dt.datetime(1999, 12, 31)],
+            "items": [[1], None, []],
+        },
+        schema=schema,
+    )
+    writer = TaskFileWriter(TableStorage(str(tmp_path)), schema, ())
+    for batch in data.to_batches(max_chunksize=2):
+        writer.write(batch)
+    (written,) = writer.close()
+    stats = json.loads(written.stats)
+    assert stats["numRecords"] == 3
+    assert (stats["minValues"]["f"], stats["maxValues"]["f"]) == (-2.25, 1.5)
+    assert "nan" not in stats["minValues"] and "nan" not in stats["maxValues"]
+    assert "inf" not in stats["minValues"] and "inf" not in stats["maxValues"]
+    assert math.copysign(1, stats["minValues"]["zeros"]) == -1  # -0.0 is in the data
+    assert math.copysign(1, stats["maxValues"]["zeros"]) == 1
+    assert stats["minValues"]["long_text"] == "b"
+    assert "long_text" not in stats["maxValues"]  # 65 characters: no exact short bound
+    assert "dec" not in stats["minValues"] and stats["nullCount"]["dec"] == 3
+    assert stats["nullCount"]["all_null"] == 3 and "all_null" not in stats["minValues"]
+    assert stats["minValues"]["ntz"] == "1999-12-31T00:00:00.000000"
+    assert stats["maxValues"]["ntz"] == "2020-01-01T00:00:00.123456"
+    assert "items" not in stats["nullCount"]  # no statistics for lists, as in Delta
+    assert stats["nullCount"]["f"] == 1
+    read_back = pq.read_table(tmp_path / written.path)
+    assert read_back.drop_columns(["nan"]).to_pylist() == data.drop_columns(["nan"]).to_pylist()
+    assert [math.isnan(v) for v in read_back.column("nan").to_pylist()] == [False, True, False]
+
+
+# -- options ---------------------------------------------------------------------------------
+
+
+def test_options_are_validated_with_clear_errors() -> None:
+    with pytest.raises(ConfigurationError, match="does not know the option.*partitonby"):
+        SinkOptions.parse({"path": "/t", "partitonBy": "a"}, streaming=False)
+    with pytest.raises(ConfigurationError, match="is relative; give an absolute path"):
+        SinkOptions.parse({"path": "relative/table"}, streaming=False)
+    with pytest.raises(ConfigurationError, match="needs both txnAppId"):
+        SinkOptions.parse({"path": "/t", "txnAppId": "a"}, streaming=False)
+    with pytest.raises(ConfigurationError, match="txnVersion applies to batch writes only"):
+        SinkOptions.parse({"path": "/t", "txnVersion": "1"}, streaming=True)
+    with pytest.raises(ConfigurationError, match="mergeschema must be true or false"):
+        SinkOptions.parse({"path": "/t", "mergeSchema": "yes"}, streaming=False)
+    opts = SinkOptions.parse(
+        {"path": "s3://bucket/t/", "Storage.AWS_REGION": "eu-west-1", "partitionBy": "a, b"},
+        streaming=True,
+    )
+    assert opts.table_uri == "s3://bucket/t"
+    assert opts.storage_options == {"aws_region": "eu-west-1"}
+    assert opts.partition_by == ("a", "b")
+
+
+def test_clean_orphan_files_refuses_a_path_without_a_table(tmp_path: Path) -> None:
+    (tmp_path / "data.parquet").write_bytes(b"not really parquet")
+    with pytest.raises(DeltaSinkError, match="There is no Delta table at .*nothing was deleted"):
+        clean_orphan_files(str(tmp_path), older_than=dt.timedelta(0))
+    assert (tmp_path / "data.parquet").exists()
+    with pytest.raises(ConfigurationError, match="older_than must not be negative"):
+        clean_orphan_files(str(tmp_path), older_than=dt.timedelta(seconds=-1))
+
+
+def test_not_null_column_rejects_nulls_and_the_task_removes_its_files(tmp_path: Path) -> None:
+    table = tmp_path / "table"
+    DeltaTable.create(
+        str(table), pa.schema([pa.field("id", pa.int64(), nullable=False), ("v", pa.string())])
+    )
+    opts = SinkOptions.parse({"path": str(table)}, streaming=False)
+    plan = plan_write(opts, pa.schema([("id", pa.int64()), ("v", pa.string())]))
+    good = pa.record_batch({"id": pa.array([1, 2], pa.int64()), "v": ["a", "b"]})
+    bad = pa.record_batch({"id": pa.array([3, None], pa.int64()), "v": ["c", "d"]})
+    written: list[Path] = []
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        yield good
+        written.extend(table.rglob("*.parquet"))  # the file of the first batch is open
+        yield bad
+
+    with pytest.raises(SinkSchemaMismatchError, match="'id' is NOT NULL in the Delta table"):
+        write_task_files(
+            opts, plan, batches(), partition_id=0, attempt=0, batch_id=None, query_id=None
+        )
+    assert len(written) == 1
+    assert _table_files(table) == set()  # the failed task deleted the file it had started
+
+
+@pytest.mark.spark
+def test_streaming_schema_mismatch_stops_the_query_with_the_clear_error(
+    sink: Any, tmp_path: Path
+) -> None:
+    source, table, checkpoint = tmp_path / "src", tmp_path / "table", tmp_path / "chk"
+    _write_source(source, files=1, rows_per_file=10)
+    sink.range(3).selectExpr("CAST(id AS STRING) AS id").write.format("delta_rs").mode(
+        "append"
+    ).save(str(table))
+    query = DRIVER.start_query(sink, str(source), str(table), str(checkpoint), interval=None)
+    with pytest.raises(StreamingQueryException) as failure:
+        query.awaitTermination()
+    text = str(failure.value)
+    assert "SinkSchemaMismatchError" in text
+    assert "the column 'id' is string in the table but long in the data" in text
+    assert DeltaTable(str(table)).count() == 3
+
+
+@pytest.mark.spark
+def test_streaming_complete_mode_replaces_the_table_each_batch(sink: Any, tmp_path: Path) -> None:
+    source, table = tmp_path / "src", tmp_path / "table"
+    source.mkdir()
+    keys = []
+    for n in range(3):
+        batch_keys = [f"k{(n + i) % 2}" for i in range(5)]
+        keys += batch_keys
+        pq.write_table(pa.table({"k": batch_keys, "v": list(range(5))}), source / f"{n}.parquet")
+        os.utime(source / f"{n}.parquet", (1_700_000_000 + n, 1_700_000_000 + n))
+    query = (
+        sink.readStream.schema("k string, v long")
+        .option("maxFilesPerTrigger", 1)
+        .parquet(str(source))
+        .groupBy("k")
+        .count()
+        .writeStream.format("delta_rs")
+        .outputMode("complete")
+        .option("checkpointLocation", str(tmp_path / "chk"))
+        .trigger(availableNow=True)
+        .start(str(table))
+    )
+    query.awaitTermination()
+    delta = DeltaTable(str(table))
+    assert delta.version() == 2  # one transaction per micro-batch
+    expected = {k: keys.count(k) for k in set(keys)}
+    assert {r["k"]: r["count"] for r in delta.to_pyarrow_table().to_pylist()} == expected
+    assert delta.count() == len(expected)
+    assert delta.transaction_version(str(query.id)) == 2
+
+
+def test_clean_orphan_files_keeps_every_file_a_retained_version_names(tmp_path: Path) -> None:
+    from deltalake import write_deltalake
+
+    table = tmp_path / "table"
+    write_deltalake(str(table), _rows(0, 10), mode="append")
+    write_deltalake(str(table), _rows(10, 10), mode="append")
+    write_deltalake(str(table), _rows(100, 5), mode="overwrite")  # removes two files
+    DeltaTable(str(table)).create_checkpoint()  # at version 2
+    write_deltalake(str(table), _rows(200, 5), mode="append")
+    # Log clean-up: the commits up to the checkpoint go, so the files of versions 0-2 are
+    # named only by the checkpoint (live ones as adds, removed ones as tombstones).
+    for commit in sorted((table / "_delta_log").glob("*.json"))[:-1]:
+        commit.unlink()
+    assert [p.name for p in (table / "_delta_log").glob("*.json")] == [f"{3:020d}.json"]
+    (table / "part=x").mkdir()
+    orphan = table / "part=x" / "part-00000-orphan-c000.snappy.parquet"
+    pq.write_table(_rows(0, 1), orphan)
+    hidden = table / "_tmp" / "part-00000-hidden.parquet"
+    hidden.parent.mkdir()
+    pq.write_table(_rows(0, 1), hidden)
+    kept = _table_files(table) - {"part=x/part-00000-orphan-c000.snappy.parquet"}
+
+    assert clean_orphan_files(str(table), older_than=dt.timedelta(0), dry_run=True) == [
+        "part=x/part-00000-orphan-c000.snappy.parquet"
+    ]
+    assert clean_orphan_files(str(table), older_than=dt.timedelta(0)) == [
+        "part=x/part-00000-orphan-c000.snappy.parquet"
+    ]
+    assert not orphan.exists()
+    assert hidden.exists()  # hidden directories are never touched
+    assert _table_files(table) == kept
+    assert _ids(table) == list(range(100, 105)) + list(range(200, 205))
