@@ -210,7 +210,9 @@ def concurrency(committers: list[int], count: int, period: float) -> list[dict[s
                     if proc.returncode != 0:
                         failures += 1
                         lines = err.strip().splitlines()
-                        sys.stderr.write(f"{layout} committer failed: {lines[-1] if lines else '?'}\n")
+                        sys.stderr.write(
+                            f"{layout} committer failed: {lines[-1] if lines else '?'}\n"
+                        )
                         continue
                     latencies.extend(json.loads(out.strip().splitlines()[-1]))
                 rows.append(

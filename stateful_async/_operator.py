@@ -16,6 +16,7 @@ from ._exceptions import (
     ElementFailedError,
     InvalidResultError,
     OperatorStateError,
+    ResultSchemaError,
     StatefulAsyncError,
     TimeoutHandlerError,
     element_error,
@@ -39,6 +40,7 @@ Output = Callable[[StreamElement], Any]
 
 _TIMEOUT = 0
 _RETRY = 1
+_PROGRAMMING_ERRORS = (InvalidResultError, ResultSchemaError)
 
 
 class OutputMode(enum.Enum):
@@ -491,6 +493,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
 
     def _on_attempt_error(self, handler: _Element, error: BaseException) -> None:
         handler.last_error = error
+        if isinstance(error, _PROGRAMMING_ERRORS):
+            # A result of the wrong shape: deterministic, never retried, already names the
+            # element.
+            self._decide_failure(handler, error)
+            return
         if handler.timed_out:
             return  # the timeout handler decides this element
         retry = self._retry
@@ -646,7 +653,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._queue.complete(handler, results)
         self._output_completed()
 
-    def _decide_failure(self, handler: _Element, error: ElementFailedError) -> None:
+    def _decide_failure(self, handler: _Element, error: StatefulAsyncError) -> None:
         self._release(handler)
         self._fail(error)
 

@@ -27,6 +27,7 @@ def local_session(
         raise ConfigurationError(
             "PySpark is not installed: pip install 'stateful-async[spark]'."
         ) from exc
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # only loopback, never a public address
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     settings: dict[str, Any] = {

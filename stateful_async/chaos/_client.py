@@ -1,0 +1,70 @@
+"""``ServiceEnrichment``: an AsyncFunction that enriches rows from the mock service."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._function import AsyncFunction
+
+
+class ServiceError(Exception):
+    """The service answered with an error status (retry it with a RetryStrategy)."""
+
+    def __init__(self, status: int, key: str) -> None:
+        super().__init__(f"HTTP {status} for key {key!r}")
+        self.status = status
+        self.key = key
+
+
+class ServiceEnrichment(AsyncFunction[dict[str, Any], dict[str, Any]]):
+    """Looks up ``row[key_field]`` at ``{url}/enrich`` and returns the row with ``fields``
+    of the answer added. One ``aiohttp.ClientSession`` per operator (made in ``open``, so
+    the function pickles for Spark). A 5xx raises ``ServiceError``; ``fallback``, if given,
+    is returned (merged into the row) when an element times out.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        key_field: str = "id",
+        fields: tuple[str, ...] = ("score", "label"),
+        fallback: dict[str, Any] | None = None,
+        max_connections: int = 1000,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.key_field = key_field
+        self.fields = tuple(fields)
+        self.fallback = fallback
+        self.max_connections = max_connections
+        self._session: Any = None
+
+    async def open(self) -> None:
+        import aiohttp
+
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def async_invoke(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        key = str(row[self.key_field])
+        async with self._session.get(f"{self.url}/enrich", params={"key": key}) as response:
+            if response.status >= 400:
+                raise ServiceError(response.status, key)
+            answer = await response.json()
+        return [{**row, **{name: answer[name] for name in self.fields}}]
+
+    async def timeout(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        if self.fallback is None:
+            return list(await super().timeout(row))
+        return [{**row, **self.fallback}]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_session"] = None
+        return state

@@ -1,0 +1,131 @@
+"""``MockService``: the mock enrichment service in a child process, stopped by pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict
+from typing import Any
+
+from .._exceptions import StatefulAsyncError
+from ._service import ServiceConfig
+
+
+class MockServiceError(StatefulAsyncError):
+    """The mock service could not be started, or an admin call failed."""
+
+
+class MockService:
+    """Starts the mock enrichment service on 127.0.0.1 (a free port) in its own process.
+
+    Use it as a context manager, or call ``start()`` and ``stop()``. ``stop()`` ends only
+    the process this object started, by pid.
+
+        with MockService(ServiceConfig(latency_ms=20)) as service:
+            service.url        # "http://127.0.0.1:<port>"
+            service.counts()   # {"key": requests, ...}
+    """
+
+    def __init__(self, config: ServiceConfig | None = None, port: int = 0) -> None:
+        self.config = config or ServiceConfig()
+        self.port = port
+        self.process: subprocess.Popen[str] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.process is None:
+            raise MockServiceError("The mock service is not running: call start() first.")
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def start(self, timeout: float = 30.0) -> MockService:
+        if self.process is not None:
+            return self
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "stateful_async.chaos._service",
+                "--port",
+                str(self.port),
+                "--config",
+                json.dumps(asdict(self.config)),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + timeout
+        line = self.process.stdout.readline()  # "listening on 127.0.0.1:<port>"
+        if not line.startswith("listening on"):
+            error = self.process.stderr.read() if self.process.stderr else ""
+            self.stop()
+            raise MockServiceError(
+                f"The mock service did not start: {line.strip()} {error.strip()}"
+            )
+        self.port = int(line.rsplit(":", 1)[1])
+        while time.monotonic() < deadline:
+            try:
+                self._call("GET", "/health")
+                return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise MockServiceError(f"The mock service did not answer /health within {timeout} s.")
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+    def __enter__(self) -> MockService:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # -- admin ------------------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        """Requests received per key since the last reset."""
+        return dict(self.stats()["counts"])
+
+    def stats(self) -> dict[str, Any]:
+        """``counts`` plus ``total``, ``errors`` and ``hangs``."""
+        return self._call("GET", "/admin/counts")
+
+    def reset(self) -> None:
+        self._call("POST", "/admin/reset")
+
+    def configure(self, **changes: Any) -> ServiceConfig:
+        """Change the fault configuration (fields of ``ServiceConfig``); returns the new one."""
+        self.config = ServiceConfig(**self._call("POST", "/admin/config", changes))
+        return self.config
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise MockServiceError(
+                f"The mock service refused {method} {path}: {exc.read().decode(errors='replace')}"
+            ) from exc

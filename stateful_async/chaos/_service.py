@@ -1,0 +1,219 @@
+"""A mock enrichment service: aiohttp on 127.0.0.1, in its own process.
+
+It answers ``GET /enrich?key=K`` with ``{"key": K, "score": ..., "label": ...}`` (a pure
+function of the key, see ``expected_enrichment``) after a configurable latency, and can be
+told to misbehave: random or deterministic 5xx errors, error bursts, latency spikes and
+hangs. It counts requests per key, so a test can tell exactly which keys were requested
+more than once.
+
+Admin API (JSON):
+
+* ``GET /admin/counts`` — ``{"counts": {key: n}, "total": N, "errors": E, "hangs": H}``
+* ``POST /admin/reset`` — zero every counter
+* ``GET|POST /admin/config`` — read / merge the fault configuration (``ServiceConfig``)
+* ``GET /health``
+
+Run it with ``MockService`` (``stateful_async.chaos``), or from a shell:
+``python -m stateful_async.chaos.service --port 8099``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import signal
+import sys
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+def expected_enrichment(key: str) -> dict[str, Any]:
+    """What the service returns for ``key`` (without faults): reference results are
+    computed with this, never by calling the service."""
+    digest = zlib.crc32(str(key).encode())
+    return {"key": str(key), "score": (digest % 10_000) / 100.0, "label": f"L{digest % 97:02d}"}
+
+
+@dataclass
+class ServiceConfig:
+    """How the service behaves. Every field has a harmless default.
+
+    Latency: ``latency_ms`` with ``distribution`` ``constant``, ``uniform`` (between
+    ``latency_min_ms`` and ``latency_max_ms``), ``exponential`` (mean ``latency_ms``) or
+    ``lognormal`` (median ``latency_ms``, ``latency_sigma``); every ``spike_every``-th
+    request takes ``spike_ms`` longer.
+
+    Errors: each request fails with ``error_status`` with probability ``error_rate``;
+    requests number ``burst_start`` .. ``burst_start + burst_length - 1`` (counting from the
+    last reset) all fail; the first ``fail_first[key]`` requests of a key fail. Hangs: with
+    probability ``hang_rate``, or for the first ``hang_first[key]`` requests of a key, the
+    service never answers (the client's timeout decides).
+    """
+
+    latency_ms: float = 0.0
+    distribution: str = "constant"
+    latency_min_ms: float = 0.0
+    latency_max_ms: float = 0.0
+    latency_sigma: float = 0.5
+    spike_every: int = 0
+    spike_ms: float = 0.0
+    error_rate: float = 0.0
+    error_status: int = 503
+    burst_start: int = -1
+    burst_length: int = 0
+    fail_first: dict[str, int] = field(default_factory=dict)
+    hang_rate: float = 0.0
+    hang_first: dict[str, int] = field(default_factory=dict)
+    seed: int = 0
+
+    def merged(self, changes: dict[str, Any]) -> ServiceConfig:
+        unknown = set(changes) - set(asdict(self))
+        if unknown:
+            raise ValueError(f"Unknown service settings: {', '.join(sorted(unknown))}.")
+        values = {**asdict(self), **changes}
+        config = ServiceConfig(**values)
+        if config.distribution not in ("constant", "uniform", "exponential", "lognormal"):
+            raise ValueError(f"Unknown latency distribution {config.distribution!r}.")
+        return config
+
+
+class _State:
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.random = random.Random(config.seed)
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.total = 0
+        self.errors = 0
+        self.hangs = 0
+
+    def latency(self, number: int) -> float:
+        c = self.config
+        if c.distribution == "uniform":
+            ms = self.random.uniform(c.latency_min_ms, c.latency_max_ms)
+        elif c.distribution == "exponential":
+            ms = self.random.expovariate(1.0 / c.latency_ms) if c.latency_ms > 0 else 0.0
+        elif c.distribution == "lognormal":
+            ms = (
+                c.latency_ms * math.exp(self.random.gauss(0.0, c.latency_sigma))
+                if c.latency_ms > 0
+                else 0.0
+            )
+        else:
+            ms = c.latency_ms
+        if c.spike_every > 0 and number % c.spike_every == 0:
+            ms += c.spike_ms
+        return ms / 1000.0
+
+
+async def _enrich(request: web.Request) -> web.StreamResponse:
+    state: _State = request.app["state"]
+    key = request.query.get("key") or request.match_info.get("key")
+    if key is None:
+        return web.json_response({"error": "pass ?key=..."}, status=400)
+    state.total += 1
+    number = state.total
+    seen = state.counts.get(key, 0) + 1
+    state.counts[key] = seen
+    c = state.config
+    if seen <= c.hang_first.get(key, 0) or (c.hang_rate and state.random.random() < c.hang_rate):
+        state.hangs += 1
+        await asyncio.Event().wait()  # never answers; the client gives up
+    delay = state.latency(number)
+    if delay > 0:
+        await asyncio.sleep(delay)
+    failing = (
+        seen <= c.fail_first.get(key, 0)
+        or (c.burst_length > 0 and c.burst_start <= number < c.burst_start + c.burst_length)
+        or (c.error_rate and state.random.random() < c.error_rate)
+    )
+    if failing:
+        state.errors += 1
+        return web.json_response({"error": "injected failure", "key": key}, status=c.error_status)
+    return web.json_response(expected_enrichment(key))
+
+
+async def _counts(request: web.Request) -> web.Response:
+    state: _State = request.app["state"]
+    return web.json_response(
+        {"counts": state.counts, "total": state.total, "errors": state.errors, "hangs": state.hangs}
+    )
+
+
+async def _reset(request: web.Request) -> web.Response:
+    request.app["state"].reset()
+    return web.json_response({"ok": True})
+
+
+async def _config(request: web.Request) -> web.Response:
+    state: _State = request.app["state"]
+    if request.method == "POST":
+        try:
+            state.config = state.config.merged(await request.json())
+        except (ValueError, TypeError) as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        state.random = random.Random(state.config.seed)
+    return web.json_response(asdict(state.config))
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+def make_app(config: ServiceConfig | None = None) -> web.Application:
+    app = web.Application()
+    app["state"] = _State(config or ServiceConfig())
+    app.router.add_get("/enrich", _enrich)
+    app.router.add_get("/enrich/{key}", _enrich)
+    app.router.add_get("/admin/counts", _counts)
+    app.router.add_post("/admin/reset", _reset)
+    app.router.add_get("/admin/config", _config)
+    app.router.add_post("/admin/config", _config)
+    app.router.add_get("/health", _health)
+    return app
+
+
+async def serve(port: int, config: ServiceConfig, host: str = "127.0.0.1") -> None:
+    # A hung request is cancelled when its client gives up, instead of piling up.
+    runner = web.AppRunner(
+        make_app(config), access_log=None, handler_cancellation=True, shutdown_timeout=1.0
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    print(f"listening on {host}:{bound}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="The stateful-async mock enrichment service.")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--config", default="{}", help="initial ServiceConfig as JSON")
+    args = parser.parse_args(argv)
+    try:
+        config = ServiceConfig().merged(json.loads(args.config))
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    try:
+        asyncio.run(serve(args.port, config, args.host))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

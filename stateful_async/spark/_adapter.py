@@ -1,0 +1,281 @@
+"""``ordered_wait`` and ``unordered_wait``: the operator on Spark DataFrames."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Union
+
+import pyarrow as pa
+
+from .._exceptions import ConfigurationError, FunctionNotSerializableError
+from .._function import as_async_function
+from .._operator import OutputMode, check_capacity_and_timeout
+from .._retry import RetryStrategy
+from ._config import CheckpointConfig
+from ._task import PartitionTask, TaskSpec
+
+Schema = Union[str, Any]  # a DDL string or a pyspark StructType
+Duration = Union[dt.timedelta, int, float]
+
+
+def ordered_wait(
+    df: Any,
+    fn: Any,
+    schema: Schema,
+    *,
+    capacity: int = 100,
+    timeout: float | None = None,
+    retry: RetryStrategy | None = None,
+    checkpoint: CheckpointConfig | None = None,
+) -> Any:
+    """Enrich every row of ``df`` with ``fn``, many calls in flight per task; results keep
+    the input order of each partition (Flink's ``AsyncDataStream.orderedWait``).
+
+    ``fn`` is an ``AsyncFunction`` or an ``async def`` that receives one input row as a
+    dict and returns a list of result rows (dicts with exactly the fields of ``schema``, a
+    DDL string or ``StructType``). ``capacity`` bounds the calls in flight per task;
+    ``timeout`` (seconds, per row, covering retries) and ``retry`` are as in
+    ``AsyncWaitOperator``. With ``checkpoint``, each task checkpoints its progress to Delta
+    and a failed task or a killed job resumes instead of starting over (see
+    ``CheckpointConfig``). Works on batch and streaming DataFrames.
+    """
+    return _async_wait(
+        df, fn, schema, OutputMode.ORDERED, capacity, timeout, retry, checkpoint, None, None
+    )
+
+
+def unordered_wait(
+    df: Any,
+    fn: Any,
+    schema: Schema,
+    *,
+    capacity: int = 100,
+    timeout: float | None = None,
+    retry: RetryStrategy | None = None,
+    checkpoint: CheckpointConfig | None = None,
+    event_time: str | None = None,
+    max_out_of_orderness: Duration | None = None,
+) -> Any:
+    """Like ``ordered_wait``, but results leave each task as soon as they are ready
+    (Flink's ``AsyncDataStream.unorderedWait``).
+
+    With ``event_time`` (a timestamp, date or integer column) each task generates
+    watermarks from it with ``max_out_of_orderness`` (a timedelta or seconds for timestamp
+    columns; the column's own units for integer columns); results are then reordered only
+    between two watermarks, never across one.
+    """
+    return _async_wait(
+        df,
+        fn,
+        schema,
+        OutputMode.UNORDERED,
+        capacity,
+        timeout,
+        retry,
+        checkpoint,
+        event_time,
+        max_out_of_orderness,
+    )
+
+
+def _async_wait(
+    df: Any,
+    fn: Any,
+    schema: Schema,
+    mode: OutputMode,
+    capacity: int,
+    timeout: float | None,
+    retry: RetryStrategy | None,
+    checkpoint: CheckpointConfig | None,
+    event_time: str | None,
+    max_out_of_orderness: Duration | None,
+) -> Any:
+    from pyspark.sql import DataFrame
+
+    if not isinstance(df, DataFrame):
+        raise ConfigurationError(
+            f"The first argument must be a pyspark DataFrame; got {type(df).__name__}."
+        )
+    function = as_async_function(fn)
+    check_capacity_and_timeout(capacity, timeout, retry)
+    if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
+        raise ConfigurationError(
+            f"checkpoint must be a CheckpointConfig; got {type(checkpoint).__name__}."
+        )
+    struct = _output_struct(schema)
+    input_schema = _arrow_schema(df.schema, "input")
+    output_schema = _arrow_schema(struct, "output")
+    ooo = _event_time(df, event_time, max_out_of_orderness)
+    if checkpoint is not None:
+        _check_checkpoint(checkpoint, input_schema, output_schema)
+    spec = TaskSpec(
+        fn=function,
+        mode=mode,
+        capacity=capacity,
+        timeout=timeout,
+        retry=retry,
+        input_schema=input_schema,
+        output_schema=output_schema,
+        event_time=event_time,
+        max_out_of_orderness=ooo,
+        checkpoint=checkpoint,
+        app_id=df.sparkSession.sparkContext.applicationId,
+    )
+    task = PartitionTask(spec)
+    _check_picklable(task, fn)
+    return df.mapInArrow(task, struct)
+
+
+def _output_struct(schema: Schema) -> Any:
+    from pyspark.sql.types import StructType, _parse_datatype_string
+
+    if isinstance(schema, StructType):
+        return schema
+    if isinstance(schema, str):
+        try:
+            parsed = _parse_datatype_string(schema)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"The output schema {schema!r} is not a valid DDL string "
+                f"(e.g. 'id long, score double'): {exc}"
+            ) from exc
+        if isinstance(parsed, StructType):
+            return parsed
+    raise ConfigurationError(
+        f"schema must be a DDL string like 'id long, score double' or a StructType; got {schema!r}."
+    )
+
+
+def _arrow_schema(struct: Any, what: str) -> pa.Schema:
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    try:
+        return to_arrow_schema(struct, timezone="UTC")
+    except Exception as exc:
+        raise ConfigurationError(
+            f"The {what} schema has a type Arrow cannot carry ({exc}); mapInArrow, which "
+            "the adapter runs on, needs Arrow-compatible columns."
+        ) from exc
+
+
+def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
+    from pyspark.sql.types import (
+        DateType,
+        IntegerType,
+        LongType,
+        TimestampNTZType,
+        TimestampType,
+    )
+
+    if column is None:
+        if ooo is not None:
+            raise ConfigurationError(
+                "max_out_of_orderness needs event_time: name the column the watermarks come from."
+            )
+        return 0
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    if column not in fields:
+        raise ConfigurationError(
+            f"event_time column {column!r} is not in the DataFrame; its columns are "
+            f"{sorted(fields)}."
+        )
+    kind = fields[column]
+    if isinstance(kind, (TimestampType, TimestampNTZType)):
+        unit = 1_000_000  # Spark timestamps are microseconds
+    elif isinstance(kind, DateType):
+        unit = 1  # days
+        if isinstance(ooo, dt.timedelta):
+            return int(ooo.days)
+    elif isinstance(kind, (LongType, IntegerType)):
+        if isinstance(ooo, dt.timedelta):
+            raise ConfigurationError(
+                f"event_time column {column!r} is an integer: give max_out_of_orderness in its "
+                "units, as a number."
+            )
+        unit = 1
+    else:
+        raise ConfigurationError(
+            f"event_time column {column!r} has type {kind.simpleString()}; use a timestamp, "
+            "date or integer column."
+        )
+    if ooo is None:
+        return 0
+    seconds = ooo.total_seconds() if isinstance(ooo, dt.timedelta) else ooo
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+        raise ConfigurationError(
+            f"max_out_of_orderness must be >= 0 (a timedelta, or a number); got {ooo!r}."
+        )
+    return int(round(seconds * unit))
+
+
+def _check_checkpoint(
+    config: CheckpointConfig, input_schema: pa.Schema, output_schema: pa.Schema
+) -> None:
+    """What the driver can check before any task runs."""
+    from checkpoint import CheckpointError, SchemaChangedError, SnapshotStore
+
+    store = SnapshotStore(config.location, config.storage_options)
+    try:
+        jobs = store.jobs() if _exists(store) else []
+        has_job = config.job_id in jobs and config.operator_id in store.operators(config.job_id)
+        if has_job:
+            subtasks = store.subtasks(config.job_id, config.operator_id)
+            if subtasks:
+                stored = store.subtask(config.job_id, config.operator_id, subtasks[0]).schemas()
+                if stored is not None:
+                    for what, old, new in (
+                        ("input", stored[0], input_schema),
+                        ("output", stored[1], output_schema),
+                    ):
+                        if not old.equals(new):
+                            raise SchemaChangedError(
+                                f"The {what} schema differs from the one the checkpoints of job "
+                                f"{config.job_id!r} at {config.location} were written with.\n"
+                                f"  stored: {old}\n  now:    {new}\nUse a new job_id, or "
+                                "remove the old checkpoints (stateful-async checkpoints expire "
+                                "--retain 0)."
+                            )
+        if config.restore_from is None:
+            return
+        metas = store.checkpoints(config.job_id, config.operator_id) if has_job else []
+        if not metas:
+            raise ConfigurationError(
+                f"restore_from={config.restore_from!r}, but job {config.job_id!r} (operator "
+                f"{config.operator_id!r}) has no checkpoints at {config.location}. Check the "
+                "location and job_id, or drop restore_from to start fresh."
+            )
+        if config.restore_from != "latest":
+            wanted = int(config.restore_from)
+            if not any(m.checkpoint_id <= wanted for m in metas):
+                ids = sorted({m.checkpoint_id for m in metas})
+                raise ConfigurationError(
+                    f"restore_from={wanted}, but job {config.job_id!r} has no checkpoint with "
+                    f"id {wanted} or lower. Checkpoint ids that exist: {ids}."
+                )
+    except CheckpointError as exc:
+        if isinstance(exc, SchemaChangedError):
+            raise
+        raise ConfigurationError(
+            f"Cannot use checkpoint location {config.location}: {exc}"
+        ) from exc
+
+
+def _exists(store: Any) -> bool:
+    from checkpoint._layout import location_exists
+
+    return location_exists(store.location)
+
+
+def _check_picklable(task: PartitionTask, fn: Any) -> None:
+    from pyspark import cloudpickle
+
+    try:
+        cloudpickle.dumps(task)
+    except Exception as exc:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise FunctionNotSerializableError(
+            f"The async function {name} cannot be pickled, so Spark cannot send it to the "
+            f"executors: {type(exc).__name__}: {exc}. Create clients (HTTP sessions, "
+            "connection pools, locks) in AsyncFunction.open(), not in __init__ or at module "
+            "level, and keep only picklable settings (URLs, keys) on the object."
+        ) from exc

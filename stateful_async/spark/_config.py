@@ -1,0 +1,89 @@
+"""``CheckpointConfig``: where and how often a Spark enrichment checkpoints, and what it
+resumes from."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Union
+
+from .._exceptions import ConfigurationError
+
+RestoreFrom = Union[None, str, int]
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpointing of ``ordered_wait`` / ``unordered_wait``.
+
+    ``location`` is a directory (local path or object-store URI; ``storage_options`` are
+    passed to deltalake) that every executor can reach. ``job_id`` names the enrichment
+    there; ``operator_id`` tells two enrichments of one job apart.
+
+    Each task checkpoints every ``interval_records`` input records (and, if set, every
+    ``interval_seconds``), and once more when its input ends. After each of its final
+    checkpoints a task keeps its ``retain`` newest checkpoints and expires the rest.
+
+    ``restore_from`` decides what a *new run* starts from (a retried task attempt always
+    resumes its own run's latest checkpoint, whatever this says):
+
+    * ``None`` — start fresh; never read another run's checkpoints;
+    * ``"latest"`` — each partition resumes from its most recently written checkpoint;
+    * ``N`` (an int) — each partition resumes from its most recent checkpoint whose id is
+      ``N`` or lower.
+
+    See ``docs/checkpointing.md`` for what a run and a checkpoint id are.
+    """
+
+    location: str
+    job_id: str
+    interval_records: int = 10_000
+    interval_seconds: float | None = None
+    retain: int = 3
+    restore_from: RestoreFrom = None
+    operator_id: str = "enrich"
+    storage_options: dict[str, str] | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        from checkpoint import CheckpointError
+        from checkpoint._layout import check_name, normalize
+
+        if not isinstance(self.location, (str, os.PathLike)) or not str(self.location):
+            raise ConfigurationError(
+                f"CheckpointConfig location must be a path or URI; got {self.location!r}."
+            )
+        object.__setattr__(self, "location", normalize(self.location))
+        try:
+            check_name("job_id", self.job_id)
+            check_name("operator_id", self.operator_id)
+        except CheckpointError as exc:
+            raise ConfigurationError(f"CheckpointConfig: {exc}") from None
+        if (
+            isinstance(self.interval_records, bool)
+            or not isinstance(self.interval_records, int)
+            or (self.interval_records < 1)
+        ):
+            raise ConfigurationError(
+                f"CheckpointConfig interval_records must be an integer >= 1; got "
+                f"{self.interval_records!r}."
+            )
+        if self.interval_seconds is not None and not self.interval_seconds > 0:
+            raise ConfigurationError(
+                f"CheckpointConfig interval_seconds must be > 0 or None; got "
+                f"{self.interval_seconds!r}."
+            )
+        if isinstance(self.retain, bool) or not isinstance(self.retain, int) or self.retain < 1:
+            raise ConfigurationError(
+                f"CheckpointConfig retain must be an integer >= 1 (checkpoints kept per "
+                f"partition); got {self.retain!r}."
+            )
+        restore = self.restore_from
+        if not (
+            restore is None
+            or restore == "latest"
+            or (isinstance(restore, int) and not isinstance(restore, bool) and restore >= 1)
+        ):
+            raise ConfigurationError(
+                f"CheckpointConfig restore_from must be None, 'latest' or a checkpoint id >= 1; "
+                f"got {restore!r}."
+            )

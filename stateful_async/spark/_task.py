@@ -1,0 +1,591 @@
+"""Inside one Spark task: the operator on an asyncio loop, fed from ``mapInArrow``.
+
+``PartitionTask`` is the function given to ``DataFrame.mapInArrow``. For each task it runs
+an ``AsyncWaitOperator`` on its own event-loop thread; the task's own thread only hands
+result batches to Spark. Input batches are read on a reader thread, one at a time, and fed
+record by record, so at most ``capacity`` records are in flight and memory is bounded by
+capacity plus one input batch.
+
+With checkpointing, at every barrier (every ``interval_records`` input records, and every
+``interval_seconds``) the task commits, in one Delta commit, the operator's in-flight
+inputs and the results emitted since the previous barrier, with the input position and a
+fingerprint of the input consumed so far. Spark throws away a failed attempt's output, so
+a retried attempt restores its run's latest checkpoint: it re-emits the committed results,
+skips the input already consumed (checking its fingerprint), re-invokes the saved
+in-flight inputs and carries on. The successful attempt's output is exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import pyarrow as pa
+
+from .._elements import StreamElement, StreamRecord, Watermark, describe
+from .._exceptions import InputMismatchError, InvalidResultError, ResultSchemaError
+from .._function import AsyncFunction, CoroutineFunction, has_timeout_handler
+from .._operator import AsyncWaitOperator, OutputMode
+from .._retry import RetryStrategy
+from ._config import CheckpointConfig
+
+_CHUNK_ROWS = 1024  # rows converted to Python and fed per step (bounds loop latency)
+_OUTPUT_ROWS = 1024  # rows per output Arrow batch
+_FLUSH_SECONDS = 0.2  # an idle task still hands its results over this often
+_MAX_QUEUED_BATCHES = 16  # output backpressure: stop reading input past this
+_EXPIRE_EVERY = 20  # a long task expires old checkpoints every this many checkpoints
+
+
+# -- the user's function, seen from the operator --------------------------------------------
+
+
+class _RowFunction(AsyncFunction[Any, Any]):
+    """Calls the user's function with the row of a ``(input_seq, row)`` record and pairs
+    each result with that row (for error messages). Result shape is checked here: a wrong
+    shape is a programming error and is never retried."""
+
+    def __init__(self, fn: AsyncFunction[Any, Any], names: frozenset[str]) -> None:
+        self.fn = fn
+        self.names = names
+
+    async def open(self) -> None:
+        fn = self.fn
+        self._invoke = fn.fn if isinstance(fn, CoroutineFunction) else fn.async_invoke
+        await fn.open()
+
+    async def close(self) -> None:
+        await self.fn.close()
+
+    async def async_invoke(self, value: tuple[int, dict[str, Any]]) -> list[Any]:
+        row = value[1]
+        return _pair(await self._invoke(row), row, self.names)
+
+
+class _RowFunctionWithTimeout(_RowFunction):
+    async def timeout(self, value: tuple[int, dict[str, Any]]) -> list[Any]:
+        row = value[1]
+        return _pair(await self.fn.timeout(row), row, self.names)
+
+
+def _pair(results: Any, row: dict[str, Any], names: frozenset[str]) -> list[Any]:
+    if type(results) is not list:
+        if results is None or isinstance(results, (dict, str, bytes)):
+            raise InvalidResultError(
+                f"The async function returned {type(results).__name__} for input row "
+                f"{describe(row)}; it must return a list of result rows (dicts): [row] for one "
+                "result, [] for none.",
+                element=row,
+            )
+        try:
+            results = list(results)
+        except TypeError:
+            raise InvalidResultError(
+                f"The async function returned {type(results).__name__}, which is not iterable, "
+                f"for input row {describe(row)}; return a list of result rows (dicts).",
+                element=row,
+            ) from None
+    paired = []
+    for result in results:
+        if type(result) is not dict:
+            if hasattr(result, "asDict"):  # a pyspark Row
+                result = result.asDict(recursive=True)
+            elif hasattr(result, "keys"):
+                result = dict(result)
+            else:
+                raise ResultSchemaError(
+                    f"The async function returned a {type(result).__name__} result for input "
+                    f"row {describe(row)}; each result must be a dict with the fields "
+                    f"{sorted(names)}."
+                )
+        if result.keys() != names:
+            missing = sorted(names - result.keys())
+            extra = sorted(result.keys() - names)
+            detail = "; ".join(
+                part
+                for part in (
+                    f"missing field(s) {missing}" if missing else "",
+                    f"unexpected field(s) {extra}" if extra else "",
+                )
+                if part
+            )
+            raise ResultSchemaError(
+                f"A result for input row {describe(row)} does not match the output schema: "
+                f"{detail}. The schema has the fields {sorted(names)}."
+            )
+        paired.append((result, row))
+    return paired
+
+
+# -- the mapInArrow function ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Everything a task needs, pickled once by Spark and shipped to executors."""
+
+    fn: AsyncFunction[Any, Any]
+    mode: OutputMode
+    capacity: int
+    timeout: float | None
+    retry: RetryStrategy | None
+    input_schema: pa.Schema
+    output_schema: pa.Schema
+    event_time: str | None
+    max_out_of_orderness: int
+    checkpoint: CheckpointConfig | None
+    app_id: str
+
+
+class PartitionTask:
+    """The ``mapInArrow`` function of ``ordered_wait`` / ``unordered_wait``."""
+
+    def __init__(self, spec: TaskSpec) -> None:
+        self.spec = spec
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        return _TaskRun(self.spec, batches, _task_identity(self.spec.app_id)).run()
+
+
+@dataclass(frozen=True)
+class TaskIdentity:
+    partition: int
+    attempt: int
+    run_id: str
+    properties: dict[str, str]
+
+
+def _task_identity(app_id: str) -> TaskIdentity:
+    """Which run this task belongs to (see docs/checkpointing.md)."""
+    try:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+    except ImportError:  # pragma: no cover - the adapter always runs under Spark
+        context = None
+    if context is None:  # called outside Spark (tests of the task itself)
+        return TaskIdentity(0, 0, os.environ.get("STATEFUL_ASYNC_RUN_ID", "local"), {})
+    batch_id = context.getLocalProperty("streaming.sql.batchId")
+    query_id = context.getLocalProperty("sql.streaming.queryId")
+    if batch_id is not None and query_id is not None:
+        run_id = f"{query_id}.batch{batch_id}"
+    else:
+        run_id = f"{app_id}.stage{context.stageId()}"
+    properties = {
+        "attempt": str(context.attemptNumber()),
+        "stage": str(context.stageId()),
+        "app_id": app_id,
+    }
+    if batch_id is not None:
+        properties["batch_id"] = batch_id
+    if query_id is not None:
+        properties["query_id"] = query_id
+    job_group = context.getLocalProperty("spark.jobGroup.id")
+    if job_group:
+        properties["job_group"] = job_group
+    return TaskIdentity(context.partitionId(), context.attemptNumber(), run_id, properties)
+
+
+class _Abort(Exception):
+    """Raised inside the loop thread to stop the task with a stored error."""
+
+
+class _TaskRun:
+    def __init__(
+        self, spec: TaskSpec, batches: Iterator[pa.RecordBatch], identity: TaskIdentity
+    ) -> None:
+        self.spec = spec
+        self.batches = batches
+        self.identity = identity
+        self.out: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.driver: asyncio.Task[None] | None = None
+        # output accumulated on the loop thread
+        self.rows: list[dict[str, Any]] = []
+        self.sources: list[dict[str, Any]] = []
+        self.uncommitted: list[pa.RecordBatch] = []
+        self.flush_scheduled = False
+        # input position and checkpoint bookkeeping
+        self.position = 0
+        self.leftover: pa.RecordBatch | None = None
+        self.last_watermark: int | None = None
+        self.stats: dict[str, Any] = {
+            "restored_from": None,
+            "restored_results": 0,
+            "restored_in_flight": 0,
+            "skipped": 0,
+            "checkpoints": 0,
+        }
+
+    # -- the task's own thread: hand batches to Spark -------------------------------------
+
+    def run(self) -> Iterator[pa.RecordBatch]:
+        thread = threading.Thread(
+            target=self._thread_main,
+            name=f"stateful-async-p{self.identity.partition}",
+            daemon=True,
+        )
+        thread.start()
+        try:
+            while True:
+                kind, item = self.out.get()
+                if kind == "batch":
+                    yield item
+                elif kind == "done":
+                    break
+                else:
+                    raise item
+        finally:
+            if thread.is_alive():  # Spark stopped reading early: stop the loop
+                loop, driver = self.loop, self.driver
+                if loop is not None and driver is not None:
+                    try:
+                        loop.call_soon_threadsafe(driver.cancel)
+                    except RuntimeError:
+                        pass
+                thread.join(timeout=30)
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:
+            self.out.put(("error", self.error or exc))
+        else:
+            self.out.put(("done", None))
+
+    # -- the loop thread --------------------------------------------------------------------
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.driver = asyncio.current_task()
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="stateful-async-input")
+        self.io = ThreadPoolExecutor(1, thread_name_prefix="stateful-async-checkpoint")
+        started = time.monotonic()
+        try:
+            await self._drive()
+        except asyncio.CancelledError:
+            if self.error is not None:
+                raise self.error from None
+            raise
+        finally:
+            self.reader.shutdown(wait=False, cancel_futures=True)
+            self.io.shutdown(wait=True)
+        self._log_summary(time.monotonic() - started)
+
+    async def _drive(self) -> None:
+        spec = self.spec
+        fn_class = _RowFunctionWithTimeout if has_timeout_handler(spec.fn) else _RowFunction
+        function = fn_class(spec.fn, frozenset(spec.output_schema.names))
+        self.op = AsyncWaitOperator(
+            function, self._on_output, spec.mode, spec.capacity, spec.timeout, spec.retry
+        )
+        restored: list[StreamElement] = []
+        self.checkpointing = spec.checkpoint is not None
+        if self.checkpointing:
+            restored = await self._restore()
+        self.tick = self.loop.call_later(_FLUSH_SECONDS, self._tick)  # type: ignore[union-attr]
+        try:
+            await self.op.open(restored=restored)
+            await self._consume()
+            await self.op.finish()
+            self._flush()
+            if self.checkpointing:
+                await self._checkpoint(final=True)
+                await self._in_io(self.log.expire, spec.checkpoint.retain)  # type: ignore[union-attr]
+        finally:
+            self.tick.cancel()
+            await self.op.close()
+        self._flush()
+
+    # -- input ------------------------------------------------------------------------------
+
+    async def _next_batch(self) -> pa.RecordBatch | None:
+        if self.leftover is not None:
+            batch, self.leftover = self.leftover, None
+            return batch
+        while self.out.qsize() > _MAX_QUEUED_BATCHES:  # Spark is slower than we are
+            await asyncio.sleep(0.005)
+        assert self.loop is not None
+        return await self.loop.run_in_executor(self.reader, next, self.batches, None)
+
+    async def _consume(self) -> None:
+        spec = self.spec
+        process = self.op.process_element
+        interval = spec.checkpoint.interval_records if spec.checkpoint else None
+        seconds = spec.checkpoint.interval_seconds if spec.checkpoint else None
+        event_time = spec.event_time
+        while True:
+            batch = await self._next_batch()
+            if batch is None:
+                return
+            offset = 0
+            while offset < batch.num_rows:
+                size = min(_CHUNK_ROWS, batch.num_rows - offset)
+                if interval is not None:
+                    size = min(size, interval - self.position % interval)
+                chunk = batch.slice(offset, size)
+                offset += size
+                rows = chunk.to_pylist()
+                seq = self.position
+                if event_time is None:
+                    for row in rows:
+                        await process(StreamRecord((seq, row)))
+                        seq += 1
+                else:
+                    stamps = _timestamps(chunk, event_time)
+                    for row, stamp in zip(rows, stamps, strict=True):
+                        await process(StreamRecord((seq, row), stamp))
+                        seq += 1
+                    await self._advance_watermark(stamps)
+                if self.checkpointing:
+                    self.fingerprint.update(rows)
+                self.position = seq
+                if self.checkpointing and (
+                    self.position % interval == 0  # type: ignore[operator]
+                    or (seconds is not None and time.monotonic() - self.last_checkpoint >= seconds)
+                ):
+                    await self._checkpoint()
+
+    async def _advance_watermark(self, stamps: list[int | None]) -> None:
+        present = [s for s in stamps if s is not None]
+        if not present:
+            return
+        watermark = max(present) - self.spec.max_out_of_orderness - 1
+        if self.last_watermark is None or watermark > self.last_watermark:
+            self.last_watermark = watermark
+            await self.op.process_watermark(Watermark(watermark))
+
+    # -- output -----------------------------------------------------------------------------
+
+    def _on_output(self, element: StreamElement) -> None:
+        if type(element) is Watermark:
+            return  # watermarks order the operator's output; Spark rows do not carry them
+        result, source = element.value  # type: ignore[union-attr]
+        self.rows.append(result)
+        self.sources.append(source)
+        if len(self.rows) >= _OUTPUT_ROWS and not self.flush_scheduled:
+            self.flush_scheduled = True
+            self.loop.call_soon(self._flush_soon)  # type: ignore[union-attr]
+
+    def _flush_soon(self) -> None:
+        self.flush_scheduled = False
+        try:
+            self._flush()
+        except BaseException as exc:
+            self._abort(exc)
+
+    def _tick(self) -> None:
+        self._flush_soon()
+        assert self.loop is not None
+        self.tick = self.loop.call_later(_FLUSH_SECONDS, self._tick)
+
+    def _flush(self) -> None:
+        if not self.rows:
+            return
+        rows, sources = self.rows, self.sources
+        self.rows, self.sources = [], []
+        batch = _to_batch(rows, sources, self.spec.output_schema)
+        if self.checkpointing:
+            self.uncommitted.append(batch)
+        self.out.put(("batch", batch))
+
+    def _abort(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        if self.driver is not None:
+            self.driver.cancel()
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    async def _in_io(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        assert self.loop is not None
+        return await self.loop.run_in_executor(self.io, partial(fn, *args, **kwargs))
+
+    async def _restore(self) -> list[StreamElement]:
+        from checkpoint import InputFingerprint, SnapshotStore
+
+        config = self.spec.checkpoint
+        assert config is not None
+        store = SnapshotStore(config.location, config.storage_options)
+        self.log = store.subtask(config.job_id, config.operator_id, self.identity.partition)
+        self.fingerprint = InputFingerprint()
+        self.last_checkpoint = time.monotonic()
+        self.restored_final = False
+        point = await self._in_io(self._find_restore_point, config)
+        self.next_id = 1
+        self.parent = None
+        if point is None:
+            return []
+        meta = point.metadata
+        self.next_id = meta.checkpoint_id + 1
+        self.parent = meta.ref
+        self.restored_final = meta.final
+        self.stats.update(
+            restored_from=str(meta.ref),
+            restored_results=point.results.num_rows,
+            restored_in_flight=len(point.elements),
+        )
+        await self._skip_consumed(meta.position, meta.fingerprint, str(meta.ref))
+        for batch in point.results.to_batches(max_chunksize=_OUTPUT_ROWS):
+            self.out.put(("batch", batch))  # committed results: re-emitted, not recomputed
+        restored: list[StreamElement] = []
+        for element, seq in zip(point.elements, point.input_seqs, strict=True):
+            if type(element) is Watermark:
+                restored.append(element)
+                if self.last_watermark is None or element.timestamp > self.last_watermark:
+                    self.last_watermark = element.timestamp
+            else:
+                restored.append(StreamRecord((seq, element.value), element.timestamp))
+        return restored
+
+    def _find_restore_point(self, config: CheckpointConfig) -> Any:
+        log = self.log
+        meta = log.latest(run_id=self.identity.run_id)  # a retried attempt of this run
+        if meta is None and config.restore_from is not None:  # a new run that asks to resume
+            max_id = None if config.restore_from == "latest" else int(config.restore_from)
+            meta = log.latest(max_id=max_id)
+        if meta is None:
+            return None
+        return log.restore(meta.checkpoint_id, meta.run_id)
+
+    async def _skip_consumed(self, position: int, fingerprint: str, ref: str) -> None:
+        while self.position < position:
+            batch = await self._next_batch()
+            if batch is None:
+                break
+            take = min(batch.num_rows, position - self.position)
+            self.fingerprint.update(batch.slice(0, take).to_pylist())
+            self.position += take
+            if take < batch.num_rows:
+                self.leftover = batch.slice(take)
+        self.stats["skipped"] = self.position
+        found = self.fingerprint.hexdigest()
+        if self.position < position or found != fingerprint:
+            config = self.spec.checkpoint
+            assert config is not None
+            raise InputMismatchError(
+                f"Partition {self.identity.partition} cannot resume from checkpoint {ref} of job "
+                f"{config.job_id!r}: that checkpoint had consumed {position} input records "
+                f"(fingerprint {fingerprint}), but the first {self.position} records read now "
+                f"have fingerprint {found}. The input differs from the one the checkpoint was "
+                "taken on (changed data, or an order that is not deterministic, e.g. after a "
+                "shuffle). Resuming needs the same input in the same order: fix the input, or "
+                "start a new run without restore_from (or under a new job_id)."
+            )
+
+    async def _checkpoint(self, final: bool = False) -> None:
+        if final and self.restored_final and self.position == self.stats["skipped"]:
+            return  # restored a finished partition and did nothing new: nothing to record
+        self._flush()
+        checkpoint_id = self.next_id
+        snapshot = self.op.snapshot_state(checkpoint_id)
+        elements: list[StreamElement] = []
+        seqs: list[int | None] = []
+        for element in snapshot:
+            if type(element) is Watermark:
+                elements.append(element)
+                seqs.append(None)
+            else:
+                seq, row = element.value  # type: ignore[union-attr]
+                elements.append(StreamRecord(row, element.timestamp))
+                seqs.append(seq)
+        schema = self.spec.output_schema
+        results = pa.Table.from_batches(self.uncommitted, schema=schema)
+        self.uncommitted = []
+        config = self.spec.checkpoint
+        assert config is not None
+        # Input waits for the commit (calls in flight go on meanwhile): the input consumed
+        # past the last durable checkpoint never exceeds one interval, which is what bounds
+        # the repeated requests after a crash (capacity + interval).
+        await self._in_io(
+            self.log.commit,
+            self.identity.run_id,
+            checkpoint_id,
+            elements,
+            results,
+            input_schema=self.spec.input_schema,
+            output_schema=schema,
+            position=self.position,
+            fingerprint=self.fingerprint.hexdigest(),
+            parent=self.parent,
+            input_seqs=seqs,
+            final=final,
+            properties=self.identity.properties,
+        )
+        from checkpoint import CheckpointRef
+
+        self.parent = CheckpointRef(self.identity.run_id, checkpoint_id)
+        self.next_id += 1
+        self.last_checkpoint = time.monotonic()
+        self.stats["checkpoints"] += 1
+        if not final and self.stats["checkpoints"] % _EXPIRE_EVERY == 0:
+            await self._in_io(self.log.expire, config.retain)
+
+    def _log_summary(self, seconds: float) -> None:
+        metrics = self.op.metrics
+        parts = [
+            f"partition {self.identity.partition} attempt {self.identity.attempt}",
+            f"run {self.identity.run_id}",
+            f"{metrics.records_in} records",
+            f"{metrics.results_out} results",
+            f"{metrics.retries} retries",
+            f"{metrics.timeouts} timeouts",
+            f"{seconds:.1f} s",
+        ]
+        if self.checkpointing:
+            parts.append(f"{self.stats['checkpoints']} checkpoints")
+            if self.stats["restored_from"]:
+                parts.append(
+                    f"restored from {self.stats['restored_from']} ("
+                    f"{self.stats['restored_results']} results re-emitted, "
+                    f"{self.stats['restored_in_flight']} in flight re-invoked, "
+                    f"{self.stats['skipped']} inputs skipped)"
+                )
+        print("stateful-async: " + ", ".join(parts), file=sys.stderr, flush=True)
+
+
+def _timestamps(chunk: pa.RecordBatch, column: str) -> list[int | None]:
+    array = chunk.column(column)
+    if pa.types.is_timestamp(array.type):
+        array = array.cast(pa.timestamp("us", tz=array.type.tz)).cast(pa.int64())
+    elif pa.types.is_date(array.type):
+        array = array.cast(pa.date32()).cast(pa.int32()).cast(pa.int64())
+    return array.cast(pa.int64()).to_pylist()
+
+
+def _to_batch(
+    rows: list[dict[str, Any]], sources: list[dict[str, Any]], schema: pa.Schema
+) -> pa.RecordBatch:
+    try:
+        return pa.RecordBatch.from_pylist(rows, schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
+        pass
+    for row, source in zip(rows, sources, strict=True):  # find the culprit, for the message
+        for field in schema:
+            value = row.get(field.name)
+            try:
+                pa.array([value], type=field.type)
+            except (
+                pa.ArrowInvalid,
+                pa.ArrowTypeError,
+                OverflowError,
+                TypeError,
+                ValueError,
+            ) as exc:
+                raise ResultSchemaError(
+                    f"The result field {field.name!r} ({field.type}) cannot hold {describe(value)} "
+                    f"({type(value).__name__}), returned for input row {describe(source)}: {exc}. "
+                    "Return values of the types the output schema declares."
+                ) from exc
+    raise ResultSchemaError(
+        f"The results could not be converted to the output schema {schema}."
+    )  # pragma: no cover - a per-field failure is always found above

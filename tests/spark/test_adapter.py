@@ -1,0 +1,399 @@
+"""ordered_wait / unordered_wait on a real local[2,3] Spark session against the mock
+enrichment service on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark import cloudpickle
+from pyspark.sql import functions as F
+
+from checkpoint import SnapshotStore
+from stateful_async import (
+    ConfigurationError,
+    FunctionNotSerializableError,
+    RetryStrategy,
+)
+from stateful_async.chaos import (
+    CrashOnElement,
+    MockService,
+    ServiceConfig,
+    ServiceEnrichment,
+    ServiceError,
+    expected_enrichment,
+)
+from stateful_async.spark import CheckpointConfig, ordered_wait, unordered_wait
+
+pytestmark = pytest.mark.spark
+
+# Functions defined here travel to executors by value (workers cannot import test modules).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+SCHEMA = "id long, name string, score double, label string"
+JOB_SCRIPT = Path(__file__).with_name("adapter_job.py")
+
+
+def reference(i: int) -> dict[str, Any]:
+    """What enriching row i must give, computed without the service."""
+    answer = expected_enrichment(str(i))
+    return {"id": i, "name": f"user{i}", "score": answer["score"], "label": answer["label"]}
+
+
+def source(spark, rows: int, partitions: int = 2):  # type: ignore[no-untyped-def]
+    return spark.range(0, rows, numPartitions=partitions).selectExpr(
+        "id", "concat('user', id) as name"
+    )
+
+
+def by_partition(df) -> dict[int, list[dict[str, Any]]]:  # type: ignore[no-untyped-def]
+    """Output rows per partition, in the order each task emitted them."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for row in df.withColumn("_p", F.spark_partition_id()).collect():
+        values = row.asDict()
+        out.setdefault(values.pop("_p"), []).append(values)
+    return out
+
+
+@pytest.fixture(scope="module")
+def service():  # type: ignore[no-untyped-def]
+    with MockService(ServiceConfig(latency_ms=2)) as svc:
+        yield svc
+
+
+@pytest.fixture(autouse=True)
+def fresh_service(service: MockService) -> MockService:
+    service.configure(**{k: v for k, v in ServiceConfig(latency_ms=2).__dict__.items()})
+    service.reset()
+    return service
+
+
+def partition_ids(rows: int, partitions: int, partition: int) -> range:
+    """The ids spark.range(0, rows, numPartitions=partitions) puts in one partition."""
+    start = partition * rows // partitions
+    return range(start, (partition + 1) * rows // partitions)
+
+
+# -- results and ordering ------------------------------------------------------------------
+
+
+def test_ordered_wait_keeps_input_order_and_matches_the_reference(spark, service) -> None:
+    service.configure(distribution="uniform", latency_min_ms=0, latency_max_ms=8)
+    out = ordered_wait(
+        source(spark, 3000, 3), ServiceEnrichment(service.url), SCHEMA, capacity=64, timeout=10.0
+    )
+    assert out.schema.simpleString() == "struct<id:bigint,name:string,score:double,label:string>"
+    parts = by_partition(out)
+    assert sorted(parts) == [0, 1, 2]
+    for p, rows in parts.items():
+        assert rows == [reference(i) for i in partition_ids(3000, 3, p)]
+    assert service.stats()["total"] == 3000  # one request per row, no more
+
+
+def test_unordered_wait_reorders_only_between_watermarks(spark, service) -> None:
+    service.configure(distribution="uniform", latency_min_ms=0, latency_max_ms=10)
+    df = source(spark, 6000).withColumn("ts", F.col("id"))
+    out = unordered_wait(
+        df,
+        ServiceEnrichment(service.url),
+        SCHEMA + ", ts long",
+        capacity=128,
+        timeout=10.0,
+        event_time="ts",
+        max_out_of_orderness=0,
+    )
+    parts = by_partition(out)
+    reordered = False
+    for p, rows in parts.items():
+        ids = list(partition_ids(6000, 2, p))
+        assert sorted(r["id"] for r in rows) == ids
+        assert all(r == {**reference(r["id"]), "ts": r["id"]} for r in rows)
+        # Watermarks follow each chunk of 1024 input rows (event time = id): a result may
+        # not leave its chunk's segment, so segment numbers never decrease along the output.
+        segments = [(r["id"] - ids[0]) // 1024 for r in rows]
+        assert segments == sorted(segments)
+        reordered |= [r["id"] for r in rows] != ids
+    assert reordered  # and inside segments, completion order really did reorder results
+
+
+def test_unordered_wait_without_event_time_gives_the_same_multiset(spark, service) -> None:
+    out = unordered_wait(
+        source(spark, 2000), ServiceEnrichment(service.url), SCHEMA, capacity=50, timeout=10.0
+    )
+    assert sorted(out.collect(), key=lambda r: r.id) == [
+        tuple(reference(i).values()) for i in range(2000)
+    ]
+
+
+def test_a_plain_async_def_works_too(spark) -> None:
+    async def double(row: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"id": row["id"], "twice": row["id"] * 2}]
+
+    out = ordered_wait(
+        spark.range(0, 100, numPartitions=2), double, "id long, twice long", capacity=8
+    )
+    assert [tuple(r) for r in out.collect()] == [(i, 2 * i) for i in range(100)]
+
+
+# -- crash resume --------------------------------------------------------------------------
+
+
+def test_a_worker_crash_resumes_from_the_checkpoint_exactly_once(spark, service, tmp_path) -> None:
+    rows, capacity, interval, crash_at = 6000, 50, 500, 2222
+    config = CheckpointConfig(str(tmp_path), "crash", interval_records=interval, retain=100)
+    fn = CrashOnElement(ServiceEnrichment(service.url), at=[crash_at])
+    out = ordered_wait(
+        source(spark, rows), fn, SCHEMA, capacity=capacity, timeout=30.0, checkpoint=config
+    )
+    parts = by_partition(out)
+    for p, got in parts.items():
+        assert got == [reference(i) for i in partition_ids(rows, 2, p)]  # exactly once, in order
+
+    counts = {int(k): v for k, v in service.counts().items()}
+    assert set(counts) == set(range(rows))
+    repeated = sorted(k for k, n in counts.items() if n > 1)
+    assert max(counts.values()) == 2
+    assert repeated, "the crash must have cost some repeated requests"
+    # Only partition 0 crashed; its repeats are the records in flight at the restored
+    # checkpoint or read after it: at most capacity + interval.
+    assert all(k in partition_ids(rows, 2, 0) for k in repeated)
+    assert len(repeated) <= capacity + interval
+    store = SnapshotStore(tmp_path)
+    retried = [m for m in store.checkpoints("crash") if m.properties.get("attempt") == "1"]
+    assert retried and all(m.subtask == 0 for m in retried)
+    restored_from = retried[0].parent
+    assert restored_from is not None
+    restored = store.load("crash", "enrich", 0, restored_from.checkpoint_id, restored_from.run_id)
+    in_flight = {e.value["id"] for e in restored.elements}
+    position = restored.metadata.position
+    # Exactly those: in flight at the checkpoint, or at/after its position up to the crash.
+    assert set(repeated) <= in_flight | set(range(position, crash_at + capacity + 1))
+    assert in_flight | {k for k in range(position, crash_at)} <= set(repeated)
+
+
+# -- job resume after the driver is killed -------------------------------------------------
+
+
+def test_a_killed_job_resumes_with_restore_from(spark, service, tmp_path) -> None:
+    rows, capacity, interval = 4000, 10, 250
+    location = tmp_path / "ckpt"
+    service.configure(latency_ms=15)
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            str(JOB_SCRIPT),
+            str(location),
+            "resume",
+            service.url,
+            str(rows),
+            str(tmp_path / "never.json"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        store = SnapshotStore(location)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # until both partitions made durable progress
+            done = {}
+            if location.exists() and (location / "resume").exists():
+                for m in store.checkpoints("resume"):
+                    done[m.subtask] = done.get(m.subtask, 0) + 1
+            if len(done) == 2 and min(done.values()) >= 2:
+                break
+            assert driver.poll() is None, "the job finished before it could be killed"
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the job made no progress")
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver, its JVM and its Python workers
+        driver.wait(timeout=30)
+    assert not (tmp_path / "never.json").exists()
+    killed = {m.subtask: m for m in store.checkpoints("resume")}  # newest per partition
+    assert all(not m.final for m in killed.values())
+    before = {int(k): n for k, n in service.counts().items()}
+
+    # Resume from the latest checkpoints, in a new application (this test's session).
+    service.configure(latency_ms=2)
+    service.reset()
+    config = CheckpointConfig(
+        str(location), "resume", interval_records=interval, retain=100, restore_from="latest"
+    )
+    out = ordered_wait(
+        source(spark, rows),
+        ServiceEnrichment(service.url),
+        SCHEMA,
+        capacity=capacity,
+        timeout=30.0,
+        checkpoint=config,
+    )
+    parts = by_partition(out)
+    for p, got in parts.items():
+        assert got == [reference(i) for i in partition_ids(rows, 2, p)]
+    after = {int(k): n for k, n in service.counts().items()}
+    # Exactly the records in flight at each restored checkpoint, and those after it.
+    expected_requests: set[int] = set()
+    for p, meta in killed.items():
+        snapshot = store.load("resume", "enrich", p, meta.checkpoint_id, meta.run_id)
+        expected_requests |= {e.value["id"] for e in snapshot.elements}
+        expected_requests |= set(partition_ids(rows, 2, p)[meta.position :])
+    assert set(after) == expected_requests and max(after.values()) == 1
+    repeated = set(after) & set(before)
+    assert len(repeated) <= 2 * (capacity + interval)
+
+    # Resume again, from checkpoint 1 of each partition: only what followed it is requested.
+    service.reset()
+    config = CheckpointConfig(
+        str(location), "resume", interval_records=interval, retain=100, restore_from=1
+    )
+    out = ordered_wait(
+        source(spark, rows),
+        ServiceEnrichment(service.url),
+        SCHEMA,
+        capacity=capacity,
+        timeout=30.0,
+        checkpoint=config,
+    )
+    assert sorted(out.collect()) == sorted(tuple(reference(i).values()) for i in range(rows))
+    again = {int(k) for k in service.counts()}
+    first = {p: store.load("resume", "enrich", p, 1, killed[p].run_id) for p in (0, 1)}
+    assert again == {
+        i
+        for p, snap in first.items()
+        for i in [
+            *(e.value["id"] for e in snap.elements),
+            *partition_ids(rows, 2, p)[snap.metadata.position :],
+        ]
+    }
+
+    # Changed input cannot resume these checkpoints: refused with a clear error.
+    changed = source(spark, rows).withColumn("name", F.concat(F.col("name"), F.lit("!")))
+    config = CheckpointConfig(
+        str(location), "resume", interval_records=interval, restore_from="latest"
+    )
+    with pytest.raises(Exception, match="cannot resume from checkpoint .* The input differs"):
+        ordered_wait(
+            changed,
+            ServiceEnrichment(service.url),
+            SCHEMA,
+            capacity=capacity,
+            timeout=30.0,
+            checkpoint=config,
+        ).collect()
+
+
+def test_restore_from_without_checkpoints_is_refused_up_front(spark, tmp_path) -> None:
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [row]
+
+    config = CheckpointConfig(str(tmp_path), "nothing-here", restore_from="latest")
+    with pytest.raises(ConfigurationError, match="has no checkpoints at"):
+        ordered_wait(spark.range(3), f, "id long", checkpoint=config)
+
+
+# -- timeouts, retries, errors ---------------------------------------------------------------
+
+
+def test_retries_and_timeouts_against_a_misbehaving_service(spark, service) -> None:
+    service.configure(fail_first={"5": 2, "17": 1, "40": 3}, hang_first={"9": 1, "33": 1})
+    fn = ServiceEnrichment(service.url, fallback={"score": -1.0, "label": "fallback"})
+    retry = RetryStrategy.fixed_delay(4, 0.05, retry_on_exception=(ServiceError,))
+    out = ordered_wait(source(spark, 60), fn, SCHEMA, capacity=16, timeout=1.5, retry=retry)
+    got = {r.id: r.asDict() for r in out.collect()}
+    fallback_keys = {9, 33}  # hung: the timeout handler's fallback decided them
+    for i in range(60):
+        want = reference(i)
+        if i in fallback_keys:
+            want = {**want, "score": -1.0, "label": "fallback"}
+        assert got[i] == want
+    counts = service.counts()
+    assert (counts["5"], counts["17"], counts["40"]) == (3, 2, 4)  # failures, then success
+    assert (counts["9"], counts["33"]) == (1, 1)  # no retry after the deadline
+    assert all(counts[str(i)] == 1 for i in range(60) if i not in (5, 17, 40))
+
+
+def test_a_timeout_without_fallback_fails_the_job_naming_the_row(spark, service) -> None:
+    service.configure(hang_first={"3": 100})  # hangs on every attempt of every task retry
+    with pytest.raises(Exception, match=r"did not complete within the 0.5 s timeout .*'id': 3"):
+        ordered_wait(
+            source(spark, 10), ServiceEnrichment(service.url), SCHEMA, capacity=4, timeout=0.5
+        ).collect()
+
+
+def test_a_result_missing_a_field_names_it_and_the_input_row(spark) -> None:
+    async def incomplete(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    with pytest.raises(
+        Exception, match=r"input row \{'id': 0\} does not match the output schema: missing field"
+    ):
+        ordered_wait(
+            spark.range(0, 5, numPartitions=1), incomplete, "id long, score double", capacity=2
+        ).collect()
+
+
+def test_a_result_of_the_wrong_type_names_the_field_and_the_input_row(spark) -> None:
+    async def wrong(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"], "score": "high"}]
+
+    with pytest.raises(Exception, match=r"result field 'score' \(double\) cannot hold 'high'"):
+        ordered_wait(
+            spark.range(0, 5, numPartitions=1), wrong, "id long, score double", capacity=2
+        ).collect()
+
+
+def test_an_unpicklable_function_fails_before_the_job_starts(spark) -> None:
+    import threading
+
+    class HoldsALock(ServiceEnrichment):
+        def __init__(self) -> None:
+            super().__init__("http://127.0.0.1:1")
+            self.lock = threading.Lock()
+
+    with pytest.raises(
+        FunctionNotSerializableError, match="Create clients .* in AsyncFunction.open"
+    ):
+        ordered_wait(spark.range(3), HoldsALock(), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"schema": "not a schema ("}, "is not a valid DDL string"),
+        ({"capacity": 0}, "capacity must be an integer >= 1"),
+        ({"event_time": "missing"}, "event_time column 'missing' is not in the DataFrame"),
+        ({"max_out_of_orderness": 5}, "max_out_of_orderness needs event_time"),
+        ({"fn": len}, "is a regular function"),
+    ],
+)
+def test_bad_arguments_fail_before_the_job_starts(spark, kwargs, message) -> None:
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [row]
+
+    args = {"fn": f, "schema": "id long", **kwargs}
+    with pytest.raises(ConfigurationError, match=message):
+        unordered_wait(spark.range(3), args.pop("fn"), args.pop("schema"), **args)
+
+
+def test_checkpoint_config_validates_its_fields(tmp_path) -> None:
+    with pytest.raises(ConfigurationError, match="interval_records must be an integer >= 1"):
+        CheckpointConfig(str(tmp_path), "job", interval_records=0)
+    with pytest.raises(ConfigurationError, match="restore_from must be None, 'latest'"):
+        CheckpointConfig(str(tmp_path), "job", restore_from="yesterday")
+    with pytest.raises(ConfigurationError, match="cannot name a checkpoint directory"):
+        CheckpointConfig(str(tmp_path), "../up")
+
+
+def test_job_output_json_helper_is_not_collected() -> None:
+    # adapter_job.py is a driver script, not tests: it must stay importable and test-free.
+    text = JOB_SCRIPT.read_text()
+    assert "def test_" not in text and json.dumps({"ok": 1})
