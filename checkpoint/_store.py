@@ -44,7 +44,7 @@ from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from stateful_async import StreamElement, StreamRecord, Watermark
 from stateful_async import __version__ as library_version
 
-from . import _layout
+from . import _faults, _layout
 from ._exceptions import (
     CheckpointConflictError,
     CheckpointError,
@@ -453,6 +453,7 @@ class SubtaskLog:
             max_commit_retries=_COMMIT_RETRIES,
             custom_metadata={"stateful_async.checkpoint": str(meta.ref)},
         )
+        _faults.fire("before_delta_commit", log=self, meta=meta, data=data)
         table = self._open(refresh=True)
         if table is None:
             if self._create(data, input_schema, output_schema, properties_for_commit):

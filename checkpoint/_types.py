@@ -55,9 +55,10 @@ def storage_type(data_type: pa.DataType, path: str = "") -> pa.DataType:
     if pt.is_dictionary(t):
         return storage_type(t.value_type, path)
     if pt.is_struct(t):
-        return pa.struct(
-            [pa.field(f.name, storage_type(f.type, _join(path, f.name)), f.nullable) for f in t]
-        )
+        # Stored fields are all nullable: a snapshot row that is not a record has a null
+        # ``input`` struct, whose NOT NULL children would then hold nulls (which Parquet
+        # writers other than delta-rs refuse). The original schema restores the flags.
+        return pa.struct([pa.field(f.name, storage_type(f.type, _join(path, f.name))) for f in t])
     if pt.is_map(t):
         return pa.map_(
             storage_type(t.key_type, _join(path, "key")),
@@ -65,9 +66,7 @@ def storage_type(data_type: pa.DataType, path: str = "") -> pa.DataType:
         )
     if pt.is_list(t) or pt.is_large_list(t) or pt.is_fixed_size_list(t):
         item = t.value_field
-        return pa.list_(
-            pa.field(item.name, storage_type(item.type, _join(path, "element")), item.nullable)
-        )
+        return pa.list_(pa.field(item.name, storage_type(item.type, _join(path, "element"))))
     if pt.is_interval(t) or isinstance(t, pa.ExtensionType):
         raise UnsupportedTypeError(
             f"Column {path or '<value>'!r} has type {t}, which a Delta table cannot store "
@@ -79,7 +78,7 @@ def storage_type(data_type: pa.DataType, path: str = "") -> pa.DataType:
 
 def storage_schema(schema: pa.Schema) -> pa.Schema:
     """``storage_type`` applied to every field of a schema."""
-    return pa.schema([pa.field(f.name, storage_type(f.type, f.name), f.nullable) for f in schema])
+    return pa.schema([pa.field(f.name, storage_type(f.type, f.name)) for f in schema])
 
 
 def to_storage(array: pa.Array, original: pa.DataType) -> pa.Array:

@@ -61,3 +61,97 @@ class CrashOnElement(AsyncFunction[Any, Any]):
         if has_timeout_handler(self.fn):
             return await self.fn.timeout(row)
         return await super().timeout(row)
+
+
+class _CommitFault(AsyncFunction[Any, Any]):
+    """Base of wrappers that act on the snapshot store's commits in their own task."""
+
+    def __init__(
+        self,
+        fn: Any,
+        checkpoint_id: int,
+        attempt: int = 0,
+        partitions: Iterable[int] | None = None,
+    ) -> None:
+        self.fn = as_async_function(fn)
+        self.checkpoint_id = checkpoint_id
+        self.attempt = attempt
+        self.partitions = None if partitions is None else frozenset(partitions)
+        self._hook: Any = None
+
+    async def open(self) -> None:
+        from checkpoint import _faults
+
+        try:
+            from pyspark import TaskContext
+
+            context = TaskContext.get()
+        except ImportError:
+            context = None
+        attempt = context.attemptNumber() if context else 0
+        partition = context.partitionId() if context else 0
+        if attempt == self.attempt and (self.partitions is None or partition in self.partitions):
+            self._hook = self._on_commit
+            _faults.install(self._hook)
+        await self.fn.open()
+
+    async def close(self) -> None:
+        from checkpoint import _faults
+
+        if self._hook is not None:
+            _faults.remove(self._hook)
+            self._hook = None
+        await self.fn.close()
+
+    async def async_invoke(self, row: Any) -> Iterable[Any]:
+        return await self.fn.async_invoke(row)
+
+    async def timeout(self, row: Any) -> Iterable[Any]:
+        if has_timeout_handler(self.fn):
+            return await self.fn.timeout(row)
+        return await super().timeout(row)
+
+    def _on_commit(self, point: str, context: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class CrashDuringCommit(_CommitFault):
+    """Kills the worker in the middle of committing checkpoint ``checkpoint_id`` (on task
+    attempt ``attempt``): the checkpoint's Parquet file is written into its Delta table's
+    directory, as delta-rs writes it, and the process dies before the Delta log commit."""
+
+    def _on_commit(self, point: str, context: dict[str, Any]) -> None:
+        meta = context["meta"]
+        if point != "before_delta_commit" or meta.checkpoint_id != self.checkpoint_id:
+            return
+        import uuid
+
+        import pyarrow.parquet as pq
+
+        log = context["log"]
+        os.makedirs(log.uri, exist_ok=True)
+        pq.write_table(context["data"], f"{log.uri}/part-00000-{uuid.uuid4()}-c000.snappy.parquet")
+        os._exit(1)
+
+
+class DelayCommit(_CommitFault):
+    """Holds the commit of checkpoint ``checkpoint_id`` (on attempt ``attempt``) for
+    ``seconds``: the attempt turns into a zombie whose commit comes late, after a newer
+    attempt has moved on (use with speculation or a task kill)."""
+
+    def __init__(
+        self,
+        fn: Any,
+        checkpoint_id: int,
+        seconds: float,
+        attempt: int = 0,
+        partitions: Iterable[int] | None = None,
+    ) -> None:
+        super().__init__(fn, checkpoint_id, attempt, partitions)
+        self.seconds = seconds
+
+    def _on_commit(self, point: str, context: dict[str, Any]) -> None:
+        if point == "before_delta_commit" and context["meta"].checkpoint_id == self.checkpoint_id:
+            import time
+
+            time.sleep(self.seconds)
