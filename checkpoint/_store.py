@@ -274,6 +274,32 @@ class SubtaskLog:
             return max(candidates, key=lambda m: m.checkpoint_id)
         return candidates[-1]
 
+    def sizes(self) -> dict[CheckpointRef, int]:
+        """Bytes of the Parquet files that hold one checkpoint each, by checkpoint (read
+        from the Delta log's file statistics, without opening the files). Files that
+        ``expire`` rewrote hold several checkpoints' results and are not counted."""
+        table = self._open(refresh=True)
+        if table is None:
+            return {}
+        actions = pa.table(table.get_add_actions(flatten=True))
+        sizes: dict[CheckpointRef, int] = {}
+        columns = [
+            "size_bytes",
+            "min.run_id",
+            "max.run_id",
+            "min.checkpoint_id",
+            "max.checkpoint_id",
+        ]
+        if not set(columns) <= set(actions.column_names):
+            return sizes
+        for size, run_lo, run_hi, id_lo, id_hi in zip(
+            *(actions.column(c).to_pylist() for c in columns), strict=True
+        ):
+            if run_lo is not None and run_lo == run_hi and id_lo == id_hi:
+                ref = CheckpointRef(run_lo, int(id_lo))
+                sizes[ref] = sizes.get(ref, 0) + int(size)
+        return sizes
+
     def find(self, checkpoint_id: int, run_id: str | None = None) -> CheckpointMetadata:
         """The restorable checkpoint with this id (of ``run_id``, or the newest such)."""
         metas = self.checkpoints()

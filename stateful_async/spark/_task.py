@@ -531,6 +531,8 @@ class _TaskRun:
             await self._in_io(self.log.expire, config.retain)
 
     def _log_summary(self, seconds: float) -> None:
+        if os.environ.get("STATEFUL_ASYNC_TASK_LOG", "1") == "0":
+            return
         metrics = self.op.metrics
         parts = [
             f"partition {self.identity.partition} attempt {self.identity.attempt}",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
 from deltalake import DeltaTable
@@ -46,9 +45,14 @@ def test_a_query_stopped_mid_batch_resumes_and_writes_every_result_once(spark, t
                 .json(str(source))
             )
             enriched = ordered_wait(
-                df, ServiceEnrichment(service.url), SCHEMA, capacity=CAPACITY, timeout=30.0,
-                checkpoint=CheckpointConfig(str(snapshots), "stream", interval_records=INTERVAL,
-                                            retain=100),
+                df,
+                ServiceEnrichment(service.url),
+                SCHEMA,
+                capacity=CAPACITY,
+                timeout=30.0,
+                checkpoint=CheckpointConfig(
+                    str(snapshots), "stream", interval_records=INTERVAL, retain=100
+                ),
             )
             return (
                 enriched.writeStream.format("delta_rs")

@@ -1,0 +1,229 @@
+"""The demo job behind ``stateful-async demo``: checkpointed enrichment on local Spark
+against the embedded mock service, with one task crash injected and recovered."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+_LOG4J = """\
+status = error
+rootLogger.level = off
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %m%n
+"""
+
+
+@contextmanager
+def _stderr_to(path: str) -> Iterator[None]:
+    """Send this process's stderr, and that of every process it starts meanwhile (the Spark
+    JVM and its Python workers inherit it), to ``path``; the demo's own output is stdout."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@dataclass
+class DemoSettings:
+    rows: int = 50_000
+    partitions: int = 2
+    capacity: int = 100
+    latency_ms: float = 20.0
+    mode: str = "ordered"
+    interval_records: int | None = None  # default: about 10 checkpoints per partition
+    crash: bool = True
+    workdir: str | None = None
+
+    @property
+    def interval(self) -> int:
+        if self.interval_records is not None:
+            return self.interval_records
+        return max(100, self.rows // self.partitions // 10)
+
+
+@dataclass
+class DemoResult:
+    settings: DemoSettings
+    workdir: str
+    output_path: str
+    checkpoint_location: str
+    spark_log: str
+    seconds: float
+    output_rows: int
+    missing: int
+    duplicated: int
+    wrong: int
+    checkpoints: int
+    requests: int
+    re_requested: int
+    crash_record: int | None
+    crash_partition: int | None
+    recovered_from: str | None
+    retried_attempts: int
+    task_lines: list[str] = field(default_factory=list)
+
+    @property
+    def exactly_once(self) -> bool:
+        return self.missing == 0 and self.duplicated == 0 and self.wrong == 0
+
+    @property
+    def throughput(self) -> float:
+        return self.settings.rows / self.seconds if self.seconds else 0.0
+
+    @property
+    def repeat_bound(self) -> int:
+        return self.settings.capacity + self.settings.interval
+
+
+def run_demo(
+    settings: DemoSettings,
+    on_start: Callable[[str], None] = lambda text: None,
+    on_progress: Callable[[int], None] = lambda requests: None,
+) -> DemoResult:
+    """Run the whole demo; everything it starts (service, Spark) it stops."""
+    from deltalake import DeltaTable
+
+    from checkpoint import SnapshotStore
+
+    from .chaos import CrashOnElement, MockService, ServiceConfig, ServiceEnrichment
+    from .chaos import expected_enrichment as expected
+    from .spark import (
+        CheckpointConfig,
+        local_session,
+        ordered_wait,
+        register_delta_sink,
+        unordered_wait,
+    )
+
+    workdir = settings.workdir or tempfile.mkdtemp(prefix="stateful-async-demo-")
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    location = os.path.join(workdir, "checkpoints")
+    output = os.path.join(workdir, "enriched")
+    if os.path.exists(output) or os.path.exists(location):
+        from ._exceptions import ConfigurationError
+
+        raise ConfigurationError(
+            f"{workdir} already holds a demo run (enriched/ or checkpoints/): pass an empty or "
+            "new --workdir."
+        )
+    log4j = os.path.join(workdir, "log4j2.properties")
+    Path(log4j).write_text(_LOG4J)
+    part0 = settings.rows // settings.partitions  # spark.range puts ids [0, part0) in partition 0
+    crash_record = int(part0 * 0.6) if settings.crash else None
+
+    on_start("starting the mock enrichment service")
+    with (
+        MockService(ServiceConfig(latency_ms=settings.latency_ms)) as service,
+        _stderr_to(os.path.join(workdir, "spark.log")),
+    ):
+        on_start("starting Spark (local, 3 attempts per task)")
+        os.environ.setdefault("STATEFUL_ASYNC_TASK_LOG", "0")
+        spark = local_session(
+            f"local[{settings.partitions},3]",
+            app_name="stateful-async-demo",
+            conf={"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log4j}"},
+        )
+        spark.sparkContext.setLogLevel("OFF")  # the injected crash is expected: keep it quiet
+        try:
+            register_delta_sink(spark)
+            df = spark.range(0, settings.rows, numPartitions=settings.partitions).selectExpr(
+                "id", "concat('user', id) as name"
+            )
+            function: Any = ServiceEnrichment(service.url)
+            if crash_record is not None:
+                function = CrashOnElement(function, at=[crash_record], partitions=[0])
+            config = CheckpointConfig(
+                location, "demo", interval_records=settings.interval, retain=100
+            )
+            wait = ordered_wait if settings.mode == "ordered" else unordered_wait
+            enriched = wait(
+                df,
+                function,
+                "id long, name string, score double, label string",
+                capacity=settings.capacity,
+                timeout=30.0,
+                checkpoint=config,
+            )
+            on_start(f"enriching {settings.rows:,} records")
+            done = threading.Event()
+
+            def watch() -> None:
+                while not done.wait(0.2):
+                    try:
+                        on_progress(int(service.stats()["total"]))
+                    except OSError:
+                        pass
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            started = time.monotonic()
+            try:
+                enriched.write.format("delta_rs").mode("append").save(output)
+            finally:
+                done.set()
+                watcher.join()
+            seconds = time.monotonic() - started
+            on_progress(int(service.stats()["total"]))
+        finally:
+            spark.stop()
+        counts = service.counts()
+
+    on_start("checking the output")
+    table = DeltaTable(output).to_pyarrow_table().to_pylist()
+    seen: dict[int, int] = {}
+    wrong = 0
+    for row in table:
+        seen[row["id"]] = seen.get(row["id"], 0) + 1
+        answer = expected(str(row["id"]))
+        if (row["name"], row["score"], row["label"]) != (
+            f"user{row['id']}",
+            answer["score"],
+            answer["label"],
+        ):
+            wrong += 1
+    missing = sum(1 for i in range(settings.rows) if i not in seen)
+    duplicated = sum(n - 1 for n in seen.values() if n > 1)
+    metas = SnapshotStore(location).checkpoints("demo", include_expired=True)
+    retried = [m for m in metas if m.properties.get("attempt", "0") != "0"]
+    recovered_from = None
+    if retried:
+        first = min(retried, key=lambda m: m.created_at)
+        recovered_from = str(first.parent) if first.parent else "the start (no checkpoint yet)"
+    return DemoResult(
+        settings=settings,
+        workdir=workdir,
+        output_path=output,
+        checkpoint_location=location,
+        spark_log=os.path.join(workdir, "spark.log"),
+        seconds=seconds,
+        output_rows=len(table),
+        missing=missing,
+        duplicated=duplicated,
+        wrong=wrong,
+        checkpoints=len(metas),
+        requests=sum(counts.values()),
+        re_requested=sum(1 for n in counts.values() if n > 1),
+        crash_record=crash_record,
+        crash_partition=0 if crash_record is not None else None,
+        recovered_from=recovered_from,
+        retried_attempts=len({m.subtask for m in retried}),
+    )

@@ -1,0 +1,567 @@
+"""The ``stateful-async`` command line.
+
+    stateful-async demo                                   the main job, end to end
+    stateful-async checkpoints list LOCATION              what is stored
+    stateful-async checkpoints show LOCATION ID           one snapshot's in-flight elements
+    stateful-async checkpoints expire LOCATION --retain N
+    stateful-async replay LOCATION ID --function module:attr [--output PATH]
+
+Errors in what the user asked for (a missing location, an unknown id, a function that
+cannot be imported, an output path that exists) print one clear message and exit with
+status 2; the demo exits with status 1 if its exactly-once check fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import decimal
+import importlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ._exceptions import StatefulAsyncError
+
+app = typer.Typer(
+    help="Flink's async I/O operator for PySpark, with durable snapshots in Delta tables.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+checkpoints_app = typer.Typer(
+    help="Inspect and maintain a checkpoint location.", no_args_is_help=True
+)
+app.add_typer(checkpoints_app, name="checkpoints")
+
+out = Console()
+err = Console(stderr=True)
+
+USER_ERROR = 2
+
+
+class Fail(Exception):
+    """A user error, already worded for the terminal."""
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    try:
+        yield
+    except (Fail, StatefulAsyncError) as exc:
+        err.print(f"[bold red]Error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+        raise typer.Exit(USER_ERROR) from None
+
+
+class Mode(str, Enum):
+    ordered = "ordered"
+    unordered = "unordered"
+
+
+class Format(str, Enum):
+    table = "table"
+    json = "json"
+
+
+# -- demo ------------------------------------------------------------------------------------
+
+
+@app.command()
+def demo(
+    rows: Annotated[int, typer.Option(help="Records to enrich.", min=100)] = 50_000,
+    latency_ms: Annotated[float, typer.Option(help="Mock service latency per request.")] = 20.0,
+    mode: Annotated[Mode, typer.Option(help="Output order.")] = Mode.ordered,
+    capacity: Annotated[int, typer.Option(help="Requests in flight per task.", min=1)] = 100,
+    partitions: Annotated[int, typer.Option(help="Spark partitions (tasks).", min=1)] = 2,
+    crash: Annotated[bool, typer.Option(help="Crash one task mid-way and recover.")] = True,
+    workdir: Annotated[
+        Path | None,
+        typer.Option(help="Where output and checkpoints go (default: a new temp dir)."),
+    ] = None,
+) -> None:
+    """Enrich a generated dataset on local Spark against the embedded mock service, with
+    checkpoints; crash one task mid-way, recover, and check the output is exactly once."""
+    from ._demo import DemoSettings, run_demo
+
+    settings = DemoSettings(
+        rows=rows,
+        partitions=partitions,
+        capacity=capacity,
+        latency_ms=latency_ms,
+        mode=mode.value,
+        crash=crash,
+        workdir=str(workdir) if workdir else None,
+    )
+    out.print(
+        f"[bold]stateful-async demo[/]: {rows:,} records, {partitions} partitions, capacity "
+        f"{capacity}, {latency_ms:g} ms per request, {mode.value} output"
+        + (", one task crash injected" if crash else "")
+    )
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=out,
+        transient=False,
+    )
+    with _user_errors(), progress:
+        steps = progress.add_task("preparing", total=None)
+        requests = progress.add_task("requests to the service", total=rows, visible=False)
+
+        def on_start(text: str) -> None:
+            progress.update(steps, description=text)
+            if text.startswith("enriching"):
+                progress.reset(requests, visible=True)
+
+        def on_progress(count: int) -> None:
+            progress.update(requests, completed=count, total=max(rows, count))
+
+        result = run_demo(settings, on_start, on_progress)
+        progress.update(steps, description="done", total=1, completed=1)
+
+    table = Table(title="Summary", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("records", f"{rows:,} in {partitions} partitions")
+    table.add_row(
+        "throughput",
+        f"{result.throughput:,.0f} records/s in {result.seconds:.1f} s "
+        f"(service bound: {partitions * capacity / (latency_ms / 1000):,.0f}/s = "
+        "partitions x capacity / latency)",
+    )
+    table.add_row(
+        "checkpoints taken",
+        f"{result.checkpoints} (every {settings.interval:,} records per partition)",
+    )
+    if result.crash_record is not None:
+        table.add_row(
+            "task crash",
+            f"partition {result.crash_partition} died at record {result.crash_record:,} "
+            f"(attempt 0); attempt 1 resumed from checkpoint {result.recovered_from}",
+        )
+    table.add_row(
+        "requests",
+        f"{result.requests:,} in all; {result.re_requested:,} records re-requested after the crash "
+        f"(bound: capacity + interval = {result.repeat_bound:,})",
+    )
+    verdict = (
+        "[bold green]held[/]: every record's result exactly once"
+        if result.exactly_once
+        else f"[bold red]FAILED[/]: {result.missing} missing, {result.duplicated} duplicated, "
+        f"{result.wrong} wrong"
+    )
+    table.add_row(
+        "exactly-once",
+        f"{verdict} ({result.output_rows:,} rows in the Delta table)",
+    )
+    table.add_row("output", f"{result.output_path} (Delta)")
+    table.add_row("checkpoints", result.checkpoint_location)
+    table.add_row("Spark's log", result.spark_log)
+    out.print(table)
+    out.print(f"Look inside: [bold]stateful-async checkpoints list {result.checkpoint_location}[/]")
+    if not result.exactly_once:
+        raise typer.Exit(1)
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+
+def _store(location: str) -> Any:
+    from checkpoint import SnapshotStore
+    from checkpoint._layout import location_exists, normalize
+
+    if not location_exists(normalize(location)):
+        raise Fail(f"The checkpoint location {location} does not exist.")
+    return SnapshotStore(location)
+
+
+def _job(store: Any, job: str | None) -> str:
+    jobs = store.jobs()
+    if job is not None:
+        if job not in jobs:
+            raise Fail(
+                f"Job {job!r} has no checkpoints at {store.location}. Jobs there: "
+                f"{', '.join(jobs) or 'none'}."
+            )
+        return job
+    if not jobs:
+        raise Fail(f"{store.location} holds no checkpoints.")
+    if len(jobs) > 1:
+        raise Fail(f"{store.location} holds several jobs ({', '.join(jobs)}): pass --job.")
+    return str(jobs[0])
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+@checkpoints_app.command("list")
+def list_checkpoints(
+    location: Annotated[str, typer.Argument(help="The checkpoint location.")],
+    job: Annotated[str | None, typer.Option(help="Only this job.")] = None,
+    include_expired: Annotated[bool, typer.Option("--all", help="Show expired ones too.")] = False,
+) -> None:
+    """A table of checkpoints: one row per (job, run, id), summed over partitions."""
+    with _user_errors():
+        store = _store(location)
+        jobs = [_job(store, job)] if job else store.jobs()
+        if not jobs:
+            raise Fail(f"{store.location} holds no checkpoints.")
+        groups: dict[tuple[str, str, str, int], dict[str, Any]] = {}
+        for name in jobs:
+            for operator in store.operators(name):
+                for subtask in store.subtasks(name, operator):
+                    log = store.subtask(name, operator, subtask)
+                    sizes = log.sizes()
+                    for meta in log.checkpoints(include_expired=include_expired):
+                        key = (name, operator, meta.run_id, meta.checkpoint_id)
+                        g = groups.setdefault(
+                            key,
+                            {
+                                "partitions": 0,
+                                "in_flight": 0,
+                                "results": 0,
+                                "position": 0,
+                                "created": meta.created_at,
+                                "size": 0,
+                                "final": 0,
+                                "expired": 0,
+                            },
+                        )
+                        g["partitions"] += 1
+                        g["in_flight"] += meta.in_flight
+                        g["results"] += meta.result_count
+                        g["position"] += meta.position
+                        g["created"] = max(g["created"], meta.created_at)
+                        g["size"] += sizes.get(meta.ref, 0)
+                        g["final"] += meta.final
+                        g["expired"] += meta.expired
+        runs: dict[tuple[str, str, str], list[tuple[int, dict[str, Any]]]] = {}
+        for (name, operator, run, ckpt), g in groups.items():
+            runs.setdefault((name, operator, run), []).append((ckpt, g))
+        ordered = sorted(runs.items(), key=lambda kv: min(g["created"] for _, g in kv[1]))
+        for (name, operator, run), rows in ordered:
+            table = Table(
+                title=f"job {name}, operator {operator}, run {run}",
+                title_justify="left",
+                box=box.SIMPLE_HEAD,
+                pad_edge=False,
+                padding=(0, 1),
+            )
+            for column in (
+                "id",
+                "parts",
+                "in flight",
+                "results",
+                "position",
+                "created (UTC)",
+                "size",
+                "state",
+            ):
+                table.add_column(
+                    column,
+                    no_wrap=True,
+                    min_width=len(column),
+                    justify="left" if column in ("created (UTC)", "state") else "right",
+                )
+            for ckpt, g in sorted(rows, key=lambda r: r[0]):
+                if g["expired"]:
+                    state = "expired"
+                elif g["final"] == g["partitions"]:
+                    state = "final"
+                else:
+                    state = f"{g['final']} final" if g["final"] else ""
+                table.add_row(
+                    str(ckpt),
+                    str(g["partitions"]),
+                    f"{g['in_flight']:,}",
+                    f"{g['results']:,}",
+                    f"{g['position']:,}",
+                    g["created"].strftime("%m-%d %H:%M:%S"),
+                    _size(g["size"]),
+                    state,
+                )
+            out.print(table)
+
+
+@checkpoints_app.command("show")
+def show_checkpoint(
+    location: Annotated[str, typer.Argument(help="The checkpoint location.")],
+    checkpoint_id: Annotated[int, typer.Argument(metavar="ID", help="The checkpoint id.")],
+    job: Annotated[
+        str | None, typer.Option(help="The job (if the location holds several).")
+    ] = None,
+    partition: Annotated[int | None, typer.Option(help="Only this partition.")] = None,
+    run: Annotated[
+        str | None, typer.Option(help="The run (default: the newest with this id).")
+    ] = None,
+    operator: Annotated[str | None, typer.Option(help="The operator id.")] = None,
+    format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
+) -> None:
+    """The in-flight records and watermarks of one snapshot."""
+    with _user_errors():
+        store = _store(location)
+        snapshots = _snapshots(store, _job(store, job), checkpoint_id, operator, partition, run)
+        if format is Format.json:
+            payload = [
+                {
+                    "job": s.metadata.job_id,
+                    "operator": s.metadata.operator_id,
+                    "partition": s.metadata.subtask,
+                    "run": s.metadata.run_id,
+                    "checkpoint_id": s.metadata.checkpoint_id,
+                    "position": s.metadata.position,
+                    "results_committed": s.metadata.result_count,
+                    "elements": [
+                        {
+                            "kind": "watermark" if _is_watermark(e) else "record",
+                            "input_seq": seq,
+                            "timestamp": e.timestamp,
+                            "value": None if _is_watermark(e) else e.value,
+                        }
+                        for e, seq in zip(s.elements, s.input_seqs, strict=True)
+                    ],
+                }
+                for s in snapshots
+            ]
+            sys.stdout.write(json.dumps(payload, default=_json_default, indent=2) + "\n")
+            return
+        for s in snapshots:
+            m = s.metadata
+            table = Table(
+                title=f"Checkpoint {m.checkpoint_id} of job {m.job_id}, partition {m.subtask} "
+                f"(run {m.run_id}): {m.in_flight} in flight at input position {m.position:,}",
+                title_justify="left",
+            )
+            for column in ("#", "kind", "input seq", "timestamp", "value"):
+                table.add_column(column)
+            for i, (e, seq) in enumerate(zip(s.elements, s.input_seqs, strict=True)):
+                table.add_row(
+                    str(i),
+                    "watermark" if _is_watermark(e) else "record",
+                    "" if seq is None else str(seq),
+                    "" if e.timestamp is None else str(e.timestamp),
+                    "" if _is_watermark(e) else json.dumps(e.value, default=_json_default),
+                )
+            out.print(table)
+
+
+@checkpoints_app.command("expire")
+def expire_checkpoints(
+    location: Annotated[str, typer.Argument(help="The checkpoint location.")],
+    retain: Annotated[int, typer.Option(help="Checkpoints to keep per partition.", min=0)],
+    job: Annotated[
+        str | None, typer.Option(help="The job (if the location holds several).")
+    ] = None,
+) -> None:
+    """Keep the newest N checkpoints of every partition; drop and vacuum the rest."""
+    with _user_errors():
+        store = _store(location)
+        name = _job(store, job)
+        report = store.expire(name, retain)
+        out.print(
+            f"Job {name}: {len(report.expired)} checkpoint(s) expired (state dropped, results "
+            f"kept for later checkpoints), {len(report.deleted)} deleted, "
+            f"{report.files_removed} file(s) removed from storage."
+        )
+
+
+# -- replay ------------------------------------------------------------------------------------
+
+
+@app.command()
+def replay(
+    location: Annotated[str, typer.Argument(help="The checkpoint location.")],
+    checkpoint_id: Annotated[int, typer.Argument(metavar="ID", help="The checkpoint id.")],
+    function: Annotated[str, typer.Option(help="The async function, as module:attribute.")],
+    output: Annotated[
+        Path | None,
+        typer.Option(help="Write results here (.jsonl or .parquet); default: stdout."),
+    ] = None,
+    job: Annotated[
+        str | None, typer.Option(help="The job (if the location holds several).")
+    ] = None,
+    partition: Annotated[int | None, typer.Option(help="Only this partition.")] = None,
+    run: Annotated[
+        str | None, typer.Option(help="The run (default: the newest with this id).")
+    ] = None,
+    operator: Annotated[str | None, typer.Option(help="The operator id.")] = None,
+    capacity: Annotated[int, typer.Option(min=1, help="Calls in flight.")] = 100,
+    timeout: Annotated[float | None, typer.Option(help="Per-element timeout, seconds.")] = None,
+    mode: Annotated[Mode, typer.Option(help="Output order.")] = Mode.ordered,
+) -> None:
+    """Restore the operator from a snapshot and invoke the function again on the elements
+    it had in flight; print or write the results."""
+    with _user_errors():
+        if output is not None and output.exists():
+            raise Fail(f"The output path {output} already exists; choose a new one.")
+        if output is not None and output.suffix not in (".jsonl", ".json", ".parquet"):
+            raise Fail(f"The output path {output} must end in .jsonl or .parquet.")
+        fn = _import_function(function)
+        store = _store(location)
+        snapshots = _snapshots(store, _job(store, job), checkpoint_id, operator, partition, run)
+        results: list[Any] = []
+        for s in snapshots:
+            results.extend(asyncio.run(_replay(fn, s.elements, capacity, timeout, mode.value)))
+        if output is None:
+            for row in results:
+                sys.stdout.write(json.dumps(row, default=_json_default) + "\n")
+        elif output.suffix == ".parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(results), output)
+        else:
+            with open(output, "x") as handle:
+                for row in results:
+                    handle.write(json.dumps(row, default=_json_default) + "\n")
+        records = sum(1 for s in snapshots for e in s.elements if not _is_watermark(e))
+        err.print(
+            f"Replayed checkpoint {checkpoint_id}: {records} in-flight record(s) of "
+            f"{len(snapshots)} partition(s) gave {len(results)} result(s)"
+            + (f", written to {output}." if output else ".")
+        )
+
+
+async def _replay(
+    fn: Any, elements: list[Any], capacity: int, timeout: float | None, mode: str
+) -> list[Any]:
+    from . import AsyncWaitOperator, StreamRecord
+
+    results: list[Any] = []
+
+    def collect(element: Any) -> None:
+        if isinstance(element, StreamRecord):
+            results.append(element.value)
+
+    operator = AsyncWaitOperator(fn, collect, mode, capacity=capacity, timeout=timeout)
+    try:
+        await operator.open(restored=elements)
+        await operator.finish()
+    finally:
+        await operator.close()
+    return results
+
+
+def _import_function(spec: str) -> Any:
+    from ._function import AsyncFunction, as_async_function
+
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise Fail(f"--function must look like module:attribute (e.g. myjob:enrich); got {spec!r}.")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise Fail(
+            f"Cannot import module {module_name!r} for --function: {type(exc).__name__}: {exc}."
+        ) from exc
+    try:
+        target = getattr(module, attribute)
+    except AttributeError:
+        raise Fail(
+            f"Module {module_name!r} has no attribute {attribute!r} (from --function {spec})."
+        ) from None
+    if isinstance(target, type) and issubclass(target, AsyncFunction):
+        try:
+            target = target()
+        except TypeError as exc:
+            raise Fail(
+                f"{spec} is an AsyncFunction class that needs arguments ({exc}); point "
+                "--function at an instance instead."
+            ) from exc
+    try:
+        return as_async_function(target)
+    except StatefulAsyncError as exc:
+        raise Fail(f"--function {spec}: {exc}") from exc
+
+
+def _snapshots(
+    store: Any,
+    job: str,
+    checkpoint_id: int,
+    operator: str | None,
+    partition: int | None,
+    run: str | None,
+) -> list[Any]:
+    operators = store.operators(job)
+    if operator is None:
+        if len(operators) != 1:
+            raise Fail(
+                f"Job {job} has several operators ({', '.join(operators)}): pass --operator."
+            )
+        operator = operators[0]
+    elif operator not in operators:
+        raise Fail(f"Job {job} has no operator {operator!r}; it has {', '.join(operators)}.")
+    subtasks = store.subtasks(job, operator)
+    if partition is not None and partition not in subtasks:
+        raise Fail(f"Job {job} has no partition {partition}; it has partitions {subtasks}.")
+    metas = [
+        m
+        for m in store.checkpoints(job, operator)
+        if m.checkpoint_id == checkpoint_id
+        and (run is None or m.run_id == run)
+        and (partition is None or m.subtask == partition)
+    ]
+    if not metas:
+        ids = sorted({m.checkpoint_id for m in store.checkpoints(job, operator)})
+        where = (
+            f"job {job}"
+            + (f", partition {partition}" if partition is not None else "")
+            + (f", run {run}" if run else "")
+        )
+        raise Fail(
+            f"There is no checkpoint {checkpoint_id} of {where} at {store.location}. "
+            f"Checkpoint ids that exist: {', '.join(map(str, ids)) or 'none'}."
+        )
+    newest: dict[int, Any] = {}
+    for m in metas:  # sorted oldest first: the newest with this id wins per partition
+        newest[m.subtask] = m
+    return [
+        store.subtask(job, operator, p).load(m.checkpoint_id, m.run_id)
+        for p, m in sorted(newest.items())
+    ]
+
+
+def _is_watermark(element: Any) -> bool:
+    from . import Watermark
+
+    return isinstance(element, Watermark)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (dt.datetime, dt.date, dt.time)):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    return str(value)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

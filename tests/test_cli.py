@@ -1,0 +1,275 @@
+"""The stateful-async command line, on real checkpoint locations (Typer's test runner)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from checkpoint import SnapshotStore
+from stateful_async import AsyncWaitOperator, OutputMode, StreamRecord, Watermark
+from stateful_async.cli import app
+from stateful_async.testing import ControlledFunction, settle
+
+runner = CliRunner()
+INPUT = pa.schema([("id", pa.int64()), ("name", pa.string())])
+OUTPUT = pa.schema([("id", pa.int64()), ("greeting", pa.string())])
+
+
+def invoke(*args: str):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, list(args), terminal_width=200)
+
+
+class ById(ControlledFunction):
+    async def async_invoke(self, value):  # type: ignore[no-untyped-def]
+        return await super().async_invoke(value["id"])
+
+
+async def snapshot_mid_job(location: Path) -> list[dict]:
+    """Run an operator over 8 records, complete some, and checkpoint it mid-job (two
+    partitions, two checkpoints each); return partition 0's in-flight inputs at checkpoint 2."""
+    store = SnapshotStore(location)
+    in_flight: list[dict] = []
+    for partition in (0, 1):
+        fn = ById()
+        emitted: list = []
+        op = AsyncWaitOperator(fn, emitted.append, OutputMode.ORDERED, capacity=10)
+        await op.open()
+        rows = [{"id": partition * 100 + i, "name": f"n{i}"} for i in range(8)]
+        for row in rows[:4]:
+            await op.process_element(StreamRecord(row))
+        await settle()
+        fn.complete(partition * 100, [{"id": partition * 100, "greeting": "hi n0"}])
+        await settle()
+        log = store.subtask("job", "enrich", partition)
+        first = log.commit(
+            "run",
+            1,
+            op.snapshot_state(1),
+            [e.value for e in emitted],
+            input_schema=INPUT,
+            output_schema=OUTPUT,
+            position=4,
+        )
+        emitted.clear()
+        await op.process_watermark(Watermark(50))
+        for row in rows[4:]:
+            await op.process_element(StreamRecord(row))
+        await settle()
+        fn.complete(partition * 100 + 1, [{"id": partition * 100 + 1, "greeting": "hi n1"}])
+        await settle()
+        snapshot = op.snapshot_state(2)
+        log.commit(
+            "run",
+            2,
+            snapshot,
+            [e.value for e in emitted],
+            input_schema=INPUT,
+            output_schema=OUTPUT,
+            position=8,
+            parent=first.ref,
+        )
+        if partition == 0:
+            in_flight = [e.value for e in snapshot if isinstance(e, StreamRecord)]
+        await op.close()
+    return in_flight
+
+
+@pytest.fixture
+def checkpoints(tmp_path: Path) -> tuple[Path, list[dict]]:
+    import asyncio
+
+    location = tmp_path / "ckpt"
+    in_flight = asyncio.run(snapshot_mid_job(location))
+    return location, in_flight
+
+
+REPLAY_MODULE = textwrap.dedent(
+    """
+    from stateful_async import AsyncFunction
+
+    async def greet(row):
+        return [{"id": row["id"], "greeting": "hello " + row["name"]}]
+
+    class Greeter(AsyncFunction):
+        async def async_invoke(self, row):
+            return [{"id": row["id"], "greeting": "hey " + row["name"]}]
+
+    def not_async(row):
+        return [row]
+
+    NOT_A_FUNCTION = 42
+    """
+)
+
+
+@pytest.fixture
+def functions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    module = tmp_path / "mod" / "replay_functions.py"
+    module.parent.mkdir()
+    module.write_text(REPLAY_MODULE)
+    monkeypatch.chdir(module.parent)
+    return module
+
+
+# -- list / show / expire --------------------------------------------------------------------
+
+
+def test_list_shows_each_checkpoint_summed_over_partitions(checkpoints) -> None:
+    location, _ = checkpoints
+    result = invoke("checkpoints", "list", str(location))
+    assert result.exit_code == 0, result.output
+    lines = [line.split() for line in result.output.splitlines()]
+    assert "job job, operator enrich, run run" in result.output
+    rows = [line for line in lines if line and line[0] in ("1", "2")]
+    # id, partitions, in flight, results, position: per partition, checkpoint 1 has 3 of 4
+    # records in flight and 1 result; checkpoint 2 has 6 records and a watermark in flight.
+    assert rows[0][:5] == ["1", "2", "6", "2", "8"]
+    assert rows[1][:5] == ["2", "2", "14", "2", "16"]
+    assert "run" in result.output and "KiB" in result.output
+
+
+def test_show_lists_in_flight_records_and_watermarks(checkpoints) -> None:
+    location, in_flight = checkpoints
+    result = invoke(
+        "checkpoints", "show", str(location), "2", "--partition", "0", "--format", "json"
+    )
+    assert result.exit_code == 0, result.output
+    (snapshot,) = json.loads(result.stdout)
+    assert snapshot["partition"] == 0 and snapshot["checkpoint_id"] == 2
+    kinds = [e["kind"] for e in snapshot["elements"]]
+    assert kinds.count("watermark") == 1
+    assert [e["value"] for e in snapshot["elements"] if e["kind"] == "record"] == in_flight
+    table = invoke("checkpoints", "show", str(location), "2")
+    assert table.exit_code == 0
+    assert '"name": "n7"' in table.output and "watermark" in table.output
+    assert "partition 0" in table.output and "partition 1" in table.output
+
+
+def test_expire_keeps_the_newest_and_reports(checkpoints) -> None:
+    location, _ = checkpoints
+    result = invoke("checkpoints", "expire", str(location), "--retain", "1")
+    assert result.exit_code == 0, result.output
+    assert "2 checkpoint(s) expired" in result.output
+    shown = invoke("checkpoints", "show", str(location), "1")
+    assert shown.exit_code == 2
+    assert "Checkpoint ids that exist: 2" in shown.output
+
+
+# -- replay ----------------------------------------------------------------------------------
+
+
+def test_replay_gives_the_results_of_exactly_the_saved_in_flight_inputs(
+    checkpoints, functions
+) -> None:
+    location, in_flight = checkpoints
+    result = invoke(
+        "replay", str(location), "2", "--function", "replay_functions:greet", "--partition", "0"
+    )
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert rows == [{"id": r["id"], "greeting": "hello " + r["name"]} for r in in_flight]
+    assert f"{len(in_flight)} in-flight record(s) of 1 partition(s)" in result.output
+
+
+def test_replay_writes_parquet_and_instantiates_function_classes(
+    checkpoints, functions, tmp_path
+) -> None:
+    location, _ = checkpoints
+    target = tmp_path / "replayed.parquet"
+    result = invoke(
+        "replay",
+        str(location),
+        "2",
+        "--function",
+        "replay_functions:Greeter",
+        "--output",
+        str(target),
+    )
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(target)
+    assert table.num_rows == 12  # both partitions: 6 in-flight records each
+    assert all(g.startswith("hey ") for g in table.column("greeting").to_pylist())
+
+
+@pytest.mark.parametrize(
+    ("function", "message"),
+    [
+        ("no_such_module:greet", "Cannot import module 'no_such_module'"),
+        ("replay_functions:missing", "has no attribute 'missing'"),
+        ("replay_functions:not_async", "is a regular function"),
+        ("replay_functions:NOT_A_FUNCTION", "Expected an AsyncFunction"),
+        ("just_a_name", "must look like module:attribute"),
+    ],
+)
+def test_replay_refuses_functions_it_cannot_use(checkpoints, functions, function, message) -> None:
+    location, _ = checkpoints
+    result = invoke("replay", str(location), "2", "--function", function)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_replay_refuses_an_output_path_that_exists(checkpoints, functions, tmp_path) -> None:
+    location, _ = checkpoints
+    existing = tmp_path / "out.jsonl"
+    existing.write_text("keep me\n")
+    result = invoke(
+        "replay",
+        str(location),
+        "2",
+        "--function",
+        "replay_functions:greet",
+        "--output",
+        str(existing),
+    )
+    assert result.exit_code == 2
+    assert "already exists; choose a new one" in result.output
+    assert existing.read_text() == "keep me\n"
+
+
+# -- errors shared by every subcommand ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["checkpoints", "list"],
+        ["checkpoints", "show", "{}", "1"],
+        ["checkpoints", "expire", "--retain", "1"],
+    ],
+)
+def test_an_unknown_location_is_a_clear_error(tmp_path, command) -> None:
+    missing = str(tmp_path / "nowhere")
+    args = [missing if a == "{}" else a for a in command]
+    if "{}" not in command:
+        args.insert(2, missing)
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert f"The checkpoint location {missing} does not exist." in result.output
+
+
+def test_an_unknown_id_lists_the_ids_that_exist(checkpoints) -> None:
+    location, _ = checkpoints
+    result = invoke("checkpoints", "show", str(location), "7")
+    assert result.exit_code == 2
+    assert "There is no checkpoint 7 of job job" in result.output
+    assert "Checkpoint ids that exist: 1, 2." in result.output
+
+
+def test_an_unknown_job_lists_the_jobs(checkpoints) -> None:
+    location, _ = checkpoints
+    result = invoke("checkpoints", "list", str(location), "--job", "other")
+    assert result.exit_code == 2
+    assert "Job 'other' has no checkpoints" in result.output and "Jobs there: job" in result.output
+
+
+def test_help_names_every_command() -> None:
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in ("demo", "checkpoints", "replay"):
+        assert command in result.output
