@@ -486,7 +486,7 @@ class SubtaskLog:
                 return meta
             table = self._open(refresh=True)  # another attempt created it first
             assert table is not None
-        self._check_schemas(input_schema, output_schema)
+        self.check_schemas(input_schema, output_schema)
         committed = table.transaction_version(app_id)
         if committed is not None and committed >= checkpoint_id:
             raise CheckpointConflictError(
@@ -637,9 +637,12 @@ class SubtaskLog:
         self._table = None
         return True
 
-    def _check_schemas(self, input_schema: pa.Schema, output_schema: pa.Schema) -> None:
+    def check_schemas(self, input_schema: pa.Schema, output_schema: pa.Schema) -> None:
+        """Raise ``SchemaChangedError`` if this subtask's checkpoints were written with other
+        schemas; a subtask without checkpoints accepts any."""
         stored = self.schemas()
-        assert stored is not None
+        if stored is None:
+            return
         for what, old, new in (
             ("input", stored[0], input_schema),
             ("output", stored[1], output_schema),
@@ -647,7 +650,8 @@ class SubtaskLog:
             if not old.equals(new):
                 raise SchemaChangedError(
                     f"The {what} schema differs from the one the checkpoints of job "
-                    f"{self.job_id!r} (operator {self.operator_id!r}) were written with.\n"
+                    f"{self.job_id!r} (operator {self.operator_id!r}) at {self.uri} were "
+                    "written with.\n"
                     f"  stored: {old.to_string(show_schema_metadata=False)}\n"
                     f"  now:    {new.to_string(show_schema_metadata=False)}\n"
                     "Checkpoints cannot be resumed across schema changes: use a new job id, or "

@@ -13,6 +13,19 @@ from typing import Any, Iterable
 from .._function import AsyncFunction, as_async_function, has_timeout_handler
 
 
+def _armed(attempt: int, partitions: frozenset[int] | None) -> bool:
+    """Whether the running task is the attempt (and partition) a fault is aimed at."""
+    try:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+    except ImportError:
+        context = None
+    current = context.attemptNumber() if context else 0
+    partition = context.partitionId() if context else 0
+    return current == attempt and (partitions is None or partition in partitions)
+
+
 class CrashOnElement(AsyncFunction[Any, Any]):
     """Wraps ``fn``; kills the worker process when invoked with a row whose ``key_field``
     is in ``at``, on task attempt ``attempt`` (default: the first) of ``partitions``
@@ -36,17 +49,7 @@ class CrashOnElement(AsyncFunction[Any, Any]):
         self._armed = False
 
     async def open(self) -> None:
-        try:
-            from pyspark import TaskContext
-
-            context = TaskContext.get()
-        except ImportError:
-            context = None
-        attempt = context.attemptNumber() if context else 0
-        partition = context.partitionId() if context else 0
-        self._armed = attempt == self.attempt and (
-            self.partitions is None or partition in self.partitions
-        )
+        self._armed = _armed(self.attempt, self.partitions)
         await self.fn.open()
 
     async def close(self) -> None:
@@ -82,15 +85,7 @@ class _CommitFault(AsyncFunction[Any, Any]):
     async def open(self) -> None:
         from checkpoint import _faults
 
-        try:
-            from pyspark import TaskContext
-
-            context = TaskContext.get()
-        except ImportError:
-            context = None
-        attempt = context.attemptNumber() if context else 0
-        partition = context.partitionId() if context else 0
-        if attempt == self.attempt and (self.partitions is None or partition in self.partitions):
+        if _armed(self.attempt, self.partitions):
             self._hook = self._on_commit
             _faults.install(self._hook)
         await self.fn.open()

@@ -221,20 +221,8 @@ def _check_checkpoint(
         if has_job:
             subtasks = store.subtasks(config.job_id, config.operator_id)
             if subtasks:
-                stored = store.subtask(config.job_id, config.operator_id, subtasks[0]).schemas()
-                if stored is not None:
-                    for what, old, new in (
-                        ("input", stored[0], input_schema),
-                        ("output", stored[1], output_schema),
-                    ):
-                        if not old.equals(new):
-                            raise SchemaChangedError(
-                                f"The {what} schema differs from the one the checkpoints of job "
-                                f"{config.job_id!r} at {config.location} were written with.\n"
-                                f"  stored: {old}\n  now:    {new}\nUse a new job_id, or "
-                                "remove the old checkpoints (stateful-async checkpoints expire "
-                                "--retain 0)."
-                            )
+                log = store.subtask(config.job_id, config.operator_id, subtasks[0])
+                log.check_schemas(input_schema, output_schema)
         if config.restore_from is None:
             return
         metas = store.checkpoints(config.job_id, config.operator_id) if has_job else []
