@@ -4,7 +4,6 @@ enrichment service on 127.0.0.1."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -60,6 +59,28 @@ def by_partition(df) -> dict[int, list[dict[str, Any]]]:  # type: ignore[no-unty
         values = row.asDict()
         out.setdefault(values.pop("_p"), []).append(values)
     return out
+
+
+def kill_tree(process: subprocess.Popen[str]) -> None:
+    """SIGKILL a driver and everything it started: its JVM, PySpark's daemon (which moves
+    itself to its own process group, so killpg alone misses it) and the Python workers."""
+    import psutil
+
+    try:
+        victims = [
+            psutil.Process(process.pid),
+            *psutil.Process(process.pid).children(recursive=True),
+        ]
+    except psutil.NoSuchProcess:
+        victims = []
+    for victim in victims:
+        try:
+            victim.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    process.wait(timeout=30)
+    psutil.wait_procs(victims, timeout=30)
+    assert not any(v.is_running() and v.status() != psutil.STATUS_ZOMBIE for v in victims)
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +236,7 @@ def test_a_killed_job_resumes_with_restore_from(spark, service, tmp_path) -> Non
         else:
             raise AssertionError("the job made no progress")
     finally:
-        os.killpg(driver.pid, signal.SIGKILL)  # the driver, its JVM and its Python workers
-        driver.wait(timeout=30)
+        kill_tree(driver)
     assert not (tmp_path / "never.json").exists()
     killed = {m.subtask: m for m in store.checkpoints("resume")}  # newest per partition
     assert all(not m.final for m in killed.values())
