@@ -7,23 +7,85 @@
 * ``CrashOnElement`` — kills the Python worker at a chosen row and task attempt.
 * ``CrashDuringCommit`` — kills it between writing a checkpoint's files and its commit.
 * ``DelayCommit`` — holds a checkpoint commit back, so it lands late (a zombie).
+* ``ZombieCommit`` — holds it until a newer attempt committed the same checkpoint.
+* ``LocalCluster`` — a Spark standalone cluster (master, workers) on 127.0.0.1 that can
+  kill executors and workers; ``DriverProcess`` — a driver program to kill mid-job.
+* ``run_job`` / ``JobOptions`` / ``session_for`` — the reference chaos job
+  (``python -m stateful_async.chaos.job``).
+* ``compare_outputs``, ``check_snapshot_store``, ``request_repeats`` — the checks that a
+  run was exactly-once, its snapshot store whole and its repeated requests bounded.
+
+See ``docs/chaos.md``.
 
 Needs the ``chaos`` extra: ``pip install 'stateful-async[chaos]'``.
 """
 
 from ._client import ServiceEnrichment, ServiceError
-from ._faults import CrashDuringCommit, CrashOnElement, DelayCommit
+from ._cluster import (
+    ClusterError,
+    DriverProcess,
+    ExecutorProcess,
+    LocalCluster,
+    wait_until,
+)
+from ._faults import CrashDuringCommit, CrashOnElement, DelayCommit, ZombieCommit
+from ._job import (
+    FALLBACK,
+    SCHEMA,
+    ChaosCheckError,
+    FaultSpec,
+    JobOptions,
+    JobReport,
+    OutputDiff,
+    StoreCheck,
+    TaskAttempt,
+    check_snapshot_store,
+    compare_outputs,
+    expected_output,
+    generate_input,
+    partition_ids,
+    read_table_rows,
+    request_repeats,
+    run_job,
+    session_for,
+    to_argv,
+)
 from ._process import MockService, MockServiceError
 from ._service import ServiceConfig, expected_enrichment
 
 __all__ = [
+    "FALLBACK",
+    "SCHEMA",
+    "ChaosCheckError",
+    "ClusterError",
     "CrashDuringCommit",
     "CrashOnElement",
     "DelayCommit",
+    "DriverProcess",
+    "ExecutorProcess",
+    "FaultSpec",
+    "JobOptions",
+    "JobReport",
+    "LocalCluster",
     "MockService",
     "MockServiceError",
+    "OutputDiff",
     "ServiceConfig",
     "ServiceEnrichment",
     "ServiceError",
+    "StoreCheck",
+    "TaskAttempt",
+    "ZombieCommit",
+    "check_snapshot_store",
+    "compare_outputs",
     "expected_enrichment",
+    "expected_output",
+    "generate_input",
+    "partition_ids",
+    "read_table_rows",
+    "request_repeats",
+    "run_job",
+    "session_for",
+    "to_argv",
+    "wait_until",
 ]

@@ -8,6 +8,7 @@ crash a task mid-partition and watch it resume.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Iterable
 
 from .._function import AsyncFunction, as_async_function, has_timeout_handler
@@ -150,3 +151,44 @@ class DelayCommit(_CommitFault):
             import time
 
             time.sleep(self.seconds)
+
+
+class ZombieCommit(_CommitFault):
+    """Holds the commit of checkpoint ``checkpoint_id`` (on task attempt ``attempt``) until
+    another attempt of the same task and run has committed that id or a later one, then
+    lets it go ahead: the commit of a zombie, landing after a newer attempt moved on. The
+    snapshot store must refuse it (``CheckpointConflictError``), which fails this attempt
+    while the newer one carries on.
+
+    There must be a newer attempt: run with speculation, or kill this attempt's executor
+    in a way that leaves the Python worker running. After ``max_wait`` seconds without one,
+    the commit goes ahead anyway (and is not a zombie's).
+    """
+
+    def __init__(
+        self,
+        fn: Any,
+        checkpoint_id: int,
+        attempt: int = 0,
+        partitions: Iterable[int] | None = None,
+        max_wait: float = 300.0,
+    ) -> None:
+        super().__init__(fn, checkpoint_id, attempt, partitions)
+        self.max_wait = max_wait
+
+    def _on_commit(self, point: str, context: dict[str, Any]) -> None:
+        meta = context["meta"]
+        if point != "before_delta_commit" or meta.checkpoint_id != self.checkpoint_id:
+            return
+        log = context["log"]
+        mine = meta.properties.get("attempt")
+        deadline = time.monotonic() + self.max_wait
+        while time.monotonic() < deadline:
+            if any(
+                m.run_id == meta.run_id
+                and m.checkpoint_id >= self.checkpoint_id
+                and m.properties.get("attempt") != mine
+                for m in log.checkpoints()
+            ):
+                return
+            time.sleep(0.1)

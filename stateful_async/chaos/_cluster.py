@@ -1,0 +1,841 @@
+"""``LocalCluster``: a Spark standalone cluster (a master and workers) on 127.0.0.1, started
+from the installed ``pyspark`` package, for chaos tests that kill executors and workers.
+
+Every process is started by this module with ``$SPARK_HOME/bin/spark-class`` (``SPARK_HOME``
+is the ``pyspark`` package directory), on free loopback ports, with its logs, work
+directories and configuration in a directory the cluster owns. ``stop()`` ends only the
+processes the cluster started — the daemons it launched, the executors and Python workers
+they launched — each by pid, after checking the pid still names the same process (its
+start time), so a recycled pid is never killed.
+
+The cluster's state (pids, ports, directories) is written to ``<base_dir>/cluster.json``,
+so another process can attach to it (``LocalCluster.attach``): that is how the command line
+``python -m stateful_async.chaos.cluster start|status|stop`` works.
+
+``DriverProcess`` runs a Spark driver (for example the reference job,
+``python -m stateful_async.chaos.job``) as a child process in its own session, so a test
+can SIGKILL the driver with its JVM and Python workers, by pid.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .._exceptions import StatefulAsyncError
+
+T = TypeVar("T")
+
+_STATE_FILE = "cluster.json"
+_EXECUTOR_CLASS = "org.apache.spark.executor.CoarseGrainedExecutorBackend"
+_MASTER_CLASS = "org.apache.spark.deploy.master.Master"
+_WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
+# Spark treats executors on different host names as different machines. Speculative task
+# copies never run on the host of the original attempt, so the workers get two names that
+# both resolve to the loopback address.
+DEFAULT_HOSTS = ("127.0.0.1", "localhost")
+_LOG4J = """\
+rootLogger.level = info
+rootLogger.appenderRef.stdout.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{HH:mm:ss.SSS} %p %c{1}: %m%n%ex
+logger.jetty.name = org.sparkproject.jetty
+logger.jetty.level = warn
+"""
+
+
+class ClusterError(StatefulAsyncError):
+    """The local cluster could not be started, found, or told to do something."""
+
+
+def spark_home() -> str:
+    """The ``pyspark`` package directory, which holds ``bin/spark-class`` and the jars."""
+    try:
+        import pyspark
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ClusterError(
+            "PySpark is not installed, so there is no Spark to start: pip install "
+            "'stateful-async[spark,chaos]'."
+        ) from exc
+    return os.path.dirname(os.path.abspath(pyspark.__file__))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(
+    condition: Callable[[], T | None],
+    timeout: float,
+    message: str,
+    interval: float = 0.1,
+) -> T:
+    """Poll ``condition`` until it returns something truthy (returned), or raise
+    ``TimeoutError`` with ``message`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{message} (waited {timeout:.0f} s).")
+        time.sleep(interval)
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    """A process this module started: its pid and its start time (``psutil``'s
+    ``create_time``), which together name it even after the pid is recycled."""
+
+    pid: int
+    create_time: float
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessRecord:
+        import psutil
+
+        try:
+            return cls(pid, psutil.Process(pid).create_time())
+        except psutil.Error as exc:
+            raise ClusterError(f"Process {pid} exited right after it was started.") from exc
+
+    def process(self) -> Any:
+        """The live ``psutil.Process``, or None if it has exited (or the pid was reused)."""
+        import psutil
+
+        try:
+            process = psutil.Process(self.pid)
+            if abs(process.create_time() - self.create_time) > 0.01:
+                return None
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return process
+        except psutil.Error:
+            return None
+
+    def alive(self) -> bool:
+        return self.process() is not None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One worker daemon: its index in the cluster, host name, ports and work directory."""
+
+    index: int
+    host: str
+    port: int
+    webui_port: int
+    work_dir: str
+    record: ProcessRecord
+
+    @property
+    def pid(self) -> int:
+        return self.record.pid
+
+
+@dataclass(frozen=True)
+class ExecutorProcess:
+    """An executor JVM (``CoarseGrainedExecutorBackend``) that a worker launched."""
+
+    pid: int
+    app_id: str
+    executor_id: str
+    worker: int  # the index of the worker that launched it; -1 if that worker is gone
+
+
+def _tree(process: Any) -> list[Any]:
+    import psutil
+
+    try:
+        return [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return [process]
+
+
+def _kill_all(processes: Sequence[Any], sig: int = signal.SIGKILL) -> list[int]:
+    """Send ``sig`` to each process, by pid; returns the pids signalled."""
+    import psutil
+
+    sent = []
+    for process in processes:
+        try:
+            process.send_signal(sig)
+            sent.append(process.pid)
+        except psutil.Error:
+            pass
+    return sent
+
+
+def _running(process: Any) -> bool:
+    import psutil
+
+    try:
+        return bool(process.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
+def _wait_gone(processes: Sequence[Any], timeout: float) -> list[Any]:
+    """Wait until the processes have exited; returns those still running (zombies, which
+    only wait for their parent to reap them, count as exited)."""
+    import psutil
+
+    _, alive = psutil.wait_procs(list(processes), timeout=timeout)
+    return [p for p in alive if _running(p)]
+
+
+def _arg(cmdline: Sequence[str], name: str) -> str:
+    for i, part in enumerate(cmdline[:-1]):
+        if part == name:
+            return cmdline[i + 1]
+    return ""
+
+
+class LocalCluster:
+    """A Spark standalone cluster on 127.0.0.1: one master and ``workers`` workers.
+
+        with LocalCluster() as cluster:            # ~15-35 s until the workers are alive
+            spark = session_for(cluster.master_url)
+            ...
+            cluster.kill_executor(app_id)          # SIGKILL one executor JVM
+            cluster.kill_worker(1)                 # SIGKILL a worker with its executors
+            cluster.start_worker(1)                # bring it back
+
+    Each worker offers ``cores`` cores and ``memory`` to executors; the workers' host names
+    cycle through ``hosts`` (all loopback names), so Spark sees separate machines. Workers
+    run Python tasks with ``python`` (default: this interpreter, so executors import what
+    this environment has installed).
+
+    Everything the cluster writes (configuration, daemon logs, executor work directories,
+    the state file) goes under ``base_dir``; without one, a temporary directory is created
+    and removed by ``stop()``. ``stop()`` (also called on exit of a ``with`` block and, with
+    ``stop_at_exit``, when the interpreter exits) ends every process the cluster started,
+    by pid, and nothing else.
+    """
+
+    def __init__(
+        self,
+        workers: int = 2,
+        *,
+        cores: int = 1,
+        memory: str = "2g",
+        base_dir: str | os.PathLike[str] | None = None,
+        hosts: Sequence[str] = DEFAULT_HOSTS,
+        python: str = sys.executable,
+        daemon_memory: str = "512m",
+        startup_timeout: float = 180.0,
+        stop_at_exit: bool = True,
+    ) -> None:
+        if workers < 1:
+            raise ClusterError(f"A cluster needs at least one worker; got workers={workers}.")
+        if not hosts or any(h not in ("127.0.0.1", "localhost") for h in hosts):
+            raise ClusterError(
+                f"Worker host names must be loopback names ('127.0.0.1', 'localhost'); got "
+                f"{list(hosts)}. The local cluster never listens on other addresses."
+            )
+        self.workers_wanted = workers
+        self.cores = cores
+        self.memory = memory
+        self.hosts = tuple(hosts)
+        self.python = python
+        self.daemon_memory = daemon_memory
+        self.startup_timeout = startup_timeout
+        self.stop_at_exit = stop_at_exit
+        self._owns_dir = base_dir is None
+        self.base_dir = Path(base_dir) if base_dir is not None else None
+        self.master: ProcessRecord | None = None
+        self.master_port = 0
+        self.webui_port = 0
+        self.workers: dict[int, WorkerInfo] = {}
+        self._popen: dict[int, subprocess.Popen[bytes]] = {}  # children, reaped when killed
+        self._spark_home = ""
+        self._at_exit_registered = False
+
+    # -- addresses ----------------------------------------------------------------------
+
+    @property
+    def master_url(self) -> str:
+        self._require_started()
+        return f"spark://127.0.0.1:{self.master_port}"
+
+    @property
+    def webui_url(self) -> str:
+        self._require_started()
+        return f"http://127.0.0.1:{self.webui_port}"
+
+    @property
+    def state_file(self) -> Path:
+        self._require_started()
+        assert self.base_dir is not None
+        return self.base_dir / _STATE_FILE
+
+    def _require_started(self) -> None:
+        if self.master is None or self.base_dir is None:
+            raise ClusterError("The cluster is not started: call start() first.")
+
+    # -- start --------------------------------------------------------------------------
+
+    def start(self) -> LocalCluster:
+        """Start the master and the workers and wait until every worker is alive."""
+        if self.master is not None:
+            return self
+        self._spark_home = spark_home()
+        if self.base_dir is None:
+            self.base_dir = Path(tempfile.mkdtemp(prefix="stateful-async-cluster-"))
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        existing = self.base_dir / _STATE_FILE
+        if existing.exists():
+            raise ClusterError(
+                f"{existing} already describes a cluster. Stop it first (python -m "
+                f"stateful_async.chaos.cluster stop --dir {self.base_dir}) or use another "
+                "directory."
+            )
+        for sub in ("conf", "logs", "work"):
+            (self.base_dir / sub).mkdir(exist_ok=True)
+        (self.base_dir / "conf" / "log4j2.properties").write_text(_LOG4J)
+        if self.stop_at_exit and not self._at_exit_registered:
+            atexit.register(self.stop)
+            self._at_exit_registered = True
+        try:
+            self.master_port, self.webui_port = free_port(), free_port()
+            process = self._launch(
+                "master",
+                [
+                    _MASTER_CLASS,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.master_port),
+                    "--webui-port",
+                    str(self.webui_port),
+                ],
+            )
+            self.master = ProcessRecord.of(process.pid)
+            self._save()
+            for index in range(self.workers_wanted):
+                self._launch_worker(index)
+            self.wait_for_workers(self.workers_wanted, self.startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_worker(self, index: int, timeout: float | None = None) -> WorkerInfo:
+        """Start worker ``index`` again (after ``kill_worker``), on new ports, and wait until
+        the master counts it alive."""
+        self._require_started()
+        if index in self.workers and self.workers[index].record.alive():
+            raise ClusterError(
+                f"Worker {index} is already running (pid {self.workers[index].pid})."
+            )
+        info = self._launch_worker(index)
+        self.wait_for_workers(len(self.workers), timeout or self.startup_timeout)
+        return info
+
+    def _launch_worker(self, index: int) -> WorkerInfo:
+        assert self.base_dir is not None
+        host = self.hosts[index % len(self.hosts)]
+        port, webui = free_port(), free_port()
+        work_dir = self.base_dir / "work" / f"worker-{index}"
+        work_dir.mkdir(parents=True, exist_ok=True)
+        process = self._launch(
+            f"worker-{index}",
+            [
+                _WORKER_CLASS,
+                f"spark://127.0.0.1:{self.master_port}",
+                "--host",
+                host,
+                "--cores",
+                str(self.cores),
+                "--memory",
+                self.memory,
+                "--port",
+                str(port),
+                "--webui-port",
+                str(webui),
+                "--work-dir",
+                str(work_dir),
+            ],
+        )
+        info = WorkerInfo(index, host, port, webui, str(work_dir), ProcessRecord.of(process.pid))
+        self.workers[index] = info
+        self._save()
+        return info
+
+    def _launch(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        assert self.base_dir is not None
+        env = dict(os.environ)
+        env.update(
+            SPARK_HOME=self._spark_home,
+            SPARK_CONF_DIR=str(self.base_dir / "conf"),
+            SPARK_LOG_DIR=str(self.base_dir / "logs"),
+            SPARK_LOCAL_IP="127.0.0.1",  # web UIs and daemons bind to loopback only
+            SPARK_DAEMON_MEMORY=self.daemon_memory,
+            PYSPARK_PYTHON=self.python,
+        )
+        # The daemons are short-lived test fixtures: start-up matters more than peak speed.
+        env.setdefault("SPARK_DAEMON_JAVA_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+        env.pop("SPARK_LOCAL_HOSTNAME", None)
+        spark_class = os.path.join(self._spark_home, "bin", "spark-class")
+        log = open(self.base_dir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - child owns it
+        try:
+            # Its own session: a Ctrl-C in the terminal does not reach the cluster, and the
+            # daemon outlives the command-line process that started it.
+            process = subprocess.Popen(
+                [spark_class, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=str(self.base_dir),
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise ClusterError(f"Cannot start the Spark {name} with {spark_class}: {exc}") from exc
+        finally:
+            log.close()
+        self._popen[process.pid] = process
+        if process.poll() is not None:
+            raise ClusterError(
+                f"The Spark {name} exited at once with code {process.returncode}. "
+                f"{self._log_tail()}"
+            )
+        return process
+
+    # -- state --------------------------------------------------------------------------
+
+    def _save(self) -> None:
+        assert self.base_dir is not None and self.master is not None
+        state = {
+            "master": asdict(self.master),
+            "master_port": self.master_port,
+            "webui_port": self.webui_port,
+            "workers": {str(i): asdict(w) for i, w in self.workers.items()},
+            "settings": {
+                "workers": self.workers_wanted,
+                "cores": self.cores,
+                "memory": self.memory,
+                "hosts": list(self.hosts),
+                "python": self.python,
+                "daemon_memory": self.daemon_memory,
+            },
+        }
+        path = self.base_dir / _STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def attach(cls, base_dir: str | os.PathLike[str]) -> LocalCluster:
+        """The cluster described by ``<base_dir>/cluster.json`` (started by another process,
+        e.g. ``python -m stateful_async.chaos.cluster start``)."""
+        path = Path(base_dir) / _STATE_FILE
+        try:
+            state = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise ClusterError(
+                f"No cluster is recorded in {base_dir} ({path} does not exist). Start one with "
+                f"python -m stateful_async.chaos.cluster start --dir {base_dir}."
+            ) from exc
+        except (OSError, ValueError) as exc:
+            raise ClusterError(f"Cannot read the cluster state {path}: {exc}") from exc
+        settings = state["settings"]
+        cluster = cls(
+            settings["workers"],
+            cores=settings["cores"],
+            memory=settings["memory"],
+            base_dir=base_dir,
+            hosts=settings["hosts"],
+            python=settings["python"],
+            daemon_memory=settings["daemon_memory"],
+            stop_at_exit=False,
+        )
+        cluster._spark_home = spark_home()
+        cluster.master = ProcessRecord(**state["master"])
+        cluster.master_port = state["master_port"]
+        cluster.webui_port = state["webui_port"]
+        for index, worker in state["workers"].items():
+            worker["record"] = ProcessRecord(**worker["record"])
+            cluster.workers[int(index)] = WorkerInfo(**worker)
+        return cluster
+
+    # -- status -------------------------------------------------------------------------
+
+    def master_status(self, timeout: float = 5.0) -> dict[str, Any]:
+        """The master's JSON status (``/json/``): workers, applications, cores in use."""
+        try:
+            with urllib.request.urlopen(self.webui_url + "/json/", timeout=timeout) as response:
+                return dict(json.loads(response.read()))
+        except (OSError, ValueError) as exc:
+            raise ClusterError(
+                f"The Spark master at {self.webui_url} did not answer: {exc}"
+            ) from exc
+
+    def alive_workers(self) -> list[dict[str, Any]]:
+        """The workers the master counts alive (its JSON entries)."""
+        ports = {w.port for w in self.workers.values()}
+        return [
+            w
+            for w in self.master_status()["workers"]
+            if w["state"] == "ALIVE" and w["port"] in ports
+        ]
+
+    def wait_for_workers(self, count: int, timeout: float | None = None) -> None:
+        """Wait until ``count`` of this cluster's workers are registered and alive."""
+        self._require_started()
+
+        def ready() -> bool:
+            self._check_daemons()
+            try:
+                return len(self.alive_workers()) >= count
+            except ClusterError:
+                return False  # the master's web UI is not up yet
+
+        try:
+            wait_until(ready, timeout or self.startup_timeout, "The Spark workers did not register")
+        except TimeoutError as exc:
+            raise ClusterError(f"{exc} {self._log_tail()}") from exc
+
+    def _check_daemons(self) -> None:
+        for pid, process in list(self._popen.items()):
+            code = process.poll()
+            if code is not None and self._is_daemon(pid):
+                raise ClusterError(
+                    f"A Spark daemon (pid {pid}) exited with code {code} while starting. "
+                    f"{self._log_tail()}"
+                )
+
+    def _is_daemon(self, pid: int) -> bool:
+        daemons = [self.master, *(w.record for w in self.workers.values())]
+        return any(d is not None and d.pid == pid for d in daemons)
+
+    def _log_tail(self, lines: int = 15) -> str:
+        if self.base_dir is None:
+            return ""
+        parts = []
+        for log in sorted((self.base_dir / "logs").glob("*.log")):
+            text = log.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {log} ---\n" + "\n".join(text))
+        return "Daemon logs:\n" + "\n".join(parts)
+
+    def active_apps(self) -> list[str]:
+        """Ids of the applications the master is running."""
+        return [app["id"] for app in self.master_status().get("activeapps", [])]
+
+    def wait_for_no_active_apps(self, timeout: float = 60.0) -> None:
+        """Wait until the master runs no application (e.g. after a driver was killed)."""
+        wait_until(
+            lambda: not self.active_apps(), timeout, "The Spark master still runs applications"
+        )
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the worker daemons that are running."""
+        return [w.pid for w in self.workers.values() if w.record.alive()]
+
+    def executors(self, app_id: str | None = None) -> list[ExecutorProcess]:
+        """Executor JVMs launched by this cluster's workers (of ``app_id``, if given)."""
+        found: dict[int, ExecutorProcess] = {}
+        for worker in self.workers.values():
+            process = worker.record.process()
+            if process is None:
+                continue
+            for child in _tree(process)[1:]:
+                executor = self._as_executor(child, worker.index)
+                if executor is not None:
+                    found[executor.pid] = executor
+        for process in self._orphans():
+            executor = self._as_executor(process, -1)
+            if executor is not None and executor.pid not in found:
+                found[executor.pid] = executor
+        return [e for e in found.values() if app_id is None or e.app_id == app_id]
+
+    def executor_pids(self, app_id: str | None = None) -> list[int]:
+        return [e.pid for e in self.executors(app_id)]
+
+    @staticmethod
+    def _as_executor(process: Any, worker: int) -> ExecutorProcess | None:
+        import psutil
+
+        try:
+            cmdline = process.cmdline()
+            if _EXECUTOR_CLASS not in cmdline or process.status() == psutil.STATUS_ZOMBIE:
+                return None
+        except psutil.Error:
+            return None
+        return ExecutorProcess(
+            process.pid, _arg(cmdline, "--app-id"), _arg(cmdline, "--executor-id"), worker
+        )
+
+    def _orphans(self) -> list[Any]:
+        """Executor-side processes (executor JVMs, PySpark daemons and workers) running in
+        this cluster's work directory whose worker is gone: a killed worker's children."""
+        import psutil
+
+        if self.base_dir is None:
+            return []
+        work = str((self.base_dir / "work").resolve()) + os.sep
+        found = []
+        for process in psutil.process_iter(["cmdline", "cwd"]):
+            try:
+                cwd = process.info["cwd"] or ""
+                cmdline = " ".join(process.info["cmdline"] or [])
+            except psutil.Error:
+                continue
+            if (cwd + os.sep).startswith(work) and (
+                _EXECUTOR_CLASS in cmdline or "pyspark" in cmdline
+            ):
+                found.append(process)
+        return found
+
+    def app_processes(self, app_id: str) -> list[Any]:
+        """Live processes working for application ``app_id``: its executor JVMs and their
+        Python workers (everything running in the application's work directories)."""
+        import psutil
+
+        if self.base_dir is None:
+            return []
+        dirs = [str(p.resolve()) + os.sep for p in (self.base_dir / "work").glob(f"*/{app_id}")]
+        found = []
+        for process in psutil.process_iter(["cwd", "status"]):
+            try:
+                cwd = (process.info["cwd"] or "") + os.sep
+            except psutil.Error:
+                continue
+            if process.info["status"] != psutil.STATUS_ZOMBIE and any(
+                cwd.startswith(d) for d in dirs
+            ):
+                found.append(process)
+        return found
+
+    def executor_log(self, app_id: str) -> str:
+        """The stderr of every executor of ``app_id`` (Spark's log and what Python tasks
+        print), concatenated."""
+        self._require_started()
+        assert self.base_dir is not None
+        parts = []
+        for path in sorted((self.base_dir / "work").glob(f"worker-*/{app_id}/*/stderr")):
+            parts.append(f"--- {path} ---\n{path.read_text(errors='replace')}")
+        return "\n".join(parts)
+
+    # -- faults -------------------------------------------------------------------------
+
+    def kill_executor(
+        self,
+        app_id: str | None = None,
+        worker: int | None = None,
+        timeout: float = 30.0,
+    ) -> ExecutorProcess:
+        """SIGKILL one executor JVM (of ``app_id`` and on ``worker``, if given) and wait
+        until it is gone. Its worker stays up (and launches a replacement executor)."""
+        candidates = [
+            e
+            for e in self.executors(app_id)
+            if e.worker >= 0 and (worker is None or e.worker == worker)
+        ]
+        if not candidates:
+            raise ClusterError(
+                f"No executor to kill (app {app_id or 'any'}, worker "
+                f"{'any' if worker is None else worker}); executors running: {self.executors()}."
+            )
+        executor = sorted(candidates, key=lambda e: (e.worker, e.pid))[0]
+        import psutil
+
+        try:
+            process = psutil.Process(executor.pid)
+        except psutil.Error as exc:
+            raise ClusterError(f"Executor {executor} exited before it could be killed.") from exc
+        _kill_all([process])
+        if _wait_gone([process], timeout):
+            raise ClusterError(f"Executor {executor} survived SIGKILL for {timeout} s.")
+        return executor
+
+    def kill_worker(self, index: int, timeout: float = 30.0) -> list[int]:
+        """SIGKILL worker ``index`` together with every executor and Python worker it
+        launched, as if its machine died. Returns the pids killed."""
+        info = self.workers.get(index)
+        process = info.record.process() if info else None
+        if info is None or process is None:
+            raise ClusterError(f"Worker {index} is not running; running: {self.worker_pids()}.")
+        tree = _tree(process)
+        killed = _kill_all(tree)
+        popen = self._popen.pop(info.pid, None)
+        if popen is not None:
+            popen.wait(timeout)
+        survivors = _wait_gone(tree, timeout)
+        if survivors:
+            raise ClusterError(f"Processes of worker {index} survived SIGKILL: {survivors}.")
+        return killed
+
+    # -- stop ---------------------------------------------------------------------------
+
+    def processes(self) -> list[Any]:
+        """Every live process this cluster started: daemons, executors, Python workers."""
+        found: dict[int, Any] = {}
+        daemons = [self.master, *(w.record for w in self.workers.values())]
+        for record in daemons:
+            process = record.process() if record is not None else None
+            if process is not None:
+                for p in _tree(process):
+                    found[p.pid] = p
+        for process in self._orphans():
+            for p in _tree(process):
+                found[p.pid] = p
+        found.pop(os.getpid(), None)
+        return list(found.values())
+
+    def stop(self, timeout: float = 15.0) -> list[int]:
+        """Stop every process this cluster started (SIGTERM, then SIGKILL after
+        ``timeout`` seconds), by pid; remove the state file (and the directory, if the
+        cluster created it). Returns the pids stopped. Safe to call twice."""
+        if self.master is None:
+            return []
+        processes = self.processes()
+        stopped = _kill_all(processes, signal.SIGTERM)
+        survivors = _wait_gone(processes, timeout)
+        _kill_all(survivors)
+        for popen in self._popen.values():
+            try:
+                popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self._popen.clear()
+        leftovers = _wait_gone(survivors, timeout)
+        if leftovers:
+            raise ClusterError(f"Cluster processes survived SIGKILL: {leftovers}.")
+        assert self.base_dir is not None
+        (self.base_dir / _STATE_FILE).unlink(missing_ok=True)
+        if self._owns_dir:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+        self.master = None
+        self.workers = {}
+        if self._at_exit_registered:
+            atexit.unregister(self.stop)
+            self._at_exit_registered = False
+        return stopped
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        if self.master is None:
+            return "LocalCluster(stopped)"
+        return f"LocalCluster({self.master_url}, workers={sorted(self.workers)})"
+
+
+class DriverProcess:
+    """A Spark driver program in a child process with its own session, e.g.
+
+        driver = DriverProcess([sys.executable, "-m", "stateful_async.chaos.job", ...],
+                               log_dir=tmp)
+        driver.wait(timeout=300)        # or driver.kill() mid-job
+
+    stdout and stderr go to ``<log_dir>/<name>.out`` / ``.err``. ``kill()`` SIGKILLs the
+    driver and every process under it (its JVM, the JVM's Python workers), by pid.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_dir: str | os.PathLike[str],
+        name: str = "driver",
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.stdout_path = self.log_dir / f"{name}.out"
+        self.stderr_path = self.log_dir / f"{name}.err"
+        self.started = time.time()
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.process = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
+        self.record = ProcessRecord.of(self.process.pid)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.poll()
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the driver to exit; on timeout, kill it and raise ``TimeoutError``."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise TimeoutError(
+                f"The driver {' '.join(self.argv[:4])} ... did not finish within {timeout} s "
+                f"and was killed. Its stderr ends with:\n{self.stderr_tail()}"
+            ) from None
+
+    def pids(self) -> list[int]:
+        """The driver and every live process under it."""
+        process = self.record.process()
+        return [] if process is None else [p.pid for p in _tree(process)]
+
+    def kill(self, timeout: float = 30.0) -> list[int]:
+        """SIGKILL the driver and everything under it, by pid; wait until they are gone."""
+        process = self.record.process()
+        if process is None:
+            self.process.poll()
+            return []
+        tree = _tree(process)
+        killed = _kill_all(tree)
+        self.process.wait(timeout)
+        survivors = _wait_gone(tree, timeout)
+        if survivors:
+            raise ClusterError(f"Driver processes survived SIGKILL: {survivors}.")
+        return killed
+
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def stderr_tail(self, lines: int = 40) -> str:
+        text = self.stderr_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+
+__all__ = [
+    "ClusterError",
+    "DriverProcess",
+    "ExecutorProcess",
+    "LocalCluster",
+    "ProcessRecord",
+    "WorkerInfo",
+    "free_port",
+    "spark_home",
+    "wait_until",
+]

@@ -1,0 +1,731 @@
+"""The reference chaos job, its fault options, and the checks that prove a run exactly-once.
+
+The job (``run_job``; command line ``python -m stateful_async.chaos.job``) generates its
+input (``id``, ``name`` for ids ``0 .. rows-1`` in ``partitions`` partitions, the same on
+every run), enriches every row from the mock service with ``ordered_wait`` or
+``unordered_wait`` under a ``CheckpointConfig``, and writes the result through the
+``delta_rs`` sink in one idempotent batch commit (app transaction ``(job id, 1)``).
+
+Faults are off unless ``--fault`` asks for one; each wraps the enrichment function:
+
+============================  ===========================================================
+``crash-at=K``                the Python worker dies (``os._exit``) when asked to enrich
+                              row ``K`` (``CrashOnElement``)
+``crash-commit=ID``           the Python worker dies while committing checkpoint ``ID``:
+                              its Parquet file written, the Delta commit not
+                              (``CrashDuringCommit``)
+``delay-commit=ID:SECONDS``   the commit of checkpoint ``ID`` is held ``SECONDS``
+                              (``DelayCommit``)
+``zombie-commit=ID``          the commit of checkpoint ``ID`` is held until another
+                              attempt of the same task has committed ``ID``, then made:
+                              a zombie committing late (``ZombieCommit``; run it with
+                              ``--speculation`` so that there is another attempt)
+============================  ===========================================================
+
+Each takes ``,attempt=A`` (default 0: only the first attempt is hit, so the retry
+succeeds) and ``,partition=P`` (repeatable; default: every partition); ``zombie-commit``
+also ``,wait=SECONDS`` (default 300), how long it waits for the newer attempt.
+
+The checks — ``compare_outputs``, ``check_snapshot_store``, ``request_repeats`` — work on
+any job's output, snapshot store and service counters, not only this job's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Union
+
+from .._exceptions import ConfigurationError, StatefulAsyncError
+from .._function import AsyncFunction
+from ._client import ServiceEnrichment, ServiceError
+from ._faults import CrashDuringCommit, CrashOnElement, DelayCommit, ZombieCommit
+from ._service import expected_enrichment
+
+SCHEMA = "id long, name string, score double, label string"
+"""The reference job's output schema (its input is ``id long, name string``)."""
+
+FALLBACK = {"score": -1.0, "label": "fallback"}
+"""What ``--fallback`` gives a row whose enrichment timed out."""
+
+OPERATOR_ID = "enrich"
+MODES = ("ordered", "unordered")
+FAULT_KINDS = ("crash-at", "crash-commit", "delay-commit", "zombie-commit")
+
+RestoreFrom = Union[None, str, int]
+
+
+class ChaosCheckError(StatefulAsyncError):
+    """A chaos check found the output or the snapshot store inconsistent."""
+
+
+# -- faults ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One ``--fault`` option: ``KIND=VALUE[,attempt=A][,partition=P]...``."""
+
+    kind: str
+    value: int
+    seconds: float = 0.0
+    attempt: int = 0
+    partitions: tuple[int, ...] | None = None
+    wait: float = 300.0  # zombie-commit: how long to wait for the newer attempt
+
+    @classmethod
+    def parse(cls, text: str) -> FaultSpec:
+        head, *extras = [part.strip() for part in text.split(",")]
+        kind, sep, value = head.partition("=")
+        if not sep or kind not in FAULT_KINDS:
+            raise ConfigurationError(
+                f"Unknown fault {text!r}: use one of {', '.join(k + '=...' for k in FAULT_KINDS)}"
+                ", optionally followed by ,attempt=A and ,partition=P."
+            )
+        attempt, partitions, wait = 0, [], 300.0
+        try:
+            seconds = 0.0
+            if kind == "delay-commit":
+                number, sep, delay = value.partition(":")
+                if not sep:
+                    raise ValueError("delay-commit needs ID:SECONDS")
+                value, seconds = number, float(delay)
+            for extra in extras:
+                name, _, setting = extra.partition("=")
+                if name == "attempt":
+                    attempt = int(setting)
+                elif name == "partition":
+                    partitions.append(int(setting))
+                elif name == "wait" and kind == "zombie-commit":
+                    wait = float(setting)
+                else:
+                    raise ValueError(f"unknown setting {name!r}")
+            spec = cls(kind, int(value), seconds, attempt, tuple(partitions) or None, wait)
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"Cannot read the fault {text!r}: {exc}. Examples: crash-at=1234, "
+                "crash-commit=3,partition=0, delay-commit=2:5, zombie-commit=2,partition=0."
+            ) from exc
+        if spec.value < (0 if kind == "crash-at" else 1):
+            raise ConfigurationError(
+                f"The fault {text!r} needs a row id >= 0 or checkpoint id >= 1."
+            )
+        return spec
+
+    def wrap(self, fn: Any) -> AsyncFunction[Any, Any]:
+        if self.kind == "crash-at":
+            return CrashOnElement(
+                fn, at=[self.value], attempt=self.attempt, partitions=self.partitions
+            )
+        if self.kind == "crash-commit":
+            return CrashDuringCommit(fn, self.value, self.attempt, self.partitions)
+        if self.kind == "delay-commit":
+            return DelayCommit(fn, self.value, self.seconds, self.attempt, self.partitions)
+        return ZombieCommit(fn, self.value, self.attempt, self.partitions, self.wait)
+
+    def __str__(self) -> str:
+        text = f"{self.kind}={self.value}" + (
+            f":{self.seconds:g}" if self.kind == "delay-commit" else ""
+        )
+        text += f",attempt={self.attempt}" if self.attempt else ""
+        text += "".join(f",partition={p}" for p in self.partitions or ())
+        return text + (f",wait={self.wait:g}" if self.kind == "zombie-commit" else "")
+
+
+# -- options ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """Everything the reference job takes (the command line's options)."""
+
+    master: str
+    service_url: str
+    checkpoint: str
+    output: str
+    rows: int = 10_000
+    partitions: int = 2
+    mode: str = "ordered"
+    job_id: str = "chaos-enrich"
+    capacity: int = 10
+    interval: int = 500
+    retain: int = 3
+    timeout: float = 30.0
+    max_attempts: int = 1
+    retry_delay: float = 0.05
+    fallback: bool = False
+    restore_from: RestoreFrom = None
+    faults: tuple[FaultSpec, ...] = ()
+    speculation: bool = False
+    cores: int | None = None
+    driver_host: str | None = None
+    txn_version: int = 1
+    report: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigurationError(f"mode must be 'ordered' or 'unordered'; got {self.mode!r}.")
+        if self.rows < 0 or self.partitions < 1:
+            raise ConfigurationError(
+                f"rows must be >= 0 and partitions >= 1; got rows={self.rows}, "
+                f"partitions={self.partitions}."
+            )
+        for what, path in (("checkpoint", self.checkpoint), ("output", self.output)):
+            if "://" not in path and not os.path.isabs(path):
+                raise ConfigurationError(
+                    f"The {what} location must be an absolute path or a URI (executors do not "
+                    f"run in this directory); got {path!r}."
+                )
+
+    @property
+    def retry_bound(self) -> int:
+        """Repeated requests allowed per failed task attempt: ``capacity + interval``."""
+        return self.capacity + self.interval
+
+
+def _restore_from(text: str) -> RestoreFrom:
+    if text == "latest":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--restore-from takes 'latest' or a checkpoint id; got {text!r}"
+        ) from None
+
+
+def _fault(text: str) -> FaultSpec:
+    try:
+        return FaultSpec.parse(text)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> JobOptions:
+    parser = argparse.ArgumentParser(
+        prog="python -m stateful_async.chaos.job",
+        description=(
+            "The stateful-async reference chaos job: generated input, enriched from the mock "
+            "service with checkpoints, written exactly once to a Delta table."
+        ),
+    )
+    parser.add_argument("--master", required=True, help="spark://host:port, or local[N,F]")
+    parser.add_argument("--service-url", required=True, help="the mock service, http://host:port")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint location (absolute)")
+    parser.add_argument("--output", required=True, help="the Delta table to write (absolute)")
+    parser.add_argument("--rows", type=int, default=10_000)
+    parser.add_argument("--partitions", type=int, default=2)
+    parser.add_argument("--mode", choices=MODES, default="ordered")
+    parser.add_argument("--job-id", default="chaos-enrich")
+    parser.add_argument("--capacity", type=int, default=10, help="requests in flight per task")
+    parser.add_argument("--interval", type=int, default=500, help="records per checkpoint")
+    parser.add_argument("--retain", type=int, default=3, help="checkpoints kept per partition")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per row")
+    parser.add_argument(
+        "--max-attempts", type=int, default=1, help="total attempts per row on a 5xx"
+    )
+    parser.add_argument("--retry-delay", type=float, default=0.05, help="seconds between attempts")
+    parser.add_argument(
+        "--fallback", action="store_true", help=f"a row that times out gets {FALLBACK}"
+    )
+    parser.add_argument("--restore-from", type=_restore_from, default=None)
+    parser.add_argument(
+        "--fault", type=_fault, action="append", default=[], help="|".join(FAULT_KINDS)
+    )
+    parser.add_argument("--speculation", action="store_true", help="speculative task copies")
+    parser.add_argument(
+        "--cores", type=int, default=None, help="cap the job's cores; wait until they register"
+    )
+    parser.add_argument(
+        "--driver-host", default=None, help="the driver's address as executors see it"
+    )
+    parser.add_argument("--txn-version", type=int, default=1, help="the sink's txnVersion")
+    parser.add_argument("--report", default=None, help="write the run's JSON report here")
+    args = parser.parse_args(argv)
+    try:
+        return JobOptions(
+            master=args.master,
+            service_url=args.service_url,
+            checkpoint=args.checkpoint,
+            output=args.output,
+            rows=args.rows,
+            partitions=args.partitions,
+            mode=args.mode,
+            job_id=args.job_id,
+            capacity=args.capacity,
+            interval=args.interval,
+            retain=args.retain,
+            timeout=args.timeout,
+            max_attempts=args.max_attempts,
+            retry_delay=args.retry_delay,
+            fallback=args.fallback,
+            restore_from=args.restore_from,
+            faults=tuple(args.fault),
+            speculation=args.speculation,
+            cores=args.cores,
+            driver_host=args.driver_host,
+            txn_version=args.txn_version,
+            report=args.report,
+        )
+    except ConfigurationError as exc:
+        parser.error(str(exc))
+        raise  # pragma: no cover - parser.error exits
+
+
+def to_argv(options: JobOptions) -> list[str]:
+    """The command-line arguments that give ``options`` (the inverse of ``parse_args``)."""
+    argv = [
+        "--master", options.master,
+        "--service-url", options.service_url,
+        "--checkpoint", options.checkpoint,
+        "--output", options.output,
+        "--rows", str(options.rows),
+        "--partitions", str(options.partitions),
+        "--mode", options.mode,
+        "--job-id", options.job_id,
+        "--capacity", str(options.capacity),
+        "--interval", str(options.interval),
+        "--retain", str(options.retain),
+        "--timeout", str(options.timeout),
+        "--max-attempts", str(options.max_attempts),
+        "--retry-delay", str(options.retry_delay),
+        "--txn-version", str(options.txn_version),
+    ]  # fmt: skip
+    if options.fallback:
+        argv.append("--fallback")
+    if options.restore_from is not None:
+        argv += ["--restore-from", str(options.restore_from)]
+    for fault in options.faults:
+        argv += ["--fault", str(fault)]
+    if options.speculation:
+        argv.append("--speculation")
+    if options.cores is not None:
+        argv += ["--cores", str(options.cores)]
+    if options.driver_host:
+        argv += ["--driver-host", options.driver_host]
+    if options.report:
+        argv += ["--report", options.report]
+    return argv
+
+
+# -- the job ---------------------------------------------------------------------------------
+
+
+def session_for(
+    master: str,
+    app_name: str = "stateful-async-chaos-job",
+    *,
+    speculation: bool = False,
+    cores: int | None = None,
+    driver_host: str | None = None,
+    quick_start: bool = True,
+    conf: dict[str, Any] | None = None,
+) -> Any:
+    """A ``SparkSession`` on ``master`` (a ``LocalCluster``'s ``master_url``, any
+    ``spark://`` master, or ``local[N,F]``) set up for chaos runs.
+
+    Failed tasks are retried (up to 8 attempts) and executors run Python with this
+    interpreter. ``cores`` caps the application's cores and makes the session wait (up to
+    two minutes) until executors with that many cores have registered, so that every
+    partition starts at once. ``speculation`` launches speculative copies of slow tasks
+    quickly. ``quick_start`` gives the driver and executor JVMs flags that favour start-up
+    over peak speed (C1 JIT only, serial GC): chaos runs are short. The driver listens on
+    127.0.0.1 unless ``driver_host`` names the address executors reach it at (e.g. in
+    docker-compose). ``conf`` overrides any of these settings.
+    """
+    from ..spark import local_session
+
+    settings: dict[str, Any] = {
+        "spark.task.maxFailures": "8",
+        "spark.pyspark.python": sys.executable,
+        "spark.executor.memory": "1g",
+    }
+    if quick_start:
+        flags = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+        settings["spark.driver.extraJavaOptions"] = flags
+        settings["spark.executor.extraJavaOptions"] = flags
+    if cores is not None:
+        settings.update(
+            {
+                "spark.cores.max": str(cores),
+                "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+                "spark.scheduler.maxRegisteredResourcesWaitingTime": "120s",
+            }
+        )
+    if speculation:
+        settings.update(
+            {
+                "spark.speculation": "true",
+                "spark.speculation.interval": "100ms",
+                "spark.speculation.quantile": "0.5",
+                "spark.speculation.multiplier": "1.5",
+                "spark.speculation.minTaskRuntime": "500ms",
+                "spark.speculation.efficiency.enabled": "false",
+            }
+        )
+    if driver_host:
+        settings.update({"spark.driver.host": driver_host, "spark.driver.bindAddress": "0.0.0.0"})
+    settings.update(conf or {})
+    return local_session(master, app_name, settings)
+
+
+def partition_ids(rows: int, partitions: int, partition: int) -> range:
+    """The ids the job's input puts in ``partition`` (``spark.range`` splits evenly)."""
+    return range(partition * rows // partitions, (partition + 1) * rows // partitions)
+
+
+def generate_input(spark: Any, rows: int, partitions: int) -> Any:
+    """The job's input: ``id`` 0..rows-1 and ``name`` 'user<id>', the same on every run."""
+    return spark.range(0, rows, 1, partitions).selectExpr("id", "concat('user', id) AS name")
+
+
+def expected_output(
+    rows: int, fallback_keys: Iterable[int] = (), ids: Iterable[int] | None = None
+) -> list[dict[str, Any]]:
+    """What the job must write, computed without the service, sorted by id. Rows in
+    ``fallback_keys`` carry ``FALLBACK`` (their enrichment timed out)."""
+    fallback = set(fallback_keys)
+    out = []
+    for i in range(rows) if ids is None else ids:
+        answer = FALLBACK if i in fallback else expected_enrichment(str(i))
+        out.append(
+            {"id": i, "name": f"user{i}", "score": answer["score"], "label": answer["label"]}
+        )
+    return out
+
+
+def enrichment_function(options: JobOptions) -> AsyncFunction[Any, Any]:
+    """``ServiceEnrichment`` against the service, wrapped in the requested faults."""
+    fn: AsyncFunction[Any, Any] = ServiceEnrichment(
+        options.service_url, fallback=dict(FALLBACK) if options.fallback else None
+    )
+    for fault in options.faults:
+        fn = fault.wrap(fn)
+    return fn
+
+
+@dataclass(frozen=True)
+class TaskAttempt:
+    """One task attempt of a job, as Spark's status store recorded it."""
+
+    stage_id: int
+    partition: int
+    attempt: int
+    status: str
+    speculative: bool
+    executor_id: str
+    host: str
+    launch_time: float  # epoch seconds
+    duration: float | None  # seconds
+    error: str | None
+
+
+@dataclass
+class JobReport:
+    """What one run of the job did (``--report`` writes it as JSON)."""
+
+    app_id: str
+    job_id: str
+    mode: str
+    rows: int
+    partitions: int
+    started: float  # epoch seconds, when the write began
+    seconds: float  # the write's duration
+    table_version: int | None
+    written: bool  # False if the sink skipped an already committed txnVersion
+    rows_in_table: int
+    tasks: list[TaskAttempt] = field(default_factory=list)
+
+    def failed_attempts(self) -> list[TaskAttempt]:
+        return [t for t in self.tasks if t.status == "FAILED"]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> JobReport:
+        data = json.loads(text)
+        data["tasks"] = [TaskAttempt(**t) for t in data["tasks"]]
+        return cls(**data)
+
+
+def build_job(spark: Any, options: JobOptions) -> Any:
+    """The enriched DataFrame (not yet written)."""
+    from .._retry import RetryStrategy
+    from ..spark import CheckpointConfig, ordered_wait, unordered_wait
+
+    retry = None
+    if options.max_attempts > 1:
+        retry = RetryStrategy.fixed_delay(
+            options.max_attempts, options.retry_delay, retry_on_exception=(ServiceError,)
+        )
+    config = CheckpointConfig(
+        options.checkpoint,
+        options.job_id,
+        interval_records=options.interval,
+        retain=options.retain,
+        restore_from=options.restore_from,
+        operator_id=OPERATOR_ID,
+    )
+    enrich = ordered_wait if options.mode == "ordered" else unordered_wait
+    return enrich(
+        generate_input(spark, options.rows, options.partitions),
+        enrichment_function(options),
+        SCHEMA,
+        capacity=options.capacity,
+        timeout=options.timeout,
+        retry=retry,
+        checkpoint=config,
+    )
+
+
+def run_job(spark: Any, options: JobOptions) -> JobReport:
+    """Run the reference job on ``spark`` and write its output to ``options.output`` with
+    the ``delta_rs`` sink, in one commit that carries the app transaction
+    ``(options.job_id, options.txn_version)`` (a re-run that finds it committed is skipped).
+    """
+    from ..spark import register_delta_sink
+
+    register_delta_sink(spark)
+    enriched = build_job(spark, options)
+    before = _table_version(options.output)
+    started = time.time()
+    (
+        enriched.write.format("delta_rs")
+        .mode("append")
+        .option("txnAppId", options.job_id)
+        .option("txnVersion", str(options.txn_version))
+        .save(options.output)
+    )
+    seconds = time.time() - started
+    after = _table_version(options.output)
+    return JobReport(
+        app_id=spark.sparkContext.applicationId,
+        job_id=options.job_id,
+        mode=options.mode,
+        rows=options.rows,
+        partitions=options.partitions,
+        started=started,
+        seconds=seconds,
+        table_version=after,
+        written=after is not None and after != before,
+        rows_in_table=_table_rows(options.output),
+        tasks=task_attempts(spark),
+    )
+
+
+def _table_version(path: str) -> int | None:
+    from deltalake import DeltaTable
+    from deltalake.exceptions import TableNotFoundError
+
+    try:
+        return int(DeltaTable(path).version())
+    except TableNotFoundError:  # the first run creates it
+        return None
+
+
+def _table_rows(path: str) -> int:
+    from deltalake import DeltaTable
+    from deltalake.exceptions import TableNotFoundError
+
+    try:
+        return int(DeltaTable(path).to_pyarrow_dataset().count_rows())
+    except TableNotFoundError:  # an empty input writes no table
+        return 0
+
+
+def task_attempts(spark: Any, settle: float = 30.0) -> list[TaskAttempt]:
+    """Every task attempt of the application's jobs, from Spark's status store (through
+    py4j: Python has no API for it). Waits up to ``settle`` seconds for attempts still shown
+    running (a speculative loser being killed, events not yet processed). Returns [] with a
+    warning if the status store cannot be read: the report is not worth failing a job."""
+    try:
+        return _task_attempts(spark, settle)
+    except Exception as exc:
+        print(
+            f"warning: cannot read task attempts from Spark's status store: {exc}",
+            file=sys.stderr,
+        )
+        return []
+
+
+def _task_attempts(spark: Any, settle: float) -> list[TaskAttempt]:
+    sc = spark.sparkContext
+    store = sc._jsc.sc().statusStore()
+    tracker = sc.statusTracker()
+    deadline = time.monotonic() + settle
+    while True:
+        attempts: list[TaskAttempt] = []
+        for job in tracker.getJobIdsForGroup(None):
+            info = tracker.getJobInfo(job)
+            for stage_id in info.stageIds if info else []:
+                stage = tracker.getStageInfo(stage_id)
+                if stage is None:
+                    continue
+                tasks = store.taskList(stage_id, stage.currentAttemptId, 1_000_000)
+                for i in range(tasks.size()):
+                    task = tasks.apply(i)
+                    duration = task.duration()
+                    error = task.errorMessage()
+                    attempts.append(
+                        TaskAttempt(
+                            stage_id=stage_id,
+                            partition=int(task.index()),
+                            attempt=int(task.attempt()),
+                            status=str(task.status()),
+                            speculative=bool(task.speculative()),
+                            executor_id=str(task.executorId()),
+                            host=str(task.host()),
+                            launch_time=task.launchTime().getTime() / 1000.0,
+                            duration=duration.get() / 1000.0 if duration.isDefined() else None,
+                            error=str(error.get())[:20_000] if error.isDefined() else None,
+                        )
+                    )
+        if all(a.status != "RUNNING" for a in attempts) or time.monotonic() > deadline:
+            return sorted(attempts, key=lambda a: (a.stage_id, a.partition, a.attempt))
+        time.sleep(0.2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = parse_args(argv)
+    started = time.time()
+    try:
+        spark = session_for(
+            options.master,
+            speculation=options.speculation,
+            cores=options.cores,
+            driver_host=options.driver_host,
+        )
+    except Exception as exc:
+        print(f"error: cannot start a Spark session on {options.master}: {exc}", file=sys.stderr)
+        return 1
+    print(f"app_id {spark.sparkContext.applicationId}", flush=True)
+    print(f"session started in {time.time() - started:.1f} s", file=sys.stderr, flush=True)
+    try:
+        report = run_job(spark, options)
+    except Exception as exc:
+        print(f"error: the job failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        spark.stop()
+        return 1
+    text = report.to_json()
+    if options.report:
+        tmp = options.report + ".tmp"
+        with open(tmp, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, options.report)
+    failed = len(report.failed_attempts())
+    print(
+        f"done: {report.rows_in_table} rows in {options.output} (table version "
+        f"{report.table_version}, {'written' if report.written else 'already committed'}), "
+        f"write {report.seconds:.1f} s, {failed} failed task attempts",
+        flush=True,
+    )
+    spark.stop()
+    return 0
+
+
+# -- checks ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutputDiff:
+    """How an output differs from the expected one, by key: keys ``lost`` (expected, not
+    there), ``duplicated`` (there more than once), ``unexpected`` (there, not expected) and
+    ``mismatched`` (there once, but not equal to the expected row)."""
+
+    lost: list[Any]
+    duplicated: list[Any]
+    unexpected: list[Any]
+    mismatched: list[Any]
+    duplicates: int  # rows beyond the first per key
+
+    @property
+    def exact(self) -> bool:
+        return not (self.lost or self.duplicated or self.unexpected or self.mismatched)
+
+
+def compare_outputs(
+    expected: Sequence[dict[str, Any]], actual: Sequence[dict[str, Any]], key: str = "id"
+) -> OutputDiff:
+    """Compare two outputs row by row, matching rows by ``key``."""
+    want = {row[key]: row for row in expected}
+    if len(want) != len(expected):
+        raise ChaosCheckError(f"The expected output has repeated {key!r} values.")
+    seen = Counter(row[key] for row in actual)
+    got = {row[key]: row for row in actual}
+    return OutputDiff(
+        lost=sorted(k for k in want if k not in seen),
+        duplicated=sorted(k for k, n in seen.items() if n > 1),
+        unexpected=sorted(k for k in seen if k not in want),
+        mismatched=sorted(k for k in want if k in got and seen[k] == 1 and got[k] != want[k]),
+        duplicates=sum(n - 1 for n in seen.values()),
+    )
+
+
+def read_table_rows(path: str, key: str = "id") -> list[dict[str, Any]]:
+    """Every row of the Delta table at ``path`` (read with deltalake), sorted by ``key``."""
+    from deltalake import DeltaTable
+
+    try:
+        rows: list[dict[str, Any]] = DeltaTable(path).to_pyarrow_table().to_pylist()
+    except Exception as exc:
+        raise ChaosCheckError(f"Cannot read the Delta table at {path}: {exc}") from exc
+    return sorted(rows, key=lambda r: r[key])
+
+
+def request_repeats(counts: dict[str, int]) -> dict[str, int]:
+    """Keys requested more than once, with how many requests beyond the first."""
+    return {key: n - 1 for key, n in counts.items() if n > 1}
+
+
+@dataclass(frozen=True)
+class StoreCheck:
+    """The result of ``check_snapshot_store``: every live checkpoint (each loaded and
+    verified), and per partition the latest run's final checkpoint with the number of
+    results its chain restores."""
+
+    checkpoints: list[Any]
+    finals: dict[int, Any]
+    final_results: dict[int, int]
+
+
+def check_snapshot_store(location: str, job_id: str, operator_id: str = OPERATOR_ID) -> StoreCheck:
+    """Verify a job's snapshot store has no partial or duplicate checkpoint.
+
+    Every checkpoint that is not expired is loaded (``load`` checks that its in-flight and
+    result rows are all there); no (run, partition, checkpoint id) is committed twice; the
+    chain of each partition's newest final checkpoint restores. Raises ``ChaosCheckError``
+    naming the first problem.
+    """
+    from checkpoint import CheckpointError, SnapshotStore
+
+    store = SnapshotStore(location)
+    try:
+        metas = store.checkpoints(job_id, operator_id, include_expired=False)
+        keys = Counter((m.run_id, m.subtask, m.checkpoint_id) for m in metas)
+        twice = [k for k, n in keys.items() if n > 1]
+        if twice:
+            raise ChaosCheckError(
+                f"Checkpoints of job {job_id!r} were committed more than once: {twice}."
+            )
+        for m in metas:
+            store.load(job_id, operator_id, m.subtask, m.checkpoint_id, m.run_id)
+        finals: dict[int, Any] = {}
+        for m in metas:
+            if m.final and (m.subtask not in finals or m.created_at > finals[m.subtask].created_at):
+                finals[m.subtask] = m
+        results = {
+            p: store.restore(job_id, operator_id, p, m.checkpoint_id, m.run_id).results.num_rows
+            for p, m in finals.items()
+        }
+    except CheckpointError as exc:
+        raise ChaosCheckError(
+            f"The snapshot store of job {job_id!r} at {location} is inconsistent: {exc}"
+        ) from exc
+    return StoreCheck(metas, finals, results)

@@ -1,0 +1,119 @@
+"""Command line of the local Spark standalone cluster (``LocalCluster``)::
+
+    python -m stateful_async.chaos.cluster start [--workers 2] [--dir DIR]
+    python -m stateful_async.chaos.cluster status [--dir DIR]
+    python -m stateful_async.chaos.cluster kill-executor [--app APP_ID] [--worker N]
+    python -m stateful_async.chaos.cluster kill-worker N
+    python -m stateful_async.chaos.cluster start-worker N
+    python -m stateful_async.chaos.cluster stop [--dir DIR]
+
+``start`` launches a master and workers on free 127.0.0.1 ports, waits until they are
+alive, prints the master URL and returns; the daemons keep running. Their pids, ports and
+logs live in DIR (default: ``<tmp>/stateful-async-cluster-<uid>``), where the other
+commands find them. ``stop`` ends exactly the processes the cluster started, by pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from ._cluster import ClusterError, LocalCluster
+
+
+def default_dir() -> Path:
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(tempfile.gettempdir()) / f"stateful-async-cluster-{uid}"
+
+
+def _status(cluster: LocalCluster) -> dict[str, object]:
+    status: dict[str, object] = {
+        "master_url": cluster.master_url,
+        "webui_url": cluster.webui_url,
+        "master_pid": cluster.master.pid if cluster.master else None,
+        "master_alive": bool(cluster.master and cluster.master.alive()),
+        "workers": {
+            str(i): {"pid": w.pid, "host": w.host, "port": w.port, "alive": w.record.alive()}
+            for i, w in sorted(cluster.workers.items())
+        },
+        "executors": [
+            {"pid": e.pid, "app_id": e.app_id, "executor_id": e.executor_id, "worker": e.worker}
+            for e in cluster.executors()
+        ],
+    }
+    try:
+        status["active_apps"] = cluster.active_apps()
+        status["alive_workers"] = len(cluster.alive_workers())
+    except ClusterError as exc:
+        status["master_error"] = str(exc)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m stateful_async.chaos.cluster",
+        description="A local Spark standalone cluster on 127.0.0.1 for chaos tests.",
+    )
+    parser.add_argument(
+        "--dir", type=Path, default=default_dir(), help="where the cluster keeps its state"
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    start = commands.add_parser("start", help="start a master and workers, wait until alive")
+    start.add_argument("--workers", type=int, default=2)
+    start.add_argument("--cores", type=int, default=1, help="cores per worker")
+    start.add_argument("--memory", default="2g", help="memory per worker")
+    start.add_argument("--timeout", type=float, default=180.0)
+    commands.add_parser("status", help="print the cluster's processes and applications (JSON)")
+    commands.add_parser("stop", help="stop every process the cluster started")
+    kill_executor = commands.add_parser("kill-executor", help="SIGKILL one executor JVM")
+    kill_executor.add_argument("--app", default=None, help="an application id")
+    kill_executor.add_argument("--worker", type=int, default=None, help="a worker index")
+    kill_worker = commands.add_parser("kill-worker", help="SIGKILL a worker and its executors")
+    kill_worker.add_argument("index", type=int)
+    start_worker = commands.add_parser("start-worker", help="start a killed worker again")
+    start_worker.add_argument("index", type=int)
+    args = parser.parse_args(argv)
+
+    try:
+        if args.command == "start":
+            cluster = LocalCluster(
+                args.workers,
+                cores=args.cores,
+                memory=args.memory,
+                base_dir=args.dir,
+                startup_timeout=args.timeout,
+                stop_at_exit=False,
+            ).start()
+            print(cluster.master_url)
+            print(f"web UI {cluster.webui_url}; state and logs in {args.dir}", file=sys.stderr)
+            return 0
+        cluster = LocalCluster.attach(args.dir)
+        if args.command == "status":
+            print(json.dumps(_status(cluster), indent=2))
+        elif args.command == "stop":
+            pids = cluster.stop()
+            print(f"stopped {len(pids)} processes: {' '.join(map(str, sorted(pids)))}")
+        elif args.command == "kill-executor":
+            executor = cluster.kill_executor(args.app, args.worker)
+            print(
+                f"killed executor {executor.executor_id} of {executor.app_id} "
+                f"(pid {executor.pid}, worker {executor.worker})"
+            )
+        elif args.command == "kill-worker":
+            pids = cluster.kill_worker(args.index)
+            print(f"killed worker {args.index}: pids {' '.join(map(str, pids))}")
+        elif args.command == "start-worker":
+            info = cluster.start_worker(args.index)
+            print(f"started worker {info.index} (pid {info.pid}, {info.host}:{info.port})")
+    except (ClusterError, TimeoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
