@@ -49,6 +49,7 @@ def main() -> None:
 
     from deltalake import DeltaTable
 
+    from checkpoint import delta_dataset
     from stateful_async.spark import local_session, register_delta_sink
 
     spark = local_session("local[2,3]", app_name="sink-bench")
@@ -67,7 +68,8 @@ def main() -> None:
 
         assert spark.read.parquet(str(parquet_path)).count() == rows
         table = DeltaTable(str(delta_path))
-        assert table.count() == rows and table.to_pyarrow_table(columns=["id"]).num_rows == rows
+        assert table.count() == rows
+        assert delta_dataset(table).to_table(columns=["id"]).num_rows == rows
 
         parquet_rate, sink_rate = rows / parquet_s, rows / sink_s
         print(f"rows: {rows:,}   tasks: {args.partitions}   machine: local[2,3]")

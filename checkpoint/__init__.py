@@ -14,6 +14,7 @@ from ._exceptions import (
     SchemaChangedError,
     UnsupportedTypeError,
 )
+from ._layout import delta_dataset
 from ._model import (
     CheckpointMetadata,
     CheckpointRef,
@@ -40,6 +41,7 @@ __all__ = [
     "SnapshotStore",
     "SubtaskLog",
     "UnsupportedTypeError",
+    "delta_dataset",
     "storage_schema",
     "storage_type",
 ]

@@ -662,7 +662,7 @@ class SubtaskLog:
         self, table: DeltaTable, expression: pc.Expression, columns: list[str] | None
     ) -> pa.Table:
         try:
-            return table.to_pyarrow_dataset().to_table(filter=expression, columns=columns)
+            return _layout.delta_dataset(table).to_table(filter=expression, columns=columns)
         except Exception as exc:
             raise CheckpointError(f"Cannot read checkpoint table {self.uri}: {exc}") from exc
 
@@ -760,7 +760,7 @@ class SnapshotStore:
                 log = self.subtask(job_id, operator, number)
                 table = log._open()
                 if table is not None:
-                    tables.append(table.to_pyarrow_table())
+                    tables.append(_layout.delta_dataset(table).to_table())
         if not tables:
             raise CheckpointNotFoundError(f"Job {job_id!r} has no checkpoints at {self.location}.")
         return pa.concat_tables(tables, promote_options="permissive")

@@ -102,7 +102,7 @@ def run_demo(
     """Run the whole demo; everything it starts (service, Spark) it stops."""
     from deltalake import DeltaTable
 
-    from checkpoint import SnapshotStore
+    from checkpoint import SnapshotStore, delta_dataset
 
     from .chaos import CrashOnElement, MockService, ServiceConfig, ServiceEnrichment
     from .chaos import expected_enrichment as expected
@@ -188,7 +188,7 @@ def run_demo(
         counts = service.counts()
 
     on_start("checking the output")
-    table = DeltaTable(output).to_pyarrow_table().to_pylist()
+    table = delta_dataset(DeltaTable(output)).to_table().to_pylist()
     seen: dict[int, int] = {}
     wrong = 0
     for row in table:

@@ -3,6 +3,7 @@
     python checkpoint_writer.py loop  LOCATION SUBTASK RUN ELEMENTS   # commit until killed
     python checkpoint_writer.py batch LOCATION SUBTASK RUN COUNT ELEMENTS
     python checkpoint_writer.py race  LOCATION RUN ID GO_FILE
+    python checkpoint_writer.py read  LOCATION RUN                     # restore, then exit
 
 Prints one line per step, flushed: "begin <id>" before a commit, "committed <id>" after.
 Not a test module (pytest only collects test_*.py).
@@ -100,6 +101,9 @@ def main(argv: list[str]) -> None:
             say("landed")
         except CheckpointConflictError as exc:
             say(f"refused {exc}")
+    elif mode == "read":
+        restored = store.subtask(JOB, OPERATOR, 0).restore(2, run_id=argv[2])
+        say(f"restored {len(restored.elements)} {store.read_job(JOB).num_rows}")
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

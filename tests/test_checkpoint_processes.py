@@ -91,6 +91,19 @@ def test_eight_processes_commit_fifty_checkpoints_each_exactly_once(tmp_path: Pa
     assert table.num_rows == 400 * (1 + 20 + 5)  # meta + 20 records + 5 results each
 
 
+def test_a_process_that_restored_a_checkpoint_exits_cleanly(tmp_path: Path) -> None:
+    # deltalake's default pyarrow dataset made about one process in two abort at exit
+    # ("terminate called without an active exception"); eight clean exits in a row make a
+    # regression all but certain to show.
+    writer = spawn("batch", tmp_path, 0, "run", 2, 20)
+    assert writer.wait(timeout=120) == 0, writer.communicate()[1]
+    for _ in range(8):
+        reader = spawn("read", tmp_path, "run")
+        stdout, stderr = reader.communicate(timeout=120)
+        assert stdout.strip() == "restored 20 52", stderr
+        assert reader.returncode == 0, f"exit {reader.returncode} after a restore: {stderr}"
+
+
 @pytest.mark.parametrize("attempt", range(3))
 def test_two_attempts_racing_on_one_checkpoint_id_yield_exactly_one(
     tmp_path: Path, attempt: int

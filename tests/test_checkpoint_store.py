@@ -23,6 +23,7 @@ from checkpoint import (
     SchemaChangedError,
     SnapshotStore,
     UnsupportedTypeError,
+    delta_dataset,
 )
 from stateful_async import AsyncWaitOperator, OutputMode, StreamRecord, Watermark
 from stateful_async.testing import ControlledFunction, settle
@@ -240,7 +241,7 @@ def test_the_table_is_readable_by_other_delta_readers(tmp_path: Path) -> None:
         f"SELECT kind, count(*) FROM read_parquet({files!r}) GROUP BY kind ORDER BY kind"
     ).fetchall()
     assert counts == [("checkpoint", 1), ("record", 1), ("result", 1), ("watermark", 1)]
-    table = DeltaTable(path).to_pyarrow_table()
+    table = delta_dataset(DeltaTable(path)).to_table()
     assert table.num_rows == 4
     assert set(table.column("job_id").to_pylist()) == {"job"}
 
@@ -494,7 +495,7 @@ def test_commit_of_a_10k_element_snapshot_is_one_delta_version(tmp_path: Path) -
     commit(log, "run", 1, n=10_000)
     table = DeltaTable(log.uri)
     assert table.version() == 0
-    assert table.to_pyarrow_table().num_rows == 1 + 10_000 + 1
+    assert delta_dataset(table).to_table().num_rows == 1 + 10_000 + 1
     assert os.path.isdir(log.uri)
 
 

@@ -534,8 +534,10 @@ def _table_rows(path: str) -> int:
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
+    from checkpoint import delta_dataset
+
     try:
-        return int(DeltaTable(path).to_pyarrow_dataset().count_rows())
+        return int(delta_dataset(DeltaTable(path)).count_rows())
     except TableNotFoundError:  # an empty input writes no table
         return 0
 
@@ -672,8 +674,10 @@ def read_table_rows(path: str, key: str = "id") -> list[dict[str, Any]]:
     """Every row of the Delta table at ``path`` (read with deltalake), sorted by ``key``."""
     from deltalake import DeltaTable
 
+    from checkpoint import delta_dataset
+
     try:
-        rows: list[dict[str, Any]] = DeltaTable(path).to_pyarrow_table().to_pylist()
+        rows: list[dict[str, Any]] = delta_dataset(DeltaTable(path)).to_table().to_pylist()
     except Exception as exc:
         raise ChaosCheckError(f"Cannot read the Delta table at {path}: {exc}") from exc
     return sorted(rows, key=lambda r: r[key])

@@ -31,6 +31,7 @@ from deltalake import DeltaTable
 from pyspark import TaskContext
 from pyspark.errors import AnalysisException, StreamingQueryException
 
+from checkpoint import delta_dataset
 from stateful_async import ConfigurationError, DeltaSinkError, SinkSchemaMismatchError
 from stateful_async.spark import clean_orphan_files, register_delta_sink
 from stateful_async.spark._sink_commit import (
@@ -104,14 +105,14 @@ def _write_source(directory: Path, files: int, rows_per_file: int) -> list[int]:
 
 def _ids(table_path: Path) -> list[int]:
     return sorted(
-        DeltaTable(str(table_path)).to_pyarrow_table(columns=["id"]).column("id").to_pylist()
+        delta_dataset(DeltaTable(str(table_path))).to_table(columns=["id"]).column("id").to_pylist()
     )
 
 
 def _assert_exactly_once(table_path: Path, expected_ids: list[int]) -> None:
     """Every expected row once, as read by deltalake, Polars and DuckDB, right schema."""
     table = DeltaTable(str(table_path))
-    data = table.to_pyarrow_table()
+    data = delta_dataset(table).to_table()
     assert sorted(data.column("id").to_pylist()) == sorted(expected_ids)
     assert expected_ids == list(range(len(expected_ids)))  # as _write_source makes them
     assert data.sort_by("id").to_pylist() == _rows(0, len(expected_ids)).to_pylist()
@@ -129,7 +130,7 @@ def _assert_exactly_once(table_path: Path, expected_ids: list[int]) -> None:
     }
 
     con = duckdb.connect()
-    con.register("sink_table", table.to_pyarrow_dataset())
+    con.register("sink_table", delta_dataset(table))
     n, distinct, total = con.execute(
         "SELECT count(*), count(DISTINCT id), sum(amount) FROM sink_table"
     ).fetchone()
@@ -336,7 +337,7 @@ def test_task_dying_after_writing_its_file_is_never_committed(
     live = _live_files(table)
     assert set(dead_files) <= on_disk  # the dead attempt's file is complete on disk ...
     assert not set(dead_files) & live  # ... but in no Delta version
-    data = DeltaTable(str(table)).to_pyarrow_table()
+    data = delta_dataset(DeltaTable(str(table))).to_table()
     assert sorted(data.column("id").to_pylist()) == list(range(3000))
     assert data.column("doubled").to_pylist() == [i * 2 for i in data.column("id").to_pylist()]
     assert DeltaTable(str(table)).version() == 0  # one transaction
@@ -379,7 +380,7 @@ def test_abort_keeps_a_landed_commit_and_deletes_one_that_did_not_land(
     assert "injected failure after the Delta commit landed" in str(landed.value)
     assert _ids(table) == list(range(1000))
     assert _table_files(table) == _live_files(table)  # abort deleted nothing
-    assert DeltaTable(str(table)).to_pyarrow_table().num_rows == 1000  # files readable
+    assert delta_dataset(DeltaTable(str(table))).to_table().num_rows == 1000  # files readable
 
     # commit() fails before committing: abort() deletes the write's files.
     with pytest.raises(AnalysisException) as failed:
@@ -502,7 +503,7 @@ def test_batch_append_overwrite_and_schema_rules(sink: Any, tmp_path: Path) -> N
     replacement.write.format("delta_rs").mode("overwrite").save(table)
     current = DeltaTable(table)
     assert _ids(Path(table)) == list(range(7000, 7100))
-    assert set(current.to_pyarrow_table().column("label").to_pylist()) == {
+    assert set(delta_dataset(current).to_table().column("label").to_pylist()) == {
         f"r{i}" for i in range(7000, 7100)
     }
     assert current.history(1)[0]["operationParameters"]["mode"] == "Overwrite"
@@ -529,7 +530,7 @@ def test_batch_append_overwrite_and_schema_rules(sink: Any, tmp_path: Path) -> N
         extra.write.format("delta_rs").mode("append").save(table)
     assert "the data column 'tripled' is not in the table" in str(refused.value)
     extra.write.format("delta_rs").mode("append").option("mergeSchema", "true").save(table)
-    merged = DeltaTable(table).to_pyarrow_table().sort_by("id")
+    merged = delta_dataset(DeltaTable(table)).to_table().sort_by("id")
     assert merged.schema.names == ["id", "label", "tripled"]
     assert merged.column("tripled").to_pylist() == [None] * 100 + [i * 3 for i in range(9000, 9010)]
 
@@ -559,7 +560,7 @@ def test_partitioned_table_and_file_uri(sink: Any, tmp_path: Path) -> None:
     )
     delta = DeltaTable(str(table))
     assert delta.metadata().partition_columns == ["country"]
-    rows = sorted(delta.to_pyarrow_table().to_pylist(), key=lambda r: r["id"])
+    rows = sorted(delta_dataset(delta).to_table().to_pylist(), key=lambda r: r["id"])
     assert rows == [
         {"id": 1, "country": "fr"},
         {"id": 2, "country": "a b/c%d"},
@@ -627,7 +628,7 @@ def test_stats_are_exact_and_skip_files(sink: Any, tmp_path: Path) -> None:
 
     # File skipping: a filtered scan opens only the files whose id range can match.
     threshold = 17_500
-    dataset = delta.to_pyarrow_dataset()
+    dataset = delta_dataset(delta)
     needed = {a["path"] for a in actions if a["max.id"] >= threshold}
     assert 0 < len(needed) < len(actions)
     scanned = {f.path for f in dataset.get_fragments(filter=ds.field("id") >= threshold)}
@@ -791,7 +792,7 @@ def test_streaming_complete_mode_replaces_the_table_each_batch(sink: Any, tmp_pa
     delta = DeltaTable(str(table))
     assert delta.version() == 2  # one transaction per micro-batch
     expected = {k: keys.count(k) for k in set(keys)}
-    assert {r["k"]: r["count"] for r in delta.to_pyarrow_table().to_pylist()} == expected
+    assert {r["k"]: r["count"] for r in delta_dataset(delta).to_table().to_pylist()} == expected
     assert delta.count() == len(expected)
     assert delta.transaction_version(str(query.id)) == 2
 

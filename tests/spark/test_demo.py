@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from deltalake import DeltaTable
 
+from checkpoint import delta_dataset
+
 pytestmark = pytest.mark.spark
 
 
@@ -40,7 +42,7 @@ def test_the_demo_crashes_a_task_recovers_and_reports_exactly_once(tmp_path: Pat
     assert again, output
     repeated, bound = (int(g.replace(",", "")) for g in again.groups())
     assert 0 < repeated <= bound
-    table = DeltaTable(str(tmp_path / "run" / "enriched")).to_pyarrow_table()
+    table = delta_dataset(DeltaTable(str(tmp_path / "run" / "enriched"))).to_table()
     assert sorted(table.column("id").to_pylist()) == list(range(4000))
     # Spark's own chatter about the injected crash went to the log, not the terminal.
     assert "Exception" not in output

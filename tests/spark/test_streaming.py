@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 import pytest
 from deltalake import DeltaTable
 
-from checkpoint import SnapshotStore
+from checkpoint import SnapshotStore, delta_dataset
 from stateful_async.chaos import MockService, ServiceConfig, ServiceEnrichment, expected_enrichment
 from stateful_async.spark import CheckpointConfig, ordered_wait, register_delta_sink
 
@@ -75,7 +75,7 @@ def test_a_query_stopped_mid_batch_resumes_and_writes_every_result_once(spark, t
         assert interrupted_run is not None, "the query never reached its second batch"
         query.stop()  # mid-batch: the running batch is cancelled and not committed
         stopped_at = datetime.now(timezone.utc)
-        written_before = DeltaTable(str(table)).to_pyarrow_table().num_rows
+        written_before = delta_dataset(DeltaTable(str(table))).to_table().num_rows
         assert 0 < written_before < FILES * ROWS_PER_FILE
         before = service.counts()
 
@@ -83,7 +83,7 @@ def test_a_query_stopped_mid_batch_resumes_and_writes_every_result_once(spark, t
         query.processAllAvailable()
         query.stop()
 
-        rows = DeltaTable(str(table)).to_pyarrow_table().to_pylist()
+        rows = delta_dataset(DeltaTable(str(table))).to_table().to_pylist()
         got = sorted((r["id"], r["name"], r["score"], r["label"]) for r in rows)
         assert got == [reference(i) for i in range(FILES * ROWS_PER_FILE)]  # each exactly once
 
