@@ -1,0 +1,1652 @@
+"""The whole benchmark suite in one run: writes docs/benchmarks.md and its plots.
+
+    python benchmarks/run_all.py            # everything, 20-25 minutes on 2 cores
+    python benchmarks/run_all.py --quick    # a smoke run of every part (~8 minutes)
+
+Runs, in this order and in one go on this machine: the operator overhead benchmark
+(``operator_bench``, plus a capacity sweep 10..1000), the snapshot store benchmark
+(``checkpoint_bench``), the Spark end-to-end benchmark (``spark_bench``: competitors,
+Little's-law bound, checkpoint cost, cost of failure, memory, CPU profile), PyFlink's
+async operator on the same workload (``pyflink_bench``, in a virtual environment of its
+own; skipped with the reason if it cannot be installed or run) and the Delta sink
+benchmark (``sink_bench``). Then it writes ``docs/benchmarks.md`` (every figure of this
+run, ratios against the anchors, the targets met or missed) and PNG plots under
+``docs/benchmarks/``, and checks that every process it started has stopped and that none
+of them is left listening.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import checkpoint_bench  # noqa: E402
+import operator_bench  # noqa: E402
+import pyflink_bench  # noqa: E402
+
+from stateful_async import OutputMode  # noqa: E402
+
+CAPACITY = 64  # requests in flight per task in the Spark and PyFlink comparisons
+FLAT = 1.10  # "memory flat in input size": peak RSS at 1M rows within 10 % of 10k rows
+
+
+def log(message: str) -> None:
+    print(f"[run_all] {message}", file=sys.stderr, flush=True)
+
+
+# -- processes we started ----------------------------------------------------------------
+
+
+class ProcessWatch:
+    """Remembers every process started below this one (polled once a second), so that at
+    the end it can tell whether any of them is still alive or listening, even one that was
+    orphaned and is no longer a descendant."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.psutil = psutil
+        self.me = psutil.Process()
+        self.seen: dict[int, tuple[float, str]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True, name="process-watch")
+
+    def _poll(self) -> None:
+        while not self._stop.wait(1.0):
+            self.sample()
+
+    def sample(self) -> None:
+        for proc in self.me.children(recursive=True):
+            try:
+                if proc.pid not in self.seen:
+                    self.seen[proc.pid] = (proc.create_time(), " ".join(proc.cmdline())[:120])
+            except self.psutil.Error:
+                continue
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def finish(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        time.sleep(1.0)
+        alive = []
+        for pid, (created, cmd) in self.seen.items():
+            try:
+                proc = self.psutil.Process(pid)
+                if abs(proc.create_time() - created) < 0.01 and proc.status() != "zombie":
+                    alive.append({"pid": pid, "cmd": cmd})
+            except self.psutil.Error:
+                continue
+        alive_pids = {a["pid"] for a in alive} | {self.me.pid}
+        listening = []
+        for conn in self.psutil.net_connections(kind="inet"):
+            if conn.status == self.psutil.CONN_LISTEN and conn.pid in alive_pids:
+                listening.append({"pid": conn.pid, "address": f"{conn.laddr.ip}:{conn.laddr.port}"})
+        return {
+            "started": len(self.seen),
+            "still_running": alive,
+            "listening": listening,
+        }
+
+
+# -- the parts -----------------------------------------------------------------------------
+
+
+def operator_part(quick: bool) -> dict[str, Any]:
+    """operator_bench's comparison over capacities 10, 100, 1000 and both functions and
+    modes, plus its memory figures (the library's own bench functions, unchanged)."""
+    repeat = 1 if quick else 3
+    rows = []
+    for function in ("noop", "sleep20ms"):
+        for mode in (OutputMode.ORDERED, OutputMode.UNORDERED):
+            for capacity in (10, 100, 1000):
+                if function == "noop":
+                    n = 20_000 if quick else 100_000
+                else:  # ~2 s at the Little's-law rate, whatever the capacity
+                    n = capacity * (25 if quick else 100)
+                row = operator_bench.compare(function, mode, n, capacity, repeat)
+                log(
+                    f"  operator {function:<9} {mode.value:<9} capacity {capacity:>4}: "
+                    f"{row['ratio']:.2f}x"
+                )
+                rows.append(row)
+    memory = []
+    large = 100_000 if quick else 1_000_000
+    for mode in ("ordered", "unordered"):
+        small_rss = operator_bench.peak_rss(10_000, 1000, mode)
+        large_rss = operator_bench.peak_rss(large, 1000, mode)
+        memory.append(
+            {
+                "mode": mode,
+                "rss_10k_mib": small_rss,
+                "rss_large_mib": large_rss,
+                "large_elements": large,
+                "ratio": large_rss / small_rss,
+            }
+        )
+    worst = min(rows, key=lambda r: r["ratio"])
+    return {
+        "throughput": rows,
+        "memory": memory,
+        "repeat": repeat,
+        "profile": operator_profile(worst, 20_000 if quick else 100_000),
+    }
+
+
+def operator_profile(case: dict[str, Any], n: int) -> dict[str, Any]:
+    """cProfile of the worst case, operator and hand-written loop: the costliest
+    functions by own time, in microseconds per element."""
+    import asyncio
+    import cProfile
+    import pstats
+
+    function = operator_bench.FUNCTIONS[case["function"]]
+    mode = OutputMode(case["mode"])
+    capacity = case["capacity"]
+    hand = (
+        operator_bench.handwritten_ordered
+        if mode is OutputMode.ORDERED
+        else operator_bench.handwritten_unordered
+    )
+    out: dict[str, Any] = {"case": {k: case[k] for k in ("function", "mode", "capacity")}}
+    for name, make in (
+        ("operator", lambda: operator_bench.with_operator(function, n, capacity, mode)),
+        ("handwritten", lambda: hand(function, n, capacity)),
+    ):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        asyncio.run(make())
+        profiler.disable()
+        stats = pstats.Stats(profiler)
+        entries = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
+        out[name] = {
+            "total_us_per_element": stats.total_tt / n * 1e6,  # type: ignore[attr-defined]
+            "top": [
+                {
+                    "function": f"{os.path.basename(f)}:{line}({fn})",
+                    "us_per_element": tottime / n * 1e6,
+                }
+                for (f, line, fn), (_cc, _nc, tottime, _ct, _callers) in entries[:6]
+            ],
+        }
+    return out
+
+
+def child_part(script: str, args: list[str], watch: ProcessWatch) -> dict[str, Any]:
+    """Runs a benchmark script in its own process (its Spark JVM ends with it); relays its
+    progress lines and returns its JSON."""
+    with tempfile.TemporaryDirectory(prefix="run-all-") as tmp:
+        out_json = os.path.join(tmp, "out.json")
+        log_path = os.path.join(tmp, "stderr.log")
+        out_path = os.path.join(tmp, "stdout.txt")
+        with open(log_path, "w") as err, open(out_path, "w") as out:
+            process = subprocess.Popen(
+                [sys.executable, str(HERE / script), *args, "--json", out_json],
+                stdout=out,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            assert process.stderr is not None
+            for line in process.stderr:  # progress lines are relayed, everything is kept
+                err.write(line)
+                if line.startswith("spark_bench: "):
+                    print(line.rstrip(), file=sys.stderr, flush=True)
+            process.wait()
+        stdout = Path(out_path).read_text()
+        watch.sample()
+        if process.returncode != 0:
+            tail = Path(log_path).read_text().strip().splitlines()[-15:]
+            raise RuntimeError(f"{script} failed (exit {process.returncode}):\n" + "\n".join(tail))
+        result = json.loads(Path(out_json).read_text())
+        result["stdout"] = stdout
+        return result
+
+
+def sink_part(quick: bool) -> dict[str, Any]:
+    """sink_bench prints a table; its figures are read from it."""
+    args = ["--quick"] if quick else []
+    done = subprocess.run(
+        [sys.executable, str(HERE / "sink_bench.py"), *args],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        return {"status": "failed", "reason": done.stderr.strip().splitlines()[-1:]}
+    text = done.stdout
+    figures: dict[str, Any] = {"status": "ok", "text": text.strip()}
+    rows = re.search(r"rows: ([\d,]+)", text)
+    parquet = re.search(r"spark df.write.parquet\s+([\d.]+)\s+([\d,]+)", text)
+    sink = re.search(r"delta_rs sink \(delta-rs\)\s+([\d.]+)\s+([\d,]+)", text)
+    ratio = re.search(r"ratio \(sink / parquet rows/s\): ([\d.]+)x", text)
+    if rows and parquet and sink and ratio:
+        figures.update(
+            rows=int(rows.group(1).replace(",", "")),
+            parquet_rows_per_s=int(parquet.group(2).replace(",", "")),
+            sink_rows_per_s=int(sink.group(2).replace(",", "")),
+            ratio=float(ratio.group(1)),
+        )
+    return figures
+
+
+def pyflink_part(quick: bool) -> dict[str, Any]:
+    """Best of two runs (one in --quick): PyFlink's job start-up dominates a single run's
+    noise, and the machine is shared."""
+    best: dict[str, Any] | None = None
+    for _ in range(1 if quick else 2):
+        result = pyflink_bench.run(quick=quick, capacity=CAPACITY, latency_ms=20.0, log=log)
+        if result["status"] != "ok":
+            return result
+        if best is None or result["rows_per_s"] > best["rows_per_s"]:
+            best = result
+    assert best is not None
+    return best
+
+
+# -- the machine ---------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    import psutil
+
+    def version(module: str) -> str:
+        try:
+            return __import__(module).__version__
+        except Exception:  # noqa: BLE001 - a missing module is reported as such
+            return "not installed"
+
+    cpu_model = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        java = subprocess.run(["java", "-version"], capture_output=True, text=True, timeout=30)
+        java_version = (java.stderr or java.stdout).strip().splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        java_version = "not found"
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        commit = "?"
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu_model": cpu_model,
+        "cpus": os.cpu_count(),
+        "memory_gib": psutil.virtual_memory().total / 2**30,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "pyspark": version("pyspark"),
+        "deltalake": version("deltalake"),
+        "pyarrow": version("pyarrow"),
+        "aiohttp": version("aiohttp"),
+        "java": java_version,
+        "commit": commit,
+        "load_start": os.getloadavg(),
+    }
+
+
+# -- the report ----------------------------------------------------------------------------
+
+
+def ok(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("status", "ok") == "ok"
+
+
+def fmt_rate(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def pct(value: float) -> str:
+    return f"{value:+.1f} %"
+
+
+def table(header: list[str], rows: list[list[Any]], align: str | None = None) -> str:
+    align = align or "l" + "r" * (len(header) - 1)
+    marks = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(marks) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every target of issues 4 and 8: measured value, met or missed, and by how much."""
+    out: list[dict[str, Any]] = []
+
+    def add(key: str, name: str, measured: str, met: bool | None, gap: str = "") -> None:
+        out.append({"key": key, "target": name, "measured": measured, "met": met, "gap": gap})
+
+    operator = results.get("operator", {})
+    if ok(operator) and operator.get("throughput"):
+        worst = min(operator["throughput"], key=lambda r: r["ratio"])
+        misses = [r for r in operator["throughput"] if r["ratio"] < 0.8]
+        add(
+            "operator",
+            "operator >= 0.8x the hand-written bounded asyncio loop (every function, mode and "
+            "capacity 10..1000)",
+            f"lowest {worst['ratio']:.2f}x ({worst['function']}, {worst['mode']}, capacity "
+            f"{worst['capacity']}); {len(misses)} of {len(operator['throughput'])} cases below",
+            not misses,
+            f"{(0.8 - worst['ratio']) / 0.8 * 100:.0f} % short in the worst case" if misses else "",
+        )
+    spark = results.get("spark", {})
+    if ok(spark) and spark.get("throughput"):
+        rows = {r["case"]: r for r in spark["throughput"]}
+        ours = rows["ordered_wait"]["rows_per_s"]
+        hand = rows["handwritten_asyncio"]["rows_per_s"]
+        ours_cpu = rows["ordered_wait"]["rows_per_cpu_s"]
+        hand_cpu = rows["handwritten_asyncio"]["rows_per_cpu_s"]
+        ratio = ours_cpu / hand_cpu
+        add(
+            "hand",
+            "`ordered_wait` >= 1.2x the hand-written (per-batch gather) asyncio `mapInArrow`, "
+            "Spark, 20 ms",
+            f"{ratio:.2f}x per CPU-second ({fmt_rate(ours_cpu)} vs {fmt_rate(hand_cpu)} rows "
+            f"per CPU-s); raw rows/s, best of {spark['repeat']}: {ours / hand:.2f}x "
+            f"({fmt_rate(ours)} vs {fmt_rate(hand)})",
+            ratio >= 1.2,
+            f"{(1.2 - ratio) / 1.2 * 100:.0f} % short" if ratio < 1.2 else "",
+        )
+        pyflink = results.get("pyflink", {})
+        if ok(pyflink):
+            # Judged on rows/s, as the target says: PyFlink need not be CPU-bound (see its
+            # cores busy), so its CPU per row does not stand for its rows/s.
+            raw = ours / pyflink["rows_per_s"]
+            measured = (
+                f"{raw:.2f}x rows/s ({fmt_rate(ours)}, best of {spark['repeat']}, vs "
+                f"{fmt_rate(pyflink['rows_per_s'])}, PyFlink's steady state, best of "
+                f"{1 if results.get('quick') else 2})"
+            )
+            if pyflink.get("rows_per_cpu_s"):
+                measured += (
+                    f"; per CPU-second {ours_cpu / pyflink['rows_per_cpu_s']:.2f}x "
+                    f"({fmt_rate(ours_cpu)} vs {fmt_rate(pyflink['rows_per_cpu_s'])})"
+                )
+            add(
+                "pyflink",
+                "`ordered_wait` >= 3x PyFlink's `AsyncDataStream.ordered_wait`, same workload",
+                measured,
+                raw >= 3,
+                f"{(3 - raw) / 3 * 100:.0f} % short" if raw < 3 else "",
+            )
+        else:
+            add(
+                "pyflink",
+                "`ordered_wait` >= 3x PyFlink's `AsyncDataStream.ordered_wait`, same workload",
+                f"not measured: {pyflink.get('reason', 'no result')}",
+                None,
+            )
+        slow = spark["slow"]
+        slow_ours = next(r for r in slow["table"] if r["case"] == "ordered_wait")["rows_per_s"]
+        ratio = slow_ours / slow["littles_law_rows_per_s"]
+        add(
+            "little",
+            "`ordered_wait` >= 0.9x the Little's-law bound at 200 ms latency",
+            f"{ratio:.2f}x ({fmt_rate(slow_ours)} of {fmt_rate(slow['littles_law_rows_per_s'])} "
+            "rows/s)",
+            ratio >= 0.9,
+            f"{(0.9 - ratio) / 0.9 * 100:.0f} % short" if ratio < 0.9 else "",
+        )
+        sc = spark["service_checkpoint"]
+        cpu_ratio = sc["rows_per_cpu_s_checkpoint"] / sc["rows_per_cpu_s_none"]
+        cost = (1 - cpu_ratio) * 100
+        medians = statistics.median(sc["runs_s"]["none"]) / statistics.median(
+            sc["runs_s"]["checkpoint"]
+        )
+        add(
+            "checkpoint",
+            f"checkpoints every {sc['interval']:,} records cost <= 5 % (`ordered_wait`, the "
+            "service workload)",
+            f"{cost:.1f} % per CPU-second ({cpu_ratio:.3f}x); raw rows/s: "
+            f"{sc['cost_pct']:.1f} % best of {spark['repeat']}, "
+            f"{(1 - medians) * 100:.1f} % median",
+            cost <= 5,
+            f"{cost - 5:.1f} points over" if cost > 5 else "",
+        )
+        for r in spark["failure"]["table"]:
+            if r["bound"]:
+                add(
+                    "failure",
+                    "repeated requests after a crash <= capacity + interval",
+                    f"{r['repeated_requests']:,} repeated (bound {r['bound']:,}); without "
+                    "checkpoints: "
+                    + ", ".join(
+                        f"{x['repeated_requests']:,}"
+                        for x in spark["failure"]["table"]
+                        if not x["bound"]
+                    ),
+                    r["repeated_requests"] <= r["bound"],
+                    f"{r['repeated_requests'] - r['bound']:,} over"
+                    if r["repeated_requests"] > r["bound"]
+                    else "",
+                )
+        plain = [m for m in spark["memory"] if not m["checkpoint_every"]]
+        worst_mem = max(plain, key=lambda m: m["ratio"])
+        add(
+            "memory",
+            f"memory flat in input size: a task's peak RSS for {plain[0]['large_rows']:,} rows "
+            f"within {int((FLAT - 1) * 100)} % of 10k rows, capacity 100 and 1000",
+            ", ".join(f"{m['ratio']:.2f}x (capacity {m['capacity']})" for m in plain),
+            worst_mem["ratio"] <= FLAT,
+            f"{(worst_mem['ratio'] - FLAT) * 100:.0f} points over"
+            if worst_mem["ratio"] > FLAT
+            else "",
+        )
+        for m in spark["memory"]:
+            if m["checkpoint_every"]:
+                add(
+                    "memory_ckpt",
+                    "(measured in addition) the same with checkpoints every "
+                    f"{m['checkpoint_every']:,} records, capacity {m['capacity']}",
+                    f"{m['ratio']:.2f}x ({m['small_peak_mib']:.0f} -> {m['large_peak_mib']:.0f} "
+                    "MiB)",
+                    m["ratio"] <= FLAT,
+                    f"{(m['ratio'] - FLAT) * 100:.0f} points over" if m["ratio"] > FLAT else "",
+                )
+    return out
+
+
+def status(met: bool | None) -> str:
+    return {True: "met", False: "**missed**", None: "not measured"}[met]
+
+
+def render(results: dict[str, Any], plots: Path, doc_dir: Path) -> str:
+    figures = make_plots(results, plots)
+    rel = os.path.relpath(plots, doc_dir)
+    m = results["machine"]
+    checks = targets(results)
+    by_key = {c["key"]: c for c in checks}
+    parts: list[str] = []
+    add = parts.append
+
+    add("# Benchmarks\n")
+    add(
+        "Written by `python benchmarks/run_all.py` (the numbers below are from one run of it; "
+        "do not edit them by hand). Every figure was measured in the same run on the machine "
+        "described below, and is quoted as a ratio against an anchor measured in that run: "
+        "the machine is shared (other people's test suites run on the same two cores) and "
+        "absolute rates move from run to run, while ratios of interleaved runs hold better. "
+        "Where a case was repeated, the best run is kept (the one least disturbed by other "
+        "load), and the text says so.\n"
+    )
+    add(
+        "```bash\n.venv/bin/python benchmarks/run_all.py          # the whole suite, 20-25 min\n"
+        ".venv/bin/python benchmarks/run_all.py --quick  # a smoke run of every part\n```\n"
+    )
+    if results.get("quick"):
+        add(
+            "> **This report comes from a `--quick` smoke run: inputs are small, each case ran "
+            "once, and the figures are not meaningful.**\n"
+        )
+
+    add("## The machine\n")
+    add(
+        table(
+            ["", ""],
+            [
+                ["date", m["date"]],
+                ["CPU", f"{m['cpu_model']}, {m['cpus']} logical CPUs"],
+                ["memory", f"{m['memory_gib']:.0f} GiB"],
+                ["OS", m["os"]],
+                ["Python", m["python"]],
+                ["Java", m["java"]],
+                [
+                    "PySpark / deltalake / pyarrow / aiohttp",
+                    f"{m['pyspark']} / {m['deltalake']} / {m['pyarrow']} / {m['aiohttp']}",
+                ],
+                ["commit", m["commit"]],
+                [
+                    "load average (1 min) at start / end",
+                    f"{m['load_start'][0]:.1f} / {m.get('load_end', [float('nan')])[0]:.1f}",
+                ],
+                ["suite wall time", f"{results.get('seconds', 0) / 60:.1f} min"],
+            ],
+            "ll",
+        )
+        + "\n"
+    )
+
+    add("## Targets\n")
+    add(
+        table(
+            ["target", "measured", "status", "by how much"],
+            [[c["target"], c["measured"], status(c["met"]), c["gap"]] for c in checks],
+            "llll",
+        )
+        + "\n"
+    )
+    missed = [c for c in checks if c["met"] is False]
+    if missed:
+        add(
+            "Every miss is explained in its section below (**Why it is missed**) and in the "
+            "closing note (what would close it).\n"
+        )
+
+    add(section_operator(results, figures, rel))
+    add(section_spark(results, figures, rel, by_key))
+    add(section_pyflink(results, by_key))
+    add(section_checkpoint(results, figures, rel, by_key))
+    add(section_failure(results, figures, rel, by_key))
+    add(section_memory(results, figures, rel, by_key))
+    add(section_sink(results))
+    add(section_cleanup(results))
+    add(section_closing(results, by_key))
+    return "\n".join(p.rstrip() + "\n" for p in parts)
+
+
+def image(figures: dict[str, str], rel: str, name: str, alt: str) -> str:
+    return f"![{alt}]({rel}/{figures[name]})\n" if name in figures else ""
+
+
+def failed(part: Any) -> str:
+    if isinstance(part, dict) and part.get("status") not in (None, "ok"):
+        return f"_{part.get('status')}: {part.get('reason')}_\n"
+    return "_not run_\n"
+
+
+def section_operator(results: dict[str, Any], figures: dict[str, str], rel: str) -> str:
+    op = results.get("operator")
+    lines = [
+        "## 1. Operator overhead — `benchmarks/operator_bench.py`\n",
+        "`AsyncWaitOperator` against the leanest hand-written bounded asyncio loop running "
+        "the same async function with the same capacity, in one process, no Spark:\n",
+        "- ordered: a deque of tasks, start up to `capacity`, await the oldest;",
+        "- unordered: a semaphore bounds the tasks in flight, results taken as they complete.\n",
+        "Functions: `noop` returns at once (pure overhead); `sleep20ms` awaits "
+        "`asyncio.sleep(0.02)` (a 20 ms service that costs no CPU). Capacities 10, 100, 1000; "
+        "`sleep20ms` runs `capacity x 100` elements (about 2 s at the Little's-law rate). "
+        "Each pair runs interleaved, best of each kept. Ratio = operator / hand-written "
+        "(1.0 = no overhead; target >= 0.8).\n",
+    ]
+    if not ok(op):
+        return "\n".join(lines) + failed(op)
+    lines.append(f"Best of {op['repeat']}.\n")
+    lines.append(
+        table(
+            ["function", "mode", "capacity", "elements", "operator/s", "hand-written/s", "ratio"],
+            [
+                [
+                    r["function"],
+                    r["mode"],
+                    r["capacity"],
+                    f"{r['elements']:,}",
+                    fmt_rate(r["operator_per_s"]),
+                    fmt_rate(r["handwritten_per_s"]),
+                    f"{r['ratio']:.2f}x" + ("" if r["ratio"] >= 0.8 else " **<0.8**"),
+                ]
+                for r in op["throughput"]
+            ],
+            "llrrrrr",
+        )
+        + "\n"
+    )
+    lines.append(image(figures, rel, "operator", "operator / hand-written by capacity"))
+    lines.append(
+        "Peak RSS of a fresh process streaming generated elements through the operator "
+        "(capacity 1000, `noop`):\n"
+    )
+    lines.append(
+        table(
+            ["mode", "peak RSS 10k", "peak RSS large", "elements", "ratio"],
+            [
+                [
+                    r["mode"],
+                    f"{r['rss_10k_mib']:.1f} MiB",
+                    f"{r['rss_large_mib']:.1f} MiB",
+                    f"{r['large_elements']:,}",
+                    f"{r['ratio']:.2f}x",
+                ]
+                for r in op["memory"]
+            ],
+            "lrrrr",
+        )
+        + "\n"
+    )
+    misses = [r for r in op["throughput"] if r["ratio"] < 0.8]
+    if misses:
+        lines.append(
+            "**Why it is missed.** "
+            + ", ".join(
+                f"{r['function']}/{r['mode']}/capacity {r['capacity']} ({r['ratio']:.2f}x)"
+                for r in misses
+            )
+            + ". In these cases the function costs (next to) nothing and the operator's own "
+            "per-element cost is all there is: with `noop`, and with `sleep20ms` at capacity "
+            "1000, where 1000 calls in flight at 20 ms ask for 50,000 elements/s, more than "
+            "one core can drive, so it too measures CPU per element. Wherever latency, not "
+            "CPU, sets the rate (`sleep20ms` at capacity 10 and 100) the operator is at "
+            "parity."
+            + profile_text(op.get("profile"))
+            + " What would close it: less Python per element on the hot path — one object "
+            "per queue entry that is also its completion callback (no separate attempt "
+            "bookkeeping when there is no timeout and no retry), and emission without a "
+            "`call_soon` per completed element when the head of the queue is already done.\n"
+        )
+    return "\n".join(lines)
+
+
+def profile_text(profile: dict[str, Any] | None) -> str:
+    if not profile:
+        return ""
+    case = profile["case"]
+    o, h = profile["operator"], profile["handwritten"]
+    top = ", ".join(f"`{t['function']}` {t['us_per_element']:.1f}" for t in o["top"][:5])
+    htop = ", ".join(f"`{t['function']}` {t['us_per_element']:.1f}" for t in h["top"][:3])
+    return (
+        f" cProfile of the worst case ({case['function']}, {case['mode']}, capacity "
+        f"{case['capacity']}; µs of own time per element, under the profiler): the operator "
+        f"costs {o['total_us_per_element']:.1f} µs per element, the hand-written loop "
+        f"{h['total_us_per_element']:.1f}. The operator's largest items: {top}; the "
+        f"loop's: {htop}. The difference is the operator's bookkeeping per element (queue "
+        "entry, attempt, completion and emission callbacks scheduled on the loop), which "
+        "the deque loop does not have: it only creates a task and awaits it."
+    )
+
+
+def cpu_row(case: dict[str, Any]) -> list[str]:
+    cpu = case.get("cpu_s") or {}
+    rows = case["rows"]
+    wall = cpu.get("wall", 0) or 1
+
+    def per_k(key: str) -> str:
+        return f"{cpu.get(key, 0) / rows * 1000:.2f}"
+
+    busy = sum(cpu.get(k, 0) for k in ("service", "jvm", "python_workers", "driver"))
+    return [
+        case["label"],
+        per_k("python_workers"),
+        per_k("service"),
+        per_k("jvm"),
+        f"{busy / wall:.2f}",
+        f"{cpu.get('others_on_machine', 0) / wall:.2f}",
+    ]
+
+
+def section_spark(
+    results: dict[str, Any], figures: dict[str, str], rel: str, by_key: dict[str, Any]
+) -> str:
+    spark = results.get("spark")
+    lines = [
+        "## 2. Spark end to end — `benchmarks/spark_bench.py`\n",
+        "One local Spark session (`local[2,3]`), 2 partitions, one mock enrichment service "
+        "(`stateful_async.chaos.MockService`, aiohttp, its own process on 127.0.0.1) with a "
+        "constant 20 ms latency. Every competitor enriches the same rows (`id`, `name`) "
+        "with the service's `score` and `label` and writes them to Spark's `noop` sink; every "
+        "run is checked against the service's request counter (exactly one request per row). "
+        f"Concurrency per task is the same everywhere: {CAPACITY} requests in flight "
+        f"(capacity {CAPACITY}; {CAPACITY} threads for the thread pool). The competitors are "
+        "written as users write them:\n",
+        "- **`ordered_wait` / `unordered_wait`** — this library, `ServiceEnrichment` "
+        "(one aiohttp session per task);",
+        "- **hand-written asyncio `mapInArrow`** (the anchor) — one event loop and one aiohttp "
+        "session per task; each Arrow batch (Spark's default, "
+        f"{spark.get('arrow_max_records_per_batch', 10000) if ok(spark) else 10000:,} rows) is "
+        "gathered with a semaphore bounding the requests in flight, then the next batch is "
+        "read, so in-flight requests fall to zero at every batch boundary;",
+        f"- **{CAPACITY}-thread `mapInPandas`** — a `ThreadPoolExecutor` maps a blocking "
+        "`urllib` call (a new connection per request: what the standard library does) over "
+        "each pandas batch;",
+        "- **one-at-a-time UDF** — a plain Python UDF calling the service per row;",
+        "- **Little's-law bound** — capacity / latency per task, times 2 tasks: what the "
+        "service allows if nothing else is the limit.\n",
+    ]
+    if not ok(spark):
+        return "\n".join(lines) + failed(spark)
+    rows = {r["case"]: r for r in spark["throughput"]}
+    anchor = rows["handwritten_asyncio"]["rows_per_s"]
+    bound = spark["littles_law_rows_per_s"]
+    pyflink = results.get("pyflink", {})
+    others = [
+        c["others_on_machine"] / c["wall"]
+        for r in spark["throughput"]
+        for c in r.get("cpu_runs", [r.get("cpu_s") or {"others_on_machine": 0, "wall": 1}])
+    ]
+    hand_cpu = rows["handwritten_asyncio"]["rows_per_cpu_s"]
+    lines.append(
+        f"Rows per case as shown; cases interleaved, {spark['repeat']} runs each (the UDF "
+        "once). Two figures per case: **rows/s**, the best run; and **rows per CPU-second** "
+        "of our own processes (mock service, Spark JVM, Python workers, driver; psutil), "
+        "the median over the runs. At 20 ms every async competitor is CPU-bound on this "
+        "2-core machine, so its rows/s moves with the load other people's jobs put on the "
+        f"machine (between {min(others):.2f} and {max(others):.2f} cores during these runs; "
+        "the second table below); rows per CPU-second does not, and is what rows/s is "
+        "proportional to on a machine of one's own. The targets on the CPU-bound "
+        "comparisons are judged on it; rows/s is shown beside it.\n"
+    )
+    body = [
+        [
+            r["label"],
+            f"{r['rows']:,}",
+            fmt_rate(r["rows_per_s"]),
+            f"{r['rows_per_s'] / anchor:.2f}x",
+            fmt_rate(r["rows_per_cpu_s"]),
+            f"{r['rows_per_cpu_s'] / hand_cpu:.2f}x",
+            f"{r['rows_per_s'] / bound:.2f}x",
+        ]
+        for r in spark["throughput"]
+    ]
+    if ok(pyflink):
+        pf_cpu = pyflink.get("rows_per_cpu_s")
+        body.append(
+            [
+                f"PyFlink {pyflink['pyflink_version']} `AsyncDataStream.ordered_wait` "
+                "(steady state, section 3)",
+                f"{pyflink['rows']:,}",
+                fmt_rate(pyflink["rows_per_s"]),
+                f"{pyflink['rows_per_s'] / anchor:.2f}x",
+                fmt_rate(pf_cpu) if pf_cpu else "",
+                f"{pf_cpu / hand_cpu:.2f}x" if pf_cpu else "",
+                f"{pyflink['rows_per_s'] / bound:.2f}x",
+            ]
+        )
+    body.append(
+        [
+            "Little's-law bound (64 / 20 ms x 2 tasks)",
+            "",
+            fmt_rate(bound),
+            f"{bound / anchor:.2f}x",
+            "",
+            "",
+            "1.00x",
+        ]
+    )
+    lines.append(
+        table(
+            [
+                "competitor (20 ms)",
+                "rows",
+                "rows/s",
+                "vs hand-written",
+                "rows per CPU-s",
+                "vs hand-written",
+                "rows/s vs bound",
+            ],
+            body,
+        )
+        + "\n"
+    )
+    lines.append(image(figures, rel, "throughput", "rows/s by competitor"))
+    lines.append(
+        "Where the CPU went in the best run of each case (psutil; CPU-seconds per 1,000 "
+        "rows, and cores busy on average over the run — ours, and everyone else's on this "
+        f"shared {results['machine']['cpus']}-CPU machine):\n"
+    )
+    lines.append(
+        table(
+            [
+                "case",
+                "Python workers",
+                "mock service",
+                "Spark JVM",
+                "cores busy (ours)",
+                "cores busy (others)",
+            ],
+            [cpu_row(r) for r in spark["throughput"]],
+        )
+        + "\n"
+    )
+    slow = spark["slow"]
+    sb = slow["littles_law_rows_per_s"]
+    lines.append(
+        f"At {slow['latency_ms']} ms latency, where CPU is not the limit (bound "
+        f"{fmt_rate(sb)} rows/s; `ordered_wait` best of 2, the others once):\n"
+    )
+    lines.append(
+        table(
+            ["competitor (200 ms)", "rows", "rows/s", "vs bound", "cores busy (ours)"],
+            [
+                [
+                    r["label"],
+                    f"{r['rows']:,}",
+                    fmt_rate(r["rows_per_s"]),
+                    f"{r['rows_per_s'] / sb:.2f}x",
+                    cpu_row(r)[4],
+                ]
+                for r in slow["table"]
+            ],
+        )
+        + "\n"
+    )
+    cpu = spark.get("cpu", {})
+    hand = by_key.get("hand")
+    if hand and hand["met"] is False and cpu:
+        o, h = cpu["ordered_wait"], cpu["handwritten_asyncio"]
+        shares = o["profile_by_package"]
+        hshares = h["profile_by_package"]
+        top = ", ".join(f"{k} {v * 100:.0f} %" for k, v in list(shares.items())[:5])
+        htop = ", ".join(f"{k} {v * 100:.0f} %" for k, v in list(hshares.items())[:5])
+        ours_rows = rows["ordered_wait"]
+        busy = cpu_row(ours_rows)
+        batch = spark.get("arrow_max_records_per_batch", 10000)
+        raw_ratio = ours_rows["rows_per_s"] / anchor
+        cpu_ratio = ours_rows["rows_per_cpu_s"] / rows["handwritten_asyncio"]["rows_per_cpu_s"]
+        best_async = max(
+            rows[k]["rows_per_s"] for k in ("ordered_wait", "unordered_wait", "handwritten_asyncio")
+        )
+        slow_by = {r["case"]: r["rows_per_s"] for r in slow["table"]}
+        slow_ratio = slow_by["ordered_wait"] / slow_by["handwritten_asyncio"]
+        per_task = slow["table"][0]["rows"] // spark["partitions"]
+        lines.append(
+            f"**Why it is missed** (`ordered_wait` vs hand-written: {hand['measured']}; "
+            f"target 1.2x, {hand['gap']}). At 20 ms the async competitors reach at most "
+            f"{best_async / bound:.2f}x of the Little's-law bound: besides its 20 ms, every "
+            "request waits its turn in the single-threaded event loops of the service and of "
+            "the task (`ordered_wait`'s effective round trip is "
+            f"{CAPACITY / (ours_rows['rows_per_s'] / spark['partitions']) * 1000:.0f} ms = "
+            "capacity / rows/s per task), and in its best run our processes kept "
+            f"{busy[4]} of the {results['machine']['cpus']} cores busy (other jobs {busy[5]}): "
+            "the limit is CPU, not the service's latency. When CPU is the limit, rows/s "
+            "is set by CPU per row, and that is nearly the same in both — in Spark, "
+            f"{fmt_rate(ours_rows['rows_per_cpu_s'])} rows per CPU-second for `ordered_wait` "
+            f"against {fmt_rate(rows['handwritten_asyncio']['rows_per_cpu_s'])} for the "
+            "hand-written loop"
+            + (
+                f" (the raw rows/s ratio of the best runs, {raw_ratio:.2f}x, differs from it "
+                "by the other jobs' load during those runs)"
+                if abs(raw_ratio - cpu_ratio) > 0.1
+                else f" (and the raw rows/s ratio of the best runs agrees: {raw_ratio:.2f}x)"
+            )
+            + ". Measured outside Spark, one "
+            f"task, {cpu['rows']:,} rows against the same service, `ordered_wait` spends "
+            f"{o['cpu_us_per_row']:.0f} µs of client CPU per row and the hand-written loop "
+            f"{h['cpu_us_per_row']:.0f} µs (the service another "
+            f"{o['service_cpu_us_per_row']:.0f} µs per request). cProfile of that run "
+            f"(thread CPU time, all threads) — `ordered_wait`: {top}; hand-written: {htop}. "
+            f"The aiohttp client (building the request, parsing the response) takes "
+            f"{shares.get('aiohttp (client)', 0) * 100:.0f} % of `ordered_wait`'s client CPU "
+            f"and {hshares.get('aiohttp (client)', 0) * 100:.0f} % of the hand-written loop's; "
+            "the operator and task "
+            f"{shares.get('stateful_async (operator, task)', 0) * 100:.0f} %. The streaming "
+            "advantage the target counts on is small here: the hand-written loop drains its "
+            f"requests once per Arrow batch, i.e. once per {batch:,} rows, which at a constant "
+            f"latency costs about one round trip per {batch / CAPACITY:.0f} round trips of "
+            f"work: {CAPACITY / batch * 100:.1f} %. At 200 ms, where CPU is not the limit, "
+            f"`ordered_wait` runs at {slow_ratio:.2f}x the hand-written loop (table above; "
+            f"with {per_task:,} rows per task the hand-written loop gathers "
+            f"{-(-per_task // batch)} batch(es) per task). The "
+            "1.2x would show only where the per-batch drain is a large part of the time: "
+            "small Arrow batches, long-tailed latency, or batches that barely exceed the "
+            "capacity.\n"
+        )
+        lines.append("Top functions of `ordered_wait`'s profile (by own CPU time):\n")
+        lines.append(
+            table(
+                ["function", "calls", "own CPU s", "cumulative s"],
+                [
+                    [
+                        f"`{t['function']}`",
+                        f"{t['calls']:,}",
+                        f"{t['tottime_s']:.2f}",
+                        f"{t['cumtime_s']:.2f}",
+                    ]
+                    for t in o["profile_top"][:8]
+                ],
+            )
+            + "\n"
+        )
+    little = by_key.get("little")
+    if little and little["met"] is False:
+        r = next(x for x in slow["table"] if x["case"] == "ordered_wait")
+        ideal = r["rows"] / sb
+        actual = r["rows"] / r["rows_per_s"]
+        lines.append(
+            f"**Why the Little's-law target is missed** ({little['measured']}): the run took "
+            f"{actual:.1f} s where the bound allows {ideal:.1f} s, so {actual - ideal:.1f} s "
+            "went on fixed costs that are not round trips: Spark scheduling the job and its "
+            "two tasks, starting the operator (loop thread, aiohttp session), the first and "
+            "last round trips of each task (ramp up, drain), and the result hand-over to the "
+            "JVM. A longer input amortises them (the bound is approached as rows grow).\n"
+        )
+    return "\n".join(lines)
+
+
+def section_pyflink(results: dict[str, Any], by_key: dict[str, Any]) -> str:
+    pf = results.get("pyflink", {})
+    lines = [
+        "## 3. PyFlink — `benchmarks/pyflink_bench.py`\n",
+        "PyFlink 2.x has a Python async operator: `pyflink.datastream.AsyncDataStream` with "
+        "`ordered_wait`, `unordered_wait` and their `_with_retry` variants (an "
+        "`AsyncFunction` whose `async_invoke` is an `async def`, run on an asyncio loop in "
+        "the Python worker; process mode only). The benchmark installs `apache-flink>=2,<3` "
+        "and aiohttp into a virtual environment of its own "
+        "(`~/.cache/stateful-async-bench/pyflink-venv`; never a dependency of this project) "
+        "and runs `AsyncDataStream.ordered_wait` on the same workload: the same mock service "
+        "at 20 ms, parallelism 2, capacity 64, the same aiohttp client settings, "
+        "`NumberSequenceSource` in and `DiscardingSink` out. Its rate is taken over the "
+        "steady-state window measured inside the async function (first call to last "
+        "completion), which leaves Flink's start-up out and favours PyFlink; the job's wall "
+        "time is shown too. Best of two runs (one in `--quick`).\n",
+    ]
+    if not ok(pf):
+        lines.append(f"**Skipped:** {pf.get('reason', 'not run')}\n")
+        return "\n".join(lines)
+    spark = results.get("spark", {})
+    ours = ours_cpu = None
+    service_us = ours_busy = 0.0
+    if ok(spark):
+        mine = next(r for r in spark["throughput"] if r["case"] == "ordered_wait")
+        ours, ours_cpu = mine["rows_per_s"], mine["rows_per_cpu_s"]
+        service_us = statistics.median(
+            c["service"] / mine["rows"] * 1e6 for c in mine.get("cpu_runs", [mine["cpu_s"]])
+        )
+        best = mine["cpu_s"]
+        ours_busy = (
+            sum(best.get(k, 0) for k in ("service", "jvm", "python_workers", "driver"))
+            / best["wall"]
+        )
+    body = [
+        [
+            f"PyFlink {pf['pyflink_version']}, steady state",
+            f"{pf['rows']:,}",
+            f"{pf['window_s']:.1f}",
+            fmt_rate(pf["rows_per_s"]) + " rows/s",
+            f"{ours / pf['rows_per_s']:.2f}x" if ours else "",
+        ],
+        [
+            f"PyFlink {pf['pyflink_version']}, job wall time",
+            f"{pf['rows']:,}",
+            f"{pf['wall_s']:.1f}",
+            fmt_rate(pf["rows_per_s_wall"]) + " rows/s",
+            f"{ours / pf['rows_per_s_wall']:.2f}x" if ours else "",
+        ],
+    ]
+    if pf.get("rows_per_cpu_s"):
+        body.append(
+            [
+                f"PyFlink {pf['pyflink_version']}, steady state, per CPU-second",
+                f"{pf['rows']:,}",
+                f"{pf['cpu_s']:.1f} CPU-s",
+                fmt_rate(pf["rows_per_cpu_s"]) + " rows per CPU-s",
+                f"{ours_cpu / pf['rows_per_cpu_s']:.2f}x" if ours_cpu else "",
+            ]
+        )
+    lines.append(
+        "CPU per second is sampled every 0.2 s over the job's process tree (client, JVM, "
+        "Python workers) and the mock service, and interpolated over the steady-state "
+        "window; it is compared with `ordered_wait`'s rows per CPU-second in Spark (section "
+        "2), which counts the same parts (service, JVM, Python workers, driver).\n"
+    )
+    lines.append(table(["", "rows", "time", "rate", "`ordered_wait` (Spark) / this"], body) + "\n")
+    check = by_key.get("pyflink")
+    if check and check["met"] is False:
+        lines.append(
+            f"**Why it is missed** ({check['measured']}; {check['gap']}). "
+            + (
+                f"In its steady state PyFlink's processes and the service kept "
+                f"{pf['cores_busy']:.2f} cores busy on average, against `ordered_wait`'s "
+                f"{ours_busy:.2f} in its best run. "
+                if pf.get("cores_busy") and ours_busy
+                else ""
+            )
+            + "PyFlink's Python async operator pays per element for things ours does not: "
+            "every element crosses from the JVM to the Python worker and back through Beam's "
+            "gRPC data plane (the JVM's CPU is counted), and crosses threads twice inside the "
+            "worker (`asyncio.run_coroutine_threadsafe` from the bundle thread to the loop "
+            "thread, then an emitter thread woken through a condition variable)."
+            + (
+                f" Per row, PyFlink spends {1e6 / pf['rows_per_cpu_s']:.0f} µs of CPU and "
+                f"`ordered_wait` {1e6 / ours_cpu:.0f} µs, of which {service_us:.0f} µs are the "
+                "mock service answering and about half of the rest the aiohttp client "
+                "(section 2's profile) — work both sides do alike, which dilutes any ratio "
+                "while CPU is the limit: 3x would need PyFlink to spend "
+                f"{3e6 / ours_cpu:.0f} µs per row. The two were measured minutes apart on a "
+                "shared machine, so the rows/s ratio also carries the difference in other "
+                "people's load between the two measurements."
+                if pf.get("rows_per_cpu_s") and ours_cpu
+                else ""
+            )
+            + "\n"
+        )
+    return "\n".join(lines)
+
+
+def section_checkpoint(
+    results: dict[str, Any], figures: dict[str, str], rel: str, by_key: dict[str, Any]
+) -> str:
+    spark = results.get("spark", {})
+    lines = [
+        "## 4. Checkpoint cost\n",
+        "A checkpoint holds back input while it commits (calls in flight carry on), once "
+        "every `interval_records` input records per partition, and once more at the end of "
+        "the partition.\n",
+    ]
+    if ok(spark):
+        sc = spark["service_checkpoint"]
+        lat = sc["commit_latencies_ms"]
+        lines.append(
+            f"**On the service workload** (20 ms, capacity {CAPACITY}, {sc['rows']:,} rows in 2 "
+            f"partitions, so {sc['rows'] // 2 // sc['interval']} checkpoints per partition plus "
+            f"the final one; interleaved, best of {spark['repeat']}; the function is the "
+            "service client inside a disarmed `CrashOnElement`, so that these runs are also "
+            "section 5's failure-free runs): `ordered_wait` with a checkpoint every "
+            f"{sc['interval']:,} records did "
+            f"{fmt_rate(sc['rows_per_cpu_s_checkpoint'])} rows per CPU-second (median) against "
+            f"{fmt_rate(sc['rows_per_cpu_s_none'])} without: "
+            f"{sc['rows_per_cpu_s_checkpoint'] / sc['rows_per_cpu_s_none']:.3f}x, a cost of "
+            f"{(1 - sc['rows_per_cpu_s_checkpoint'] / sc['rows_per_cpu_s_none']) * 100:.1f} % "
+            "(target <= 5 %; judged per CPU-second because the workload is CPU-bound here, "
+            "see section 2). In rows/s the best runs give "
+            f"{fmt_rate(sc['rows_per_s_checkpoint'])} against {fmt_rate(sc['rows_per_s_none'])} "
+            f"({sc['ratio']:.3f}x). Runs (s): without "
+            + ", ".join(f"{x:.1f}" for x in sc["runs_s"]["none"])
+            + "; with "
+            + ", ".join(f"{x:.1f}" for x in sc["runs_s"]["checkpoint"])
+            + f". Its commits: {sc['commits_per_run']} per run, median {median(lat):.0f} ms, "
+            f"max {max(lat) if lat else float('nan'):.0f} ms.\n"
+        )
+        sweep = spark["sweep"]
+        lines.append(
+            f"**Interval sweep** — `ordered_wait` of `{sweep['function']}` at capacity "
+            f"{sweep['capacity']}, {sweep['rows']:,} rows in 2 partitions, interleaved; rows/s "
+            "of the best run, rows per CPU-second the median. Without the service's HTTP "
+            "work per row a task runs an order of magnitude faster, so a checkpoint (whose "
+            "commit time does not depend on the rate) weighs more than on the service "
+            "workload: this is the worst case for its cost. Commit latency = from the "
+            "checkpoint's `created_at` (stamped when `SubtaskLog.commit` starts building its "
+            "rows) to the timestamp delta-rs gives the Delta commit.\n"
+        )
+        lines.append(
+            table(
+                [
+                    "interval",
+                    "rows/s",
+                    "vs none",
+                    "cost",
+                    "rows per CPU-s",
+                    "vs none",
+                    "commits per run",
+                    "commit time per run",
+                    "commit median",
+                    "p95",
+                    "max",
+                ],
+                [
+                    [
+                        f"{r['interval']:,}" if r["interval"] else "none",
+                        fmt_rate(r["rows_per_s"]),
+                        f"{r['ratio']:.3f}x",
+                        f"{r['cost_pct']:.1f} %" if r["interval"] else "",
+                        fmt_rate(r["rows_per_cpu_s"]) if r.get("rows_per_cpu_s") else "",
+                        f"{r['cpu_ratio']:.3f}x" if r.get("cpu_ratio") else "",
+                        r.get("commits_per_run", ""),
+                        f"{commit_total(sweep, r) / 1000:.1f} s" if r["interval"] else "",
+                        f"{r['commit_ms_median']:.0f} ms" if r.get("commit_ms_median") else "",
+                        f"{r['commit_ms_p95']:.0f} ms" if r.get("commit_ms_p95") else "",
+                        f"{r['commit_ms_max']:.0f} ms" if r.get("commit_ms_max") else "",
+                    ]
+                    for r in sweep["table"]
+                ],
+            )
+            + "\n"
+        )
+        timed = [r for r in sweep["table"] if r["interval"]]
+        lines.append(
+            "Commit time per run is the sum of the commit latencies of one run (both "
+            "partitions). Every result row is written to the checkpoint table once, with the "
+            "checkpoint that follows it, whatever the interval: a longer interval makes fewer "
+            "but larger commits ("
+            + ", ".join(
+                f"{r['commit_ms_median']:.0f} ms median at {r['interval']:,}"
+                for r in timed
+                if r.get("commit_ms_median")
+            )
+            + "), so the cost does not fall in proportion to the interval; below 10k records "
+            "the per-commit overhead (a Delta log entry, table reload) dominates.\n"
+        )
+        lines.append(image(figures, rel, "checkpoint", "throughput by checkpoint interval"))
+        lines.append(image(figures, rel, "commit", "commit latency distribution"))
+        check = by_key.get("checkpoint")
+        if check and check["met"] is False:
+            lines.append(
+                f"**Why it is missed** ({check['measured']}): each checkpoint holds input "
+                f"back for its commit (median {median(lat):.0f} ms here) and takes CPU "
+                "(Arrow rows, Parquet, the Delta log) from a machine whose CPU is already the "
+                "limit; the service workload's margin is within this machine's run-to-run "
+                "noise, so compare with the sweep above, which repeats each interval.\n"
+            )
+    else:
+        lines.append(failed(spark))
+    store = results.get("store")
+    lines.append("### Snapshot store — `benchmarks/checkpoint_bench.py`\n")
+    lines.append(
+        "Commit, load and restore latency of one checkpoint by the number of in-flight "
+        "elements (median of several; the first commit of a table also creates it), and "
+        "commit latency with 1, 8 and 32 processes committing at once, paced like periodic "
+        "checkpoints, in this store's layout (one Delta table per subtask) against the same "
+        "processes appending to one shared Delta table.\n"
+    )
+    if ok(store):
+        lines.append(
+            table(
+                ["in flight", "first commit ms", "commit ms", "load ms", "restore ms"],
+                [
+                    [
+                        f"{r['in_flight']:,}",
+                        f"{r['first_commit_ms']:.1f}",
+                        f"{r['commit_ms']:.1f}",
+                        f"{r['load_ms']:.1f}",
+                        f"{r['restore_ms']:.1f}",
+                    ]
+                    for r in store["sizes"]
+                ],
+            )
+            + "\n"
+        )
+        base: dict[str, float] = {}
+        body = []
+        for r in store["concurrency"]:
+            base.setdefault(r["layout"], r["median_ms"])
+            body.append(
+                [
+                    r["layout"],
+                    r["committers"],
+                    r["commits"],
+                    f"{r['median_ms']:.1f}",
+                    f"{r['p95_ms']:.1f}",
+                    r["failed_processes"],
+                    f"{r['median_ms'] / base[r['layout']]:.2f}x",
+                ]
+            )
+        lines.append(
+            table(
+                [
+                    "layout",
+                    "committers",
+                    "commits",
+                    "median ms",
+                    "p95 ms",
+                    "failed committers",
+                    "median vs 1 committer",
+                ],
+                body,
+            )
+            + "\n"
+        )
+    else:
+        lines.append(failed(store))
+    return "\n".join(lines)
+
+
+def commit_total(sweep: dict[str, Any], row: dict[str, Any]) -> float:
+    """Sum of one run's commit latencies (ms) for an interval of the sweep."""
+    values = sweep["commit_latencies_ms"].get(str(row["interval"]), [])
+    return sum(values) / max(1, len(row["runs_s"]))
+
+
+def median(values: list[float]) -> float:
+    import statistics
+
+    return statistics.median(values) if values else float("nan")
+
+
+def section_failure(
+    results: dict[str, Any], figures: dict[str, str], rel: str, by_key: dict[str, Any]
+) -> str:
+    spark = results.get("spark", {})
+    lines = [
+        "## 5. Cost of failure\n",
+        "`ordered_wait` on the service workload (20 ms, capacity 64); the Python worker of "
+        "partition 0 is killed (`CrashOnElement`, `os._exit`, task attempt 0) when it "
+        "reaches the row at 90 % of its partition, and Spark retries the task "
+        "(`local[2,3]`). Without checkpoints the retry starts the partition over; with "
+        "checkpoints it resumes from the last one. Repeated requests = requests beyond one "
+        "per row, from the service's per-key counters; recovery time = the crashed run's "
+        "wall time minus the median failure-free time of the same job (section 4's runs on "
+        "the service workload, the same function with the fault disarmed). One crashed run "
+        "of each, so the recovery times carry this machine's run-to-run noise (see the "
+        "spread of section 4's runs).\n",
+    ]
+    if not ok(spark):
+        return "\n".join(lines) + failed(spark)
+    lines.append(
+        table(
+            [
+                "",
+                "rows",
+                "failure-free",
+                "with the crash",
+                "recovery time",
+                "repeated requests",
+                "bound (capacity + interval)",
+            ],
+            [
+                [
+                    r["mode"],
+                    f"{r['rows']:,}",
+                    f"{r['failure_free_s']:.1f} s",
+                    f"{r['crash_s']:.1f} s",
+                    f"{r['recovery_s']:+.1f} s",
+                    f"{r['repeated_requests']:,}",
+                    f"{r['bound']:,}" if r["bound"] else "",
+                ]
+                for r in spark["failure"]["table"]
+            ],
+        )
+        + "\n"
+    )
+    first = spark["failure"]["table"][0]
+    lines.append(
+        f"The crash hits row {first['crash_at_row_of_partition']:,} of partition 0's "
+        f"{first['partition_rows']:,}; partition 1 is not disturbed.\n"
+    )
+    lines.append(image(figures, rel, "failure", "cost of failure"))
+    return "\n".join(lines)
+
+
+def section_memory(
+    results: dict[str, Any], figures: dict[str, str], rel: str, by_key: dict[str, Any]
+) -> str:
+    spark = results.get("spark", {})
+    lines = [
+        "## 6. Memory\n",
+        "Peak RSS (`ru_maxrss`) of one partition task: `PartitionTask` — the function "
+        "`ordered_wait` hands to `mapInArrow` — run outside Spark in a fresh process, fed by "
+        "a generator of 10k-row Arrow batches as Spark feeds it, with a function that yields "
+        "once and answers (`await asyncio.sleep(0)`; the queue stays full at any capacity), "
+        "output batches consumed and dropped. Outside Spark so that the figure is the "
+        "task's alone (a Spark Python worker also holds PySpark's own state); the baseline "
+        "is the process after its imports.\n",
+    ]
+    if not ok(spark):
+        return "\n".join(lines) + failed(spark)
+    lines.append(
+        table(
+            [
+                "capacity",
+                "checkpoints",
+                "baseline",
+                "peak, 10k rows",
+                "peak, large",
+                "rows",
+                "large / 10k",
+            ],
+            [
+                [
+                    r["capacity"],
+                    f"every {r['checkpoint_every']:,}" if r["checkpoint_every"] else "no",
+                    f"{r['small_baseline_mib']:.0f} MiB",
+                    f"{r['small_peak_mib']:.1f} MiB",
+                    f"{r['large_peak_mib']:.1f} MiB",
+                    f"{r['large_rows']:,}",
+                    f"{r['ratio']:.2f}x",
+                ]
+                for r in spark["memory"]
+            ],
+        )
+        + "\n"
+    )
+    lines.append(image(figures, rel, "memory", "peak RSS by input size"))
+    extra = by_key.get("memory_ckpt")
+    if extra and extra["met"] is False:
+        lines.append(
+            f"**With checkpoints the peak is not flat** ({extra['measured']}; not a target of "
+            "the issue, measured in addition). The growth is in the snapshot store, not the "
+            "operator: the task's Python state is bounded by capacity plus one interval of "
+            "results, but every checkpoint is a Delta commit, and before each commit "
+            "`SubtaskLog.commit` reloads the table (`_open(refresh=True)`), whose log grows by "
+            "one version per checkpoint (and one per expiry, every 20 checkpoints); delta-rs's "
+            "memory (Rust allocations, invisible to tracemalloc) grows with it. A loop of "
+            "10k-result commits through `SubtaskLog` alone, without Spark or the operator, "
+            "shows the same rise of the peak over the first hundred commits, slowing after.\n"
+        )
+    return "\n".join(lines)
+
+
+def section_sink(results: dict[str, Any]) -> str:
+    sink = results.get("sink")
+    lines = [
+        "## Delta sink — `benchmarks/sink_bench.py`\n",
+        "Write throughput of the `delta_rs` sink against Spark's own Parquet writer, same "
+        "cached DataFrame, `local[2,3]`, one timed write each after a warm-up.\n",
+    ]
+    if ok(sink) and "ratio" in sink:
+        lines.append(
+            table(
+                ["writer", "rows", "rows/s", "vs Parquet"],
+                [
+                    [
+                        "Spark `df.write.parquet`",
+                        f"{sink['rows']:,}",
+                        fmt_rate(sink["parquet_rows_per_s"]),
+                        "1.00x",
+                    ],
+                    [
+                        "`delta_rs` sink",
+                        f"{sink['rows']:,}",
+                        fmt_rate(sink["sink_rows_per_s"]),
+                        f"{sink['ratio']:.2f}x",
+                    ],
+                ],
+            )
+            + "\n"
+        )
+    else:
+        lines.append(failed(sink))
+    return "\n".join(lines)
+
+
+def section_cleanup(results: dict[str, Any]) -> str:
+    c = results["cleanup"]
+    timings = results.get("timings_s", {})
+    lines = ["## Processes and ports\n"]
+    lines.append(
+        f"The suite started {c['started']} processes (mock services, Spark JVMs and Python "
+        "workers, PyFlink's JVM and workers, benchmark children), each stopped by the part "
+        f"that started it. At the end {len(c['still_running'])} were still running and "
+        f"{len(c['listening'])} listening sockets belonged to any of them (checked with "
+        "psutil against every process seen below the suite during the run).\n"
+    )
+    for item in c["still_running"]:
+        lines.append(f"- still running: pid {item['pid']} `{item['cmd']}`")
+    for item in c["listening"]:
+        lines.append(f"- listening: pid {item['pid']} on {item['address']}")
+    if timings:
+        lines.append(
+            "Wall time per part: "
+            + ", ".join(f"{k} {v / 60:.1f} min" for k, v in timings.items())
+            + ".\n"
+        )
+    return "\n".join(lines)
+
+
+CLOSING = {
+    "operator": "**Operator overhead where the function costs nothing**: less Python per "
+    "element on the hot path (section 1's profile): one object per queue entry that is also "
+    "its completion callback, no attempt bookkeeping without timeout or retry, no "
+    "`call_soon` per emitted element when the queue head is already complete; at any real "
+    "latency the operator is already at parity.",
+    "hand": "**1.2x the hand-written per-batch loop**: on this 2-core machine every async "
+    "competitor is CPU-bound at 20 ms, so rows/s follows CPU per row, and the largest part "
+    "of it — the aiohttp client and the service's answer — is the same for both; the "
+    "operator and task are about a tenth of the client's CPU (section 2's profile), so even "
+    "a free operator could not make `ordered_wait` 1.2x cheaper per row than the "
+    "hand-written loop. The structural advantage the target counts on (no drain at batch "
+    "boundaries) is worth capacity / batch rows, under 1 % with Spark's 10k-row Arrow "
+    "batches at a constant latency. Closing it needs either a regime where the drain "
+    "matters — long-tailed latency, small Arrow batches (`maxRecordsPerBatch` near the "
+    "capacity), a latency-bound rather than CPU-bound machine — where the comparison "
+    "should be re-run, or a cheaper client path than the one both sides share (a leaner "
+    "`ServiceEnrichment`: pre-built URL, no per-row dict merge, no JSON decode of fields it "
+    "drops).",
+    "pyflink": "**3x PyFlink**: needs PyFlink to spend 3x our CPU per row; the HTTP work "
+    "common to both dilutes the ratio (see section 3). Lowering our own CPU per row (the "
+    "client path above, columnar conversion of input and output) raises it; so would a "
+    "workload whose per-row client cost is small next to the framework's.",
+    "little": "**0.9x Little's law at 200 ms**: a longer input per task amortises the fixed "
+    "costs (job scheduling, loop and session start, ramp-up and drain).",
+    "checkpoint": "**Checkpoint cost**: commit off the input path (let input continue while "
+    "the commit runs, bounding the uncommitted input by two intervals instead of one), and "
+    "reuse the open `DeltaTable` between commits instead of reloading it.",
+    "failure": "**Repeated requests**: the bound is capacity + interval by construction; a "
+    "miss would be a bug to reproduce with `tests/spark/test_adapter.py`'s crash test.",
+    "memory": "**Memory**: a task's memory is bounded by capacity plus one input batch; a miss "
+    "would be a leak to find with tracemalloc on the task outside Spark.",
+    "memory_ckpt": "**Memory with checkpoints**: keep one `DeltaTable` per task and update it "
+    "incrementally instead of reloading, and compact the log (a Delta checkpoint) at expiry, "
+    "so that delta-rs's memory does not grow with the number of checkpoints.",
+}
+
+
+def section_closing(results: dict[str, Any], by_key: dict[str, Any]) -> str:
+    lines = ["## Closing note\n"]
+    missed = [c for c in by_key.values() if c["met"] is False]
+    met = [c for c in by_key.values() if c["met"] is True]
+    lines.append(
+        f"{len(met)} targets met, {len(missed)} missed"
+        + (
+            f", {sum(1 for c in by_key.values() if c['met'] is None)} not measured"
+            if any(c["met"] is None for c in by_key.values())
+            else ""
+        )
+        + ". The figures are from one run on a shared 2-core machine; the ratios of "
+        "interleaved runs are the numbers to compare.\n"
+    )
+    for c in missed:
+        lines.append(f"- {CLOSING.get(c['key'], c['target'])} (measured: {c['measured']})")
+    return "\n".join(lines) + "\n"
+
+
+def make_plots(results: dict[str, Any], plots: Path) -> dict[str, str]:
+    """PNG plots; returns {name: file name} for those drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn: dict[str, str] = {}
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(plots / f"{name}.png", dpi=110)
+        plt.close(fig)
+        drawn[name] = f"{name}.png"
+
+    op = results.get("operator")
+    if ok(op) and op.get("throughput"):
+        fig, ax = plt.subplots(figsize=(7, 3.8))
+        for function in ("noop", "sleep20ms"):
+            for mode in ("ordered", "unordered"):
+                pts = [
+                    r for r in op["throughput"] if r["function"] == function and r["mode"] == mode
+                ]
+                ax.plot(
+                    [r["capacity"] for r in pts],
+                    [r["ratio"] for r in pts],
+                    marker="o",
+                    label=f"{function}, {mode}",
+                )
+        ax.axhline(0.8, color="red", linestyle="--", linewidth=1, label="target 0.8x")
+        ax.set_xscale("log")
+        ax.set_xlabel("capacity")
+        ax.set_ylabel("operator / hand-written loop")
+        ax.set_title("Operator overhead (1.0 = none)")
+        ax.legend(fontsize=8)
+        save(fig, "operator")
+
+    spark = results.get("spark")
+    if ok(spark):
+        names = [r["label"] for r in spark["throughput"]]
+        rates = [r["rows_per_s"] for r in spark["throughput"]]
+        pf = results.get("pyflink")
+        if ok(pf):
+            names.append(f"PyFlink {pf['pyflink_version']} ordered_wait (steady state)")
+            rates.append(pf["rows_per_s"])
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.barh(range(len(names)), rates, color="#4c72b0")
+        ax.axvline(
+            spark["littles_law_rows_per_s"], color="red", linestyle="--", label="Little's-law bound"
+        )
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("rows/s (2 tasks, 20 ms service, 64 in flight per task)")
+        ax.set_title("Spark end to end")
+        ax.legend(fontsize=8)
+        save(fig, "throughput")
+
+        sweep = spark["sweep"]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        pts = [r for r in sweep["table"] if r["interval"]]
+        ax.plot(
+            [r["interval"] for r in pts],
+            [r["ratio"] for r in pts],
+            marker="o",
+            label=f"sweep ({sweep['function']}, capacity {sweep['capacity']})",
+        )
+        sc = spark["service_checkpoint"]
+        ax.plot(
+            [sc["interval"]],
+            [sc["ratio"]],
+            marker="s",
+            linestyle="",
+            color="green",
+            label="service workload (20 ms)",
+        )
+        ax.axhline(0.95, color="red", linestyle="--", linewidth=1, label="5 % cost")
+        ax.axhline(1.0, color="grey", linewidth=0.5)
+        ax.set_xscale("log")
+        ax.set_xlabel("checkpoint every N records")
+        ax.set_ylabel("rows/s vs no checkpoints")
+        ax.set_title("Checkpoint cost")
+        ax.legend(fontsize=8)
+        save(fig, "checkpoint")
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        series = dict(sweep["commit_latencies_ms"])
+        series[f"{sc['interval']} (service)"] = sc["commit_latencies_ms"]
+        for label, values in series.items():
+            if values:
+                values = sorted(values)
+                ax.step(
+                    values,
+                    [(i + 1) / len(values) for i in range(len(values))],
+                    where="post",
+                    label=f"every {label} ({len(values)} commits)",
+                )
+        ax.set_xscale("log")
+        ax.set_xlabel("commit latency, ms")
+        ax.set_ylabel("fraction of commits")
+        ax.set_title("Snapshot commit latency (CDF)")
+        ax.legend(fontsize=8)
+        save(fig, "commit_latency")
+        drawn["commit"] = drawn.pop("commit_latency")
+
+        fig, ax = plt.subplots(figsize=(6.5, 3.5))
+        mem = spark["memory"]
+        labels = [f"cap {r['capacity']}" + (", ckpt" if r["checkpoint_every"] else "") for r in mem]
+        x = range(len(mem))
+        ax.bar([i - 0.2 for i in x], [r["small_peak_mib"] for r in mem], 0.4, label="10k rows")
+        ax.bar(
+            [i + 0.2 for i in x],
+            [r["large_peak_mib"] for r in mem],
+            0.4,
+            label=f"{mem[0]['large_rows']:,} rows",
+        )
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels)
+        ax.set_ylabel("peak RSS, MiB")
+        ax.set_title("Memory of one partition task")
+        ax.legend(fontsize=8)
+        save(fig, "memory")
+
+        fail = spark["failure"]["table"]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.2))
+        names = [r["mode"].replace(" (Spark task retry)", "\n(task retry)") for r in fail]
+        a1.bar(names, [r["repeated_requests"] for r in fail], color=["#c44e52", "#55a868"])
+        a1.set_ylabel("repeated requests")
+        a2.bar(names, [r["recovery_s"] for r in fail], color=["#c44e52", "#55a868"])
+        a2.set_ylabel("recovery time, s")
+        for a in (a1, a2):
+            a.tick_params(axis="x", labelsize=8)
+        fig.suptitle("One crash at 90 % of a partition")
+        save(fig, "failure")
+    return drawn
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+def run(quick: bool, skip_pyflink: bool, skip_sink: bool) -> dict[str, Any]:
+    watch = ProcessWatch()
+    watch.start()
+    started = time.perf_counter()
+    results: dict[str, Any] = {"quick": quick, "machine": machine()}
+    timings: dict[str, float] = {}
+
+    def part(name: str, fn: Callable[[], Any]) -> None:
+        log(f"{name} ...")
+        t0 = time.perf_counter()
+        try:
+            results[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - one part failing must not lose the rest
+            log(f"{name} FAILED: {exc}")
+            results[name] = {"status": "failed", "reason": str(exc)}
+        timings[name] = time.perf_counter() - t0
+        watch.sample()
+        log(f"{name} done in {timings[name]:.0f} s")
+
+    try:
+        part("operator", lambda: operator_part(quick))
+        part("store", lambda: checkpoint_bench.run(quick=quick))
+        part(
+            "spark",
+            lambda: child_part(
+                "spark_bench.py",
+                (["--quick"] if quick else []) + ["--capacity", str(CAPACITY)],
+                watch,
+            ),
+        )
+        if skip_pyflink:
+            results["pyflink"] = {"status": "skipped", "reason": "--skip-pyflink was given"}
+        else:
+            part("pyflink", lambda: pyflink_part(quick))
+        if skip_sink:
+            results["sink"] = {"status": "skipped", "reason": "--skip-sink was given"}
+        else:
+            part("sink", lambda: sink_part(quick))
+    finally:
+        results["machine"]["load_end"] = os.getloadavg()
+        results["timings_s"] = timings
+        results["seconds"] = time.perf_counter() - started
+        results["cleanup"] = watch.finish()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run of every part")
+    parser.add_argument("--skip-pyflink", action="store_true")
+    parser.add_argument("--skip-sink", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    parser.add_argument("--plots", default=str(ROOT / "docs" / "benchmarks"))
+    parser.add_argument("--json", metavar="PATH", help="also keep every figure as JSON")
+    parser.add_argument(
+        "--from-json", metavar="PATH", help="write the report from a saved run; run nothing"
+    )
+    args = parser.parse_args()
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+    else:
+        results = run(args.quick, args.skip_pyflink, args.skip_sink)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    plots = Path(args.plots)
+    plots.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.write_text(render(results, plots, out.parent))
+    log(f"wrote {out} and plots under {plots}")
+    cleanup = results["cleanup"]
+    log(
+        f"processes started: {cleanup['started']}, still running: "
+        f"{len(cleanup['still_running'])}, listening: {len(cleanup['listening'])}"
+    )
+    if cleanup["still_running"] or cleanup["listening"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1038 @@
+"""Spark end to end: ``ordered_wait`` against what users write instead, one session, one run.
+
+One local Spark session (``local[2,3]``, 2 partitions), one mock enrichment service on
+127.0.0.1 (constant latency, 20 ms; 200 ms for the Little's-law case). Every competitor
+enriches the same rows (``id``, ``name``) with the service's ``score`` and ``label`` and
+writes them to Spark's ``noop`` sink, with the same concurrency per task (``--capacity``,
+64 by default, the thread count of the thread-pool competitor):
+
+* ``ordered_wait`` / ``unordered_wait`` — this library (aiohttp client, ``ServiceEnrichment``);
+* hand-written asyncio ``mapInArrow`` — the pattern users write: one event loop and one
+  aiohttp session per task; each Arrow batch is gathered (a semaphore bounds the requests
+  in flight), then the next batch is read, so in-flight requests fall to zero at every
+  batch boundary;
+* 64-thread ``mapInPandas`` — a ``ThreadPoolExecutor`` mapping a blocking ``urllib`` call
+  over each pandas batch;
+* one-at-a-time UDF — a plain Python UDF calling the service once per row, in turn;
+* Little's-law bound — capacity / latency per task, times 2 tasks.
+
+Then, on the same session and service:
+
+* checkpoint cost: ``ordered_wait`` with a checkpoint every 10k records against none on
+  the service workload (60k rows, interleaved), and an interval sweep (1k / 10k / 100k /
+  none) of a 20 ms ``asyncio.sleep`` function at capacity 1000 (400k rows: the worst
+  case, since a task without HTTP work runs many times faster); the latency of every
+  snapshot commit of those runs, from the Delta commit history;
+* cost of failure: one worker crash (``CrashOnElement``, attempt 0) at 90 % of partition 0,
+  with checkpoints every 10k records against plain Spark task retry (no checkpoints):
+  repeated external requests (the service's per-key counters) and recovery time (wall
+  time over the median failure-free run of the same job);
+* memory: peak RSS of the partition task (``PartitionTask``, run outside Spark in a fresh
+  process fed by a generator of 10k-row Arrow batches, as Spark feeds it) for 10k and 1M
+  rows at capacity 100 and 1000, and at 1000 with checkpoints;
+* CPU per row of one task outside Spark (``ordered_wait`` against the hand-written loop)
+  and a cProfile of each, summarised by package.
+
+Every Spark run records the CPU time of each of our processes (service, JVM, Python
+workers, driver) and of everything else on the machine (psutil): rows per CPU-second of
+our processes is reported beside rows/s, because on a shared machine rows/s of a
+CPU-bound case moves with other people's load. Cases run interleaved ``--repeat`` times;
+rows/s is the best run, rows per CPU-second the median.
+
+    python benchmarks/spark_bench.py              # ~15 minutes
+    python benchmarks/spark_bench.py --quick      # a smoke run, ~3 minutes
+    python benchmarks/spark_bench.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import pyarrow as pa
+
+SCHEMA = "id long, name string, score double, label string"
+OUTPUT = pa.schema(
+    [("id", pa.int64()), ("name", pa.string()), ("score", pa.float64()), ("label", pa.string())]
+)
+PARTITIONS = 2
+
+
+# -- the competitors, written as users write them -------------------------------------------
+
+
+class HandwrittenAsyncio:
+    """A ``mapInArrow`` function: one event loop and one aiohttp session per task; each
+    Arrow batch is gathered with a semaphore bounding the requests in flight, then the
+    next batch is read (in-flight requests fall to zero at every batch boundary)."""
+
+    def __init__(self, url: str, capacity: int) -> None:
+        self.url = url
+        self.capacity = capacity
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import aiohttp
+
+        url, capacity = self.url, self.capacity
+        loop = asyncio.new_event_loop()
+
+        async def make_session() -> aiohttp.ClientSession:
+            return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1000))
+
+        session = loop.run_until_complete(make_session())
+        semaphore = asyncio.Semaphore(capacity)
+
+        async def enrich(row: dict[str, Any]) -> dict[str, Any]:
+            async with semaphore:
+                async with session.get(f"{url}/enrich", params={"key": str(row["id"])}) as resp:
+                    resp.raise_for_status()
+                    answer = await resp.json()
+            return {**row, "score": answer["score"], "label": answer["label"]}
+
+        async def enrich_batch(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return await asyncio.gather(*(enrich(row) for row in rows))
+
+        try:
+            for batch in batches:
+                results = loop.run_until_complete(enrich_batch(batch.to_pylist()))
+                yield pa.RecordBatch.from_pylist(results, schema=OUTPUT)
+        finally:
+            loop.run_until_complete(session.close())
+            loop.close()
+
+
+def fetch(url: str, key: Any) -> dict[str, Any]:
+    """One blocking request with the standard library (a new connection per request)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/enrich?key={key}", timeout=60) as response:
+        return json.loads(response.read())
+
+
+class ThreadPoolPandas:
+    """A ``mapInPandas`` function: a thread pool maps a blocking call over each batch."""
+
+    def __init__(self, url: str, threads: int) -> None:
+        self.url = url
+        self.threads = threads
+
+    def __call__(self, frames: Iterator[Any]) -> Iterator[Any]:
+        url = self.url
+        with ThreadPoolExecutor(self.threads) as pool:
+            for frame in frames:
+                answers = list(pool.map(lambda key: fetch(url, key), frame["id"].tolist()))
+                yield frame.assign(
+                    score=[a["score"] for a in answers], label=[a["label"] for a in answers]
+                )
+
+
+def one_at_a_time_udf(url: str) -> Any:
+    from pyspark.sql.functions import udf
+
+    @udf(returnType="struct<score:double,label:string>")
+    def enrich(key):  # type: ignore[no-untyped-def]  # hints would make Spark guess a pandas UDF
+        answer = fetch(url, key)
+        return answer["score"], answer["label"]
+
+    return enrich
+
+
+# -- cases ----------------------------------------------------------------------------------
+
+
+def source(spark: Any, rows: int) -> Any:
+    return spark.range(0, rows, numPartitions=PARTITIONS).selectExpr(
+        "id", "concat('user', id) as name"
+    )
+
+
+def build(
+    kind: str, df: Any, url: str, capacity: int, checkpoint: Any = None, fn: Any = None
+) -> Any:
+    from stateful_async.chaos import ServiceEnrichment
+    from stateful_async.spark import ordered_wait, unordered_wait
+
+    fn = fn if fn is not None else ServiceEnrichment(url)
+    if kind == "ordered_wait":
+        return ordered_wait(df, fn, SCHEMA, capacity=capacity, checkpoint=checkpoint)
+    if kind == "unordered_wait":
+        return unordered_wait(df, fn, SCHEMA, capacity=capacity, checkpoint=checkpoint)
+    if kind == "handwritten_asyncio":
+        return df.mapInArrow(HandwrittenAsyncio(url, capacity), SCHEMA)
+    if kind == "threads_mapInPandas":
+        return df.mapInPandas(ThreadPoolPandas(url, capacity), SCHEMA)
+    if kind == "udf_one_at_a_time":
+        enriched = df.select("id", "name", one_at_a_time_udf(url)("id").alias("e"))
+        return enriched.select("id", "name", "e.score", "e.label")
+    raise ValueError(kind)
+
+
+def timed_write(df: Any, meter: CpuMeter | None = None) -> float:
+    if meter is not None:
+        meter.start()
+    start = time.perf_counter()
+    df.write.format("noop").mode("overwrite").save()
+    seconds = time.perf_counter() - start
+    if meter is not None:
+        meter.stop(seconds)
+    return seconds
+
+
+class CpuMeter:
+    """CPU seconds spent during one case by each part of the benchmark (the mock service,
+    the Spark JVM, the Python workers, this driver) and by everything else on the machine
+    (other people's jobs: the machine is shared), from psutil."""
+
+    def __init__(self, service_pid: int | None) -> None:
+        import psutil
+
+        self.psutil = psutil
+        self.root = psutil.Process()
+        self.service_pid = service_pid
+        self.last: dict[str, float] = {}
+
+    def _kind(self, proc: Any) -> str:
+        if proc.pid == self.service_pid:
+            return "service"
+        if proc.pid == self.root.pid:
+            return "driver"
+        try:
+            name = proc.name()
+        except self.psutil.Error:
+            return "other"
+        return "jvm" if name == "java" else "python_workers"
+
+    def _sample(self) -> tuple[dict[int, tuple[str, float]], float]:
+        procs: dict[int, tuple[str, float]] = {}
+        for proc in [self.root, *self.root.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+                procs[proc.pid] = (self._kind(proc), times.user + times.system)
+            except self.psutil.Error:
+                continue
+        machine = self.psutil.cpu_times()
+        busy = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
+        return procs, busy
+
+    def start(self) -> None:
+        self._before = self._sample()
+
+    def stop(self, seconds: float) -> None:
+        (before, busy0), (after, busy1) = self._before, self._sample()
+        parts = {"service": 0.0, "jvm": 0.0, "python_workers": 0.0, "driver": 0.0}
+        for pid, (kind, cpu) in after.items():
+            parts[kind] = parts.get(kind, 0.0) + cpu - before.get(pid, (kind, 0.0))[1]
+        ours = sum(parts.values())
+        parts["others_on_machine"] = max(0.0, (busy1 - busy0) - ours)
+        parts["wall"] = seconds
+        self.last = parts
+
+
+def rows_per_cpu_s(rows: int, cpu: dict[str, float]) -> float:
+    """Rows per CPU-second of our own processes (service, JVM, Python workers, driver):
+    what rows/s would be per core on a machine with no other load. Robust to the other
+    jobs on a shared machine, which move rows/s from run to run."""
+    ours = sum(cpu.get(k, 0.0) for k in ("service", "jvm", "python_workers", "driver"))
+    return rows / ours if ours > 0 else float("nan")
+
+
+def checked(service: Any, rows: int, what: str) -> None:
+    total = service.stats()["total"]
+    if total != rows:
+        raise AssertionError(f"{what}: the service saw {total} requests for {rows} rows")
+
+
+LABELS = {
+    "ordered_wait": "ordered_wait",
+    "unordered_wait": "unordered_wait",
+    "handwritten_asyncio": "hand-written asyncio mapInArrow (gather per batch)",
+    "threads_mapInPandas": "64-thread mapInPandas (urllib)",
+    "udf_one_at_a_time": "one-at-a-time Python UDF (urllib)",
+}
+
+
+@dataclass
+class Sizes:
+    throughput_rows: int  # async competitors and threads at 20 ms
+    udf_rows: int
+    slow_rows: int  # at 200 ms
+    sweep_rows: int  # checkpoint interval sweep (fast function)
+    failure_rows: int  # service checkpoint cost (section 4) and cost of failure (5)
+    memory_large: int
+    cpu_rows: int  # one task outside Spark, for CPU per row and the profile
+    repeat: int
+
+
+FULL = Sizes(
+    throughput_rows=24_000,
+    udf_rows=1_000,
+    slow_rows=8_000,
+    sweep_rows=400_000,
+    failure_rows=60_000,
+    memory_large=1_000_000,
+    cpu_rows=16_000,
+    repeat=3,
+)
+QUICK = Sizes(
+    throughput_rows=6_000,
+    udf_rows=200,
+    slow_rows=1_280,
+    sweep_rows=60_000,
+    failure_rows=12_000,
+    memory_large=100_000,
+    cpu_rows=4_000,
+    repeat=1,
+)
+
+
+def throughput(
+    spark: Any, service: Any, sizes: Sizes, capacity: int, work: str
+) -> list[dict[str, Any]]:
+    """Every competitor at the service's current latency, interleaved ``repeat`` times."""
+    cases = [
+        "ordered_wait",
+        "unordered_wait",
+        "handwritten_asyncio",
+        "threads_mapInPandas",
+        "udf_one_at_a_time",
+    ]
+    rows_for = {case: sizes.throughput_rows for case in cases}
+    rows_for["udf_one_at_a_time"] = sizes.udf_rows
+    seconds: dict[str, list[float]] = {case: [] for case in cases}
+    cpu: dict[str, list[dict[str, float]]] = {case: [] for case in cases}
+    meter = CpuMeter(service.pid)
+    for rep in range(sizes.repeat):
+        for case in cases:
+            if case == "udf_one_at_a_time" and rep > 0:
+                continue  # ~50x slower than the rest: once is enough to place it
+            rows = rows_for[case]
+            service.reset()
+            df = build(case, source(spark, rows), service.url, capacity)
+            seconds[case].append(timed_write(df, meter))
+            cpu[case].append(meter.last)
+            checked(service, rows, case)
+            log(f"  {case:<22} {rows:>8,} rows {seconds[case][-1]:7.2f} s")
+    out = []
+    for case in cases:
+        row: dict[str, Any] = {
+            "case": case,
+            "label": LABELS[case],
+            "rows": rows_for[case],
+            "runs_s": seconds[case],
+            "rows_per_s": rows_for[case] / min(seconds[case]),
+            "cpu_s": cpu[case][seconds[case].index(min(seconds[case]))],
+            "cpu_runs": cpu[case],
+            "rows_per_cpu_s": statistics.median(
+                rows_per_cpu_s(rows_for[case], c) for c in cpu[case]
+            ),
+        }
+        out.append(row)
+    return out
+
+
+def slow_service(spark: Any, service: Any, sizes: Sizes, capacity: int) -> list[dict[str, Any]]:
+    """At 200 ms, where CPU is not the limit: against the Little's-law bound."""
+    service.configure(latency_ms=200)
+    meter = CpuMeter(service.pid)
+    try:
+        out = []
+        for kind, repeat in (
+            ("ordered_wait", 2),
+            ("unordered_wait", 1),
+            ("handwritten_asyncio", 1),
+        ):
+            runs, cpus = [], []
+            for _ in range(repeat if sizes.repeat > 1 else 1):
+                service.reset()
+                df = build(kind, source(spark, sizes.slow_rows), service.url, capacity)
+                runs.append(timed_write(df, meter))
+                cpus.append(meter.last)
+                checked(service, sizes.slow_rows, kind)
+            log(f"  {kind:<22} {sizes.slow_rows:>8,} rows {min(runs):7.2f} s (200 ms)")
+            out.append(
+                {
+                    "case": kind,
+                    "label": LABELS[kind],
+                    "rows": sizes.slow_rows,
+                    "runs_s": runs,
+                    "rows_per_s": sizes.slow_rows / min(runs),
+                    "cpu_s": cpus[runs.index(min(runs))],
+                    "cpu_runs": cpus,
+                }
+            )
+        return out
+    finally:
+        service.configure(latency_ms=20)
+
+
+# -- checkpoint cost and commit latency -----------------------------------------------------
+
+
+async def sleep_20ms(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A service that costs no CPU: the sweep's rows/s is set by the task itself."""
+    await asyncio.sleep(0.02)
+    return [{**row, "score": 0.5, "label": "L"}]
+
+
+SWEEP_CAPACITY = 1000
+
+
+def checkpoint_sweep(spark: Any, sizes: Sizes, work: str) -> dict[str, Any]:
+    """``ordered_wait`` of a 20 ms ``asyncio.sleep`` function at capacity 1000, checkpoints
+    every 1k / 10k / 100k records against none, interleaved ``repeat`` times. Without the
+    service's HTTP work per row the task runs many times faster, so a checkpoint (whose
+    commit time does not depend on the rate) weighs more: the worst case for its cost."""
+    from stateful_async.spark import CheckpointConfig, ordered_wait
+
+    intervals: list[int | None] = [None, 100_000, 10_000, 1_000]
+    seconds: dict[str, list[float]] = {str(i): [] for i in intervals}
+    cpu: dict[str, list[dict[str, float]]] = {str(i): [] for i in intervals}
+    commits: dict[str, list[float]] = {str(i): [] for i in intervals if i is not None}
+    counts: dict[str, int] = {}
+    rows = sizes.sweep_rows
+    meter = CpuMeter(None)
+    for rep in range(max(2, sizes.repeat - 1) if sizes.repeat > 1 else 1):
+        for interval in intervals:
+            config = None
+            if interval is not None:
+                config = CheckpointConfig(
+                    os.path.join(work, "sweep"),
+                    f"sweep-{interval}-{rep}",
+                    interval_records=interval,
+                )
+            df = ordered_wait(
+                source(spark, rows), sleep_20ms, SCHEMA, capacity=SWEEP_CAPACITY, checkpoint=config
+            )
+            seconds[str(interval)].append(timed_write(df, meter))
+            cpu[str(interval)].append(meter.last)
+            log(
+                f"  checkpoint every {interval!s:<7} {rows:>8,} rows "
+                f"{seconds[str(interval)][-1]:7.2f} s"
+            )
+            if config is not None:
+                latencies = commit_latencies(config.location, config.job_id)
+                commits[str(interval)].extend(latencies)
+                counts[str(interval)] = len(latencies)
+    base = rows / min(seconds["None"])
+    base_cpu = statistics.median(rows_per_cpu_s(rows, c) for c in cpu["None"])
+    table = []
+    for interval in intervals:
+        rate = rows / min(seconds[str(interval)])
+        efficiency = statistics.median(rows_per_cpu_s(rows, c) for c in cpu[str(interval)])
+        row: dict[str, Any] = {
+            "interval": interval,
+            "rows": rows,
+            "runs_s": seconds[str(interval)],
+            "rows_per_s": rate,
+            "ratio": rate / base,
+            "cost_pct": (1 - rate / base) * 100,
+            "cpu_runs": cpu[str(interval)],
+            "rows_per_cpu_s": efficiency,
+            "cpu_ratio": efficiency / base_cpu,
+        }
+        if interval is not None:
+            row.update(latency_summary(commits[str(interval)]))
+            row["commits_per_run"] = counts[str(interval)]
+        table.append(row)
+    return {
+        "rows": rows,
+        "capacity": SWEEP_CAPACITY,
+        "function": "asyncio.sleep(0.02)",
+        "table": table,
+        "commit_latencies_ms": commits,
+    }
+
+
+def latency_summary(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"commit_ms_median": None, "commit_ms_p95": None, "commit_ms_max": None}
+    return {
+        "commit_ms_median": statistics.median(values),
+        "commit_ms_p95": percentile(values, 0.95),
+        "commit_ms_max": max(values),
+    }
+
+
+def commit_latencies(location: str, job_id: str) -> list[float]:
+    """Milliseconds from each checkpoint's ``created_at`` (stamped when ``SubtaskLog.commit``
+    starts building its rows) to the timestamp delta-rs gives the Delta commit, for every
+    checkpoint that retention kept (expired ones lose their ``created_at``)."""
+    from deltalake import DeltaTable
+
+    from checkpoint import SnapshotStore
+
+    store = SnapshotStore(location)
+    out = []
+    for subtask in store.subtasks(job_id, "enrich"):
+        log_ = store.subtask(job_id, "enrich", subtask)
+        created = {str(m.ref): m.created_at.timestamp() * 1000 for m in log_.checkpoints(True)}
+        for commit in DeltaTable(log_.uri).history():
+            ref = commit.get("stateful_async.checkpoint")
+            if ref in created:
+                out.append(commit["timestamp"] - created[ref])
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# -- cost of failure ------------------------------------------------------------------------
+
+
+def disarmed(url: str, crash_at: int, armed: bool) -> Any:
+    """The service function inside ``CrashOnElement``; disarmed (attempt 99 never runs) it
+    costs the same per row, so armed and disarmed runs compare like for like."""
+    from stateful_async.chaos import CrashOnElement, ServiceEnrichment
+
+    return CrashOnElement(
+        ServiceEnrichment(url), at=[crash_at], attempt=0 if armed else 99, partitions=[0]
+    )
+
+
+def failure_workload(sizes: Sizes) -> tuple[int, int, int]:
+    """(rows, row to crash at, checkpoint interval) of sections 4 (service) and 5."""
+    rows = sizes.failure_rows
+    partition = rows // PARTITIONS
+    interval = 10_000 if partition >= 30_000 else max(1_000, partition // 4)
+    return rows, int(partition * 0.9), interval  # partition 0 holds ids 0 .. partition - 1
+
+
+def service_checkpoint(
+    spark: Any, service: Any, sizes: Sizes, capacity: int, work: str
+) -> dict[str, Any]:
+    """``ordered_wait`` on the service workload with a checkpoint every 10k records against
+    none, interleaved ``repeat`` times (issue 4's comparison). Partitions are large enough
+    to hold several intervals; these are also section 5's failure-free runs."""
+    from stateful_async.spark import CheckpointConfig
+
+    rows, crash_at, interval = failure_workload(sizes)
+    seconds: dict[str, list[float]] = {"none": [], "checkpoint": []}
+    cpu: dict[str, list[dict[str, float]]] = {"none": [], "checkpoint": []}
+    commits: list[float] = []
+    meter = CpuMeter(service.pid)
+    for rep in range(sizes.repeat):
+        for case in ("none", "checkpoint"):
+            config = None
+            if case == "checkpoint":
+                config = CheckpointConfig(
+                    os.path.join(work, "service"), f"service-{rep}", interval_records=interval
+                )
+            service.reset()
+            df = build(
+                "ordered_wait",
+                source(spark, rows),
+                service.url,
+                capacity,
+                config,
+                disarmed(service.url, crash_at, armed=False),
+            )
+            seconds[case].append(timed_write(df, meter))
+            cpu[case].append(meter.last)
+            checked(service, rows, f"checkpoint {case}")
+            if config is not None:
+                commits.extend(commit_latencies(config.location, config.job_id))
+            log(
+                f"  checkpoint every {interval if config else 'none'!s:<6} {rows:>8,} rows "
+                f"{seconds[case][-1]:7.2f} s"
+            )
+    best_none, best_ckpt = rows / min(seconds["none"]), rows / min(seconds["checkpoint"])
+    return {
+        "rows": rows,
+        "interval": interval,
+        "runs_s": seconds,
+        "rows_per_s_none": best_none,
+        "rows_per_s_checkpoint": best_ckpt,
+        "ratio": best_ckpt / best_none,
+        "cost_pct": (1 - best_ckpt / best_none) * 100,
+        "commits_per_run": len(commits) // max(1, sizes.repeat),
+        "commit_latencies_ms": commits,
+        "cpu_s": {k: cpu[k][seconds[k].index(min(seconds[k]))] for k in cpu},
+        "cpu_runs": cpu,
+        "rows_per_cpu_s_none": statistics.median(rows_per_cpu_s(rows, c) for c in cpu["none"]),
+        "rows_per_cpu_s_checkpoint": statistics.median(
+            rows_per_cpu_s(rows, c) for c in cpu["checkpoint"]
+        ),
+    }
+
+
+def failure_cost(
+    spark: Any, service: Any, sizes: Sizes, capacity: int, work: str, baseline: dict[str, Any]
+) -> dict[str, Any]:
+    """One crash at 90 % of partition 0, with and without checkpoints; the failure-free
+    time of each is the median of ``service_checkpoint``'s runs of the same job."""
+    from stateful_async.spark import CheckpointConfig
+
+    rows, crash_at, interval = failure_workload(sizes)
+    out = []
+    for mode, key in (
+        ("no checkpoints (Spark task retry)", "none"),
+        (f"checkpoint every {interval:,}", "checkpoint"),
+    ):
+        config = None
+        if key == "checkpoint":
+            config = CheckpointConfig(
+                os.path.join(work, "failure"), "failure", interval_records=interval
+            )
+        service.reset()
+        fn = disarmed(service.url, crash_at, armed=True)
+        df = build("ordered_wait", source(spark, rows), service.url, capacity, config, fn)
+        seconds = timed_write(df)
+        counts = service.counts()
+        missing = rows - len(counts)
+        if missing:
+            raise AssertionError(f"{mode}: {missing} rows were never requested")
+        repeated = sum(n - 1 for n in counts.values())
+        failure_free = statistics.median(baseline["runs_s"][key])
+        log(f"  {mode:<34} crash: {seconds:7.2f} s, {repeated:,} repeated requests")
+        out.append(
+            {
+                "mode": mode,
+                "interval": interval if config else None,
+                "rows": rows,
+                "crash_at_row_of_partition": crash_at,
+                "partition_rows": rows // PARTITIONS,
+                "failure_free_s": failure_free,
+                "crash_s": seconds,
+                "recovery_s": seconds - failure_free,
+                "repeated_requests": repeated,
+                "bound": capacity + interval if config else None,
+            }
+        )
+    return {"capacity": capacity, "table": out}
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+
+def _memory_child(rows: int, capacity: int, checkpoint_dir: str) -> None:
+    """Runs in a fresh process: one partition task outside Spark, as Spark drives it."""
+    from stateful_async import OutputMode
+    from stateful_async._function import as_async_function
+    from stateful_async.spark import CheckpointConfig
+    from stateful_async.spark._task import PartitionTask, TaskSpec
+
+    async def fast(row: dict[str, Any]) -> list[dict[str, Any]]:
+        await asyncio.sleep(0)  # an instant service: yields once, so the queue fills up
+        return [{**row, "score": 0.5, "label": "L"}]
+
+    input_schema = pa.schema([("id", pa.int64()), ("name", pa.string())])
+    config = None
+    if checkpoint_dir:
+        os.environ["STATEFUL_ASYNC_RUN_ID"] = "memory"
+        config = CheckpointConfig(checkpoint_dir, "memory", interval_records=10_000)
+    spec = TaskSpec(
+        fn=as_async_function(fast),
+        mode=OutputMode.ORDERED,
+        capacity=capacity,
+        timeout=None,
+        retry=None,
+        input_schema=input_schema,
+        output_schema=OUTPUT,
+        event_time=None,
+        max_out_of_orderness=0,
+        checkpoint=config,
+        app_id="memory-bench",
+    )
+
+    def batches() -> Iterator[pa.RecordBatch]:  # generated lazily, 10k rows like Spark's
+        for start in range(0, rows, 10_000):
+            ids = list(range(start, min(rows, start + 10_000)))
+            yield pa.RecordBatch.from_pydict(
+                {"id": ids, "name": [f"user{i}" for i in ids]}, schema=input_schema
+            )
+
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    out = sum(batch.num_rows for batch in PartitionTask(spec)(batches()))
+    elapsed = time.perf_counter() - start
+    assert out == rows, (out, rows)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(
+        json.dumps({"baseline_mib": baseline / 1024, "peak_mib": peak / 1024, "seconds": elapsed})
+    )
+
+
+def memory(sizes: Sizes, work: str) -> list[dict[str, Any]]:
+    out = []
+    for capacity, checkpointed in ((100, False), (1000, False), (1000, True)):
+        row: dict[str, Any] = {
+            "capacity": capacity,
+            "checkpoint_every": 10_000 if checkpointed else None,
+        }
+        for label, rows in (("small", 10_000), ("large", sizes.memory_large)):
+            ckpt = os.path.join(work, f"memory-{capacity}-{label}") if checkpointed else ""
+            result = subprocess.run(
+                [sys.executable, __file__, "--memory-child", str(rows), str(capacity), ckpt],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            figures = json.loads(result.stdout.strip().splitlines()[-1])
+            row[f"{label}_rows"] = rows
+            row[f"{label}_peak_mib"] = figures["peak_mib"]
+            row[f"{label}_baseline_mib"] = figures["baseline_mib"]
+            row[f"{label}_seconds"] = figures["seconds"]
+        row["ratio"] = row["large_peak_mib"] / row["small_peak_mib"]
+        log(
+            f"  capacity {capacity:>5} ckpt={checkpointed!s:<5} "
+            f"peak {row['small_peak_mib']:.1f} MiB (10k) vs {row['large_peak_mib']:.1f} MiB "
+            f"({sizes.memory_large:,})"
+        )
+        out.append(row)
+    return out
+
+
+# -- where the CPU goes (outside Spark) -----------------------------------------------------
+
+
+def _cpu_child(kind: str, rows: int, url: str, capacity: int, profile: bool) -> None:
+    """Runs in a fresh process: one task's work outside Spark, as Spark would feed it,
+    against the mock service; prints rows/s, CPU per row and (with ``profile``) where the
+    CPU went by package, from cProfile."""
+    import cProfile
+    import pstats
+
+    from stateful_async import OutputMode
+    from stateful_async.chaos import ServiceEnrichment
+    from stateful_async.spark._task import PartitionTask, TaskSpec
+
+    input_schema = pa.schema([("id", pa.int64()), ("name", pa.string())])
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for start in range(0, rows, 10_000):
+            ids = list(range(start, min(rows, start + 10_000)))
+            yield pa.RecordBatch.from_pydict(
+                {"id": ids, "name": [f"user{i}" for i in ids]}, schema=input_schema
+            )
+
+    if kind == "handwritten_asyncio":
+        task: Any = HandwrittenAsyncio(url, capacity)
+    else:
+        mode = OutputMode.ORDERED if kind == "ordered_wait" else OutputMode.UNORDERED
+        spec = TaskSpec(
+            ServiceEnrichment(url),
+            mode,
+            capacity,
+            None,
+            None,
+            input_schema,
+            OUTPUT,
+            None,
+            0,
+            None,
+            "cpu-bench",
+        )
+        task = PartitionTask(spec)
+    # cProfile sees one thread; the task runs its loop and its reader on threads of their
+    # own, so every thread started from here on gets a profiler of its own, merged at the
+    # end. The timer is the thread's CPU clock: time spent waiting (epoll, queues) is not
+    # counted, so the shares below are shares of CPU.
+    profilers: list[Any] = []
+    if profile:
+        original_run = threading.Thread.run
+
+        def profiled_run(thread: threading.Thread) -> None:
+            profiler = cProfile.Profile(time.thread_time)
+            profilers.append(profiler)
+            profiler.enable()
+            try:
+                original_run(thread)
+            finally:
+                profiler.disable()
+
+        threading.Thread.run = profiled_run  # type: ignore[method-assign]
+        profilers.append(cProfile.Profile(time.thread_time))
+        profilers[-1].enable()
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    start = time.perf_counter()
+    out = sum(batch.num_rows for batch in task(batches()))
+    elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    assert out == rows, (out, rows)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    result: dict[str, Any] = {"rows_per_s": rows / elapsed, "cpu_us_per_row": cpu / rows * 1e6}
+    if profile:
+        profilers[0].disable()  # the main thread's (made before any task thread)
+        time.sleep(0.5)  # let the task's pool threads finish and stop their profilers
+        stats = pstats.Stats(profilers[0])
+        for profiler in profilers[1:]:
+            stats.add(profiler)
+        result["by_package"], result["top"] = _summarise(stats)
+    print(json.dumps(result))
+
+
+def _summarise(stats: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """tottime by package (share of the profiled total) and the ten costliest functions."""
+    by_package: dict[str, float] = {}
+    top = []
+    total = 0.0
+    for (filename, line, name), (_cc, calls, tottime, cumtime, _callers) in stats.stats.items():
+        total += tottime
+        path = filename.replace("\\", "/")
+        if "/aiohttp/" in path or "/yarl/" in path or "/multidict/" in path:
+            package = "aiohttp (client)"
+        elif "/asyncio/" in path or name.startswith("<method") and "loop" in name:
+            package = "asyncio (event loop)"
+        elif "/stateful_async/" in path:
+            package = "stateful_async (operator, task)"
+        elif "/pyarrow/" in path or "pyarrow" in name:
+            package = "pyarrow (Arrow <-> Python)"
+        elif "/json/" in path or "json" in name:
+            package = "json"
+        elif filename == "~" and ("select" in name or "epoll" in name or "poll" in name):
+            package = "waiting (epoll)"
+        elif filename == "~":
+            package = "builtins"
+        else:
+            package = "other"
+        by_package[package] = by_package.get(package, 0.0) + tottime
+        top.append(
+            {
+                "function": f"{os.path.basename(filename)}:{line}({name})",
+                "calls": calls,
+                "tottime_s": tottime,
+                "cumtime_s": cumtime,
+            }
+        )
+    top.sort(key=lambda t: -t["tottime_s"])
+    shares = {k: v / total for k, v in sorted(by_package.items(), key=lambda kv: -kv[1])}
+    return shares, top[:10]
+
+
+def cpu_profile(sizes: Sizes, capacity: int, latency_ms: float) -> dict[str, Any]:
+    """One task's CPU per row, this library against the hand-written loop, outside Spark
+    (each in a fresh process, interleaved, best of ``repeat``), then a cProfile of each."""
+    import psutil
+
+    from stateful_async.chaos import MockService, ServiceConfig
+
+    rows = sizes.cpu_rows
+    kinds = ["ordered_wait", "handwritten_asyncio"]
+    out: dict[str, Any] = {"rows": rows, "capacity": capacity, "latency_ms": latency_ms}
+    with MockService(ServiceConfig(latency_ms=latency_ms)) as service:
+        service_proc = psutil.Process(service.pid)
+
+        def child(kind: str, profile: bool) -> dict[str, Any]:
+            before = service_proc.cpu_times()
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--cpu-child",
+                    kind,
+                    str(rows),
+                    service.url,
+                    str(capacity),
+                    "1" if profile else "0",
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            after = service_proc.cpu_times()
+            figures = json.loads(done.stdout.strip().splitlines()[-1])
+            service_cpu = after.user - before.user + after.system - before.system
+            figures["service_cpu_us_per_row"] = service_cpu / rows * 1e6
+            return figures
+
+        runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+        for _ in range(sizes.repeat):
+            for kind in kinds:
+                runs[kind].append(child(kind, False))
+                log(
+                    f"  {kind:<22} {runs[kind][-1]['rows_per_s']:8,.0f} rows/s "
+                    f"{runs[kind][-1]['cpu_us_per_row']:6.0f} us CPU/row (outside Spark)"
+                )
+        for kind in kinds:
+            best = min(runs[kind], key=lambda r: r["cpu_us_per_row"])
+            profiled = child(kind, True)
+            out[kind] = {
+                "rows_per_s": max(r["rows_per_s"] for r in runs[kind]),
+                "cpu_us_per_row": best["cpu_us_per_row"],
+                "service_cpu_us_per_row": best["service_cpu_us_per_row"],
+                "profile_by_package": profiled["by_package"],
+                "profile_top": profiled["top"],
+            }
+    return out
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+def log(message: str) -> None:
+    print(f"spark_bench: {message}", file=sys.stderr, flush=True)
+
+
+KINDS = [
+    "ordered_wait",
+    "unordered_wait",
+    "handwritten_asyncio",
+    "threads_mapInPandas",
+    "udf_one_at_a_time",
+]
+
+
+def run(quick: bool = False, capacity: int = 64, latency_ms: float = 20.0) -> dict[str, Any]:
+    from pyspark import cloudpickle
+
+    from stateful_async.chaos import MockService, ServiceConfig
+    from stateful_async.spark import local_session
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers can't import us
+    sizes = QUICK if quick else FULL
+    work = tempfile.mkdtemp(prefix="spark-bench-")
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "capacity": capacity,
+        "latency_ms": latency_ms,
+        "partitions": PARTITIONS,
+        "master": "local[2,3]",
+        "repeat": sizes.repeat,
+    }
+    try:
+        log("memory (partition task outside Spark, a fresh process per figure)")
+        result["memory"] = memory(sizes, work)
+        log("CPU per row and profile (one task outside Spark)")
+        result["cpu"] = cpu_profile(sizes, capacity, latency_ms)
+        spark = local_session("local[2,3]", app_name="spark-bench")
+        result["spark_version"] = spark.version
+        result["arrow_max_records_per_batch"] = int(
+            spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
+        )
+        try:
+            with MockService(ServiceConfig(latency_ms=latency_ms)) as service:
+                log("warm-up (Python workers start, imports)")
+                for kind in KINDS:
+                    timed_write(build(kind, source(spark, 400), service.url, capacity))
+                log(f"throughput at {latency_ms:g} ms, capacity {capacity}")
+                result["throughput"] = throughput(spark, service, sizes, capacity, work)
+                result["littles_law_rows_per_s"] = PARTITIONS * capacity / (latency_ms / 1000)
+                log("throughput at 200 ms")
+                result["slow"] = {
+                    "latency_ms": 200,
+                    "littles_law_rows_per_s": PARTITIONS * capacity / 0.2,
+                    "table": slow_service(spark, service, sizes, capacity),
+                }
+                log("checkpoint cost on the service workload")
+                result["service_checkpoint"] = service_checkpoint(
+                    spark, service, sizes, capacity, work
+                )
+                log("cost of failure")
+                result["failure"] = failure_cost(
+                    spark, service, sizes, capacity, work, result["service_checkpoint"]
+                )
+            log("checkpoint interval sweep")
+            result["sweep"] = checkpoint_sweep(spark, sizes, work)
+        finally:
+            spark.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result["seconds"] = time.perf_counter() - started
+    return result
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [
+        f"Spark {result.get('spark_version', '?')} {result['master']}, {result['partitions']} "
+        f"partitions, capacity {result['capacity']}, service latency {result['latency_ms']:g} ms, "
+        f"best of {result['repeat']}",
+        "",
+    ]
+    rows = {r["case"]: r for r in result["throughput"]}
+    anchor = rows["handwritten_asyncio"]["rows_per_s"]
+    bound = result["littles_law_rows_per_s"]
+    lines.append(f"{'competitor':<52}{'rows':>8}{'rows/s':>10}{'vs hand':>9}{'vs bound':>10}")
+    for r in result["throughput"]:
+        lines.append(
+            f"{r['label']:<52}{r['rows']:>8,}{r['rows_per_s']:>10,.0f}"
+            f"{r['rows_per_s'] / anchor:>8.2f}x{r['rows_per_s'] / bound:>9.2f}x"
+        )
+    lines.append(f"{'Little-law bound (capacity / latency x 2 tasks)':<52}{'':>8}{bound:>10,.0f}")
+    sc = result["service_checkpoint"]
+    lines.append(
+        f"checkpoint every {sc['interval']:,} records ({sc['rows']:,} rows, best of "
+        f"{result['repeat']}): {sc['ratio']:.3f}x of ordered_wait without "
+        f"({sc['cost_pct']:.1f} % cost)"
+    )
+    slow = result["slow"]
+    slow_bound = slow["littles_law_rows_per_s"]
+    lines += ["", f"at {slow['latency_ms']} ms (bound {slow_bound:,.0f} rows/s)"]
+    for r in slow["table"]:
+        lines.append(
+            f"{r['label']:<52}{r['rows']:>8,}{r['rows_per_s']:>10,.0f}"
+            f"{r['rows_per_s'] / slow_bound:>19.2f}x"
+        )
+    sweep = result["sweep"]
+    lines += [
+        "",
+        f"checkpoint interval sweep (ordered_wait, {sweep['function']}, capacity "
+        f"{sweep['capacity']}, {sweep['rows']:,} rows)",
+        f"{'interval':>10}{'rows/s':>10}{'ratio':>8}{'cost':>8}{'commits':>9}"
+        f"{'median ms':>11}{'p95 ms':>8}",
+    ]
+    for r in sweep["table"]:
+        extra = ""
+        if r["interval"] is not None:
+            extra = (
+                f"{r['commits_per_run']:>9}{r['commit_ms_median'] or 0:>11.1f}"
+                f"{r['commit_ms_p95'] or 0:>8.1f}"
+            )
+        lines.append(
+            f"{str(r['interval'] or 'none'):>10}{r['rows_per_s']:>10,.0f}{r['ratio']:>7.3f}x"
+            f"{r['cost_pct']:>7.1f}%{extra}"
+        )
+    lines += ["", "cost of failure (one crash at 90 % of partition 0)"]
+    for r in result["failure"]["table"]:
+        lines.append(
+            f"{r['mode']:<36} failure-free {r['failure_free_s']:6.1f} s, with crash "
+            f"{r['crash_s']:6.1f} s, recovery {r['recovery_s']:+6.1f} s, "
+            f"{r['repeated_requests']:,} repeated requests"
+            + (f" (bound {r['bound']:,})" if r["bound"] else "")
+        )
+    lines += ["", "memory: peak RSS of one partition task (outside Spark)"]
+    for r in result["memory"]:
+        lines.append(
+            f"capacity {r['capacity']:>5} checkpoint {str(r['checkpoint_every'] or 'no'):>6}: "
+            f"{r['small_peak_mib']:.1f} MiB ({r['small_rows']:,} rows), "
+            f"{r['large_peak_mib']:.1f} MiB ({r['large_rows']:,} rows), {r['ratio']:.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--cpu-child":
+        kind, rows, url, capacity, profile = sys.argv[2:7]
+        _cpu_child(kind, int(rows), url, int(capacity), profile == "1")
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--memory-child":
+        _memory_child(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else "")
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small inputs, one repetition")
+    parser.add_argument("--capacity", type=int, default=64)
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = parser.parse_args()
+    result = run(quick=args.quick, capacity=args.capacity)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+    print(report(result))
+
+
+if __name__ == "__main__":
+    main()
