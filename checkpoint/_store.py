@@ -32,7 +32,7 @@ from __future__ import annotations
 import base64
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Iterable, Sequence
 
@@ -96,6 +96,9 @@ _META_COLUMNS = [f.name for f in _KEY_FIELDS] + [f.name for f in _META_FIELDS]
 # delta-rs retries a commit that lost to a concurrent append on another app id; a subtask's
 # table has one committer at a time, so this only matters for zombies and maintenance.
 _COMMIT_RETRIES = 100
+
+# Rows per batch of the stream that ``expire`` rewrites.
+_EXPIRE_BATCH_ROWS = 8192
 
 
 def _schema_to_text(schema: pa.Schema) -> str:
@@ -210,7 +213,8 @@ class SubtaskLog:
         self._table: DeltaTable | None = None
         self._schemas: tuple[pa.Schema, pa.Schema] | None = None
         # (table version, metadata of every checkpoint at that version): reading metadata
-        # opens every data file, so it is read once per version, not once per question.
+        # scans every row of the table (whose results grow with the input), so it is read
+        # once, then kept current by this log's own commits and expiries.
         self._metadata: tuple[int, list[CheckpointMetadata]] | None = None
 
     def __repr__(self) -> str:
@@ -249,7 +253,11 @@ class SubtaskLog:
             return []
         version = table.version()
         if self._metadata is None or self._metadata[0] != version:
-            rows = self._read(table, pc.field("kind") == KIND_CHECKPOINT, _META_COLUMNS)
+            # Every row of the table is scanned for one row per checkpoint: one fragment and
+            # one batch at a time (the default read-ahead holds several files' worth).
+            rows = self._read(
+                table, pc.field("kind") == KIND_CHECKPOINT, _META_COLUMNS, sequential=True
+            )
             metas = [_metadata_from_row(row) for row in rows.to_pylist()]
             metas.sort(key=lambda m: (m.created_at, m.checkpoint_id))
             self._metadata = (version, metas)
@@ -483,6 +491,7 @@ class SubtaskLog:
         table = self._open(refresh=True)
         if table is None:
             if self._create(data, input_schema, output_schema, properties_for_commit):
+                self._metadata = (0, [meta])  # version 0 holds this checkpoint and nothing else
                 return meta
             table = self._open(refresh=True)  # another attempt created it first
             assert table is not None
@@ -528,6 +537,8 @@ class SubtaskLog:
         metas = self.checkpoints()
         if not metas:
             return report
+        assert self._metadata is not None
+        read_version = self._metadata[0]
         live = [m for m in metas if not m.expired]
         keep = live[len(live) - retain :] if retain else []
         needed: set[CheckpointRef] = set()
@@ -540,40 +551,48 @@ class SubtaskLog:
             return report
         table = self._open(refresh=True)
         assert table is not None
-        touched = to_expire + to_delete
-        rows = self._read(table, _refs_filter(touched), None)
-        expire_set = {(r.run_id, r.checkpoint_id) for r in to_expire}
-        run_ids = rows.column("run_id").to_pylist()
-        ckpt_ids = rows.column("checkpoint_id").to_pylist()
-        kinds = rows.column("kind").to_pylist()
-        survive = [
-            (run, ckpt) in expire_set and kind in (KIND_RESULT, KIND_CHECKPOINT)
-            for run, ckpt, kind in zip(run_ids, ckpt_ids, kinds, strict=True)
-        ]
-        kept = rows.filter(pa.array(survive, pa.bool_()))
-        if kept.num_rows:
-            is_meta = pc.equal(kept.column("kind"), KIND_CHECKPOINT)
-            expired = pc.if_else(is_meta, True, kept.column("expired"))
-            kept = kept.set_column(kept.schema.get_field_index("expired"), "expired", expired)
-        predicate = _refs_predicate(touched)
+        predicate = _refs_predicate(to_expire + to_delete)
         try:
-            if kept.num_rows:
+            if to_expire:
+                # The rows that survive (the results and metadata row of each expired
+                # checkpoint, the latter flagged ``expired``) are selected and flagged by
+                # the scan itself and streamed into the rewrite: its memory is a few
+                # batches, not every touched row (results are most of a checkpoint).
                 write_deltalake(
                     table,
-                    kept,
+                    self._expired_rows(table, to_expire),
                     mode="overwrite",
                     predicate=predicate,
                     commit_properties=CommitProperties(max_commit_retries=_COMMIT_RETRIES),
                 )
             else:
                 table.delete(predicate)
+            rewritten = table.version()
             if vacuum:
                 removed = table.vacuum(
                     retention_hours=0, enforce_retention_duration=False, dry_run=False
                 )
                 report.files_removed = len(removed)
-        except (CommitFailedError, OSError) as exc:
-            raise CheckpointError(f"Expiring checkpoints in {self.uri} failed: {exc}") from exc
+        except CheckpointError:
+            raise
+        except Exception as exc:  # the rewrite's stream raises whatever its scan raises
+            raise CheckpointError(
+                f"Expiring checkpoints in {self.uri} failed: {exc}. The table is unchanged "
+                "unless a Delta commit was logged; expiring again is safe."
+            ) from exc
+        if rewritten == read_version + 1:
+            # Nobody else committed: the metadata after the rewrite is known without
+            # reading the table again (a read opens every data file, and the results of
+            # every checkpoint ever taken stay in the table).
+            expired, deleted = set(to_expire), set(to_delete)
+            self._metadata = (
+                self._data_version(table, rewritten),
+                [
+                    replace(m, expired=True) if m.ref in expired else m
+                    for m in metas
+                    if m.ref not in deleted
+                ],
+            )
         report.expired = to_expire
         report.deleted = to_delete
         return report
@@ -599,6 +618,48 @@ class SubtaskLog:
                 f"Cannot open checkpoint table {self.uri}: {exc}"
             ) from exc
         return self._table
+
+    def _expired_rows(
+        self, table: DeltaTable, refs: Sequence[CheckpointRef]
+    ) -> pa.RecordBatchReader:
+        """The rows of ``refs`` that expiring keeps, metadata rows flagged ``expired``, as a
+        stream of small batches."""
+        dataset = _layout.delta_dataset(table)
+        is_meta = pc.field("kind") == KIND_CHECKPOINT
+        columns = {
+            name: pc.if_else(is_meta, True, pc.field(name)) if name == "expired" else pc.field(name)
+            for name in dataset.schema.names
+        }
+        try:
+            return dataset.scanner(
+                columns=columns,
+                filter=_refs_filter(refs) & pc.field("kind").isin([KIND_RESULT, KIND_CHECKPOINT]),
+                batch_size=_EXPIRE_BATCH_ROWS,
+                batch_readahead=1,
+                fragment_readahead=1,
+                use_threads=False,
+            ).to_reader()
+        except Exception as exc:
+            raise CheckpointError(f"Cannot read checkpoint table {self.uri}: {exc}") from exc
+
+    @staticmethod
+    def _data_version(table: DeltaTable, version: int) -> int:
+        """The table's version if every commit after ``version`` is vacuum bookkeeping (no
+        data changes); otherwise ``version``, which makes the next read start over."""
+        newer = table.version() - version
+        if not 0 < newer <= 2:  # vacuum logs a start and an end commit
+            return version
+        try:
+            history = table.history(limit=newer)
+        except Exception:
+            return version
+        if len(history) == newer and all(
+            entry.get("version", -1) > version
+            and entry.get("operation") in ("VACUUM START", "VACUUM END")
+            for entry in history
+        ):
+            return table.version()
+        return version
 
     def _create(
         self,
@@ -659,10 +720,17 @@ class SubtaskLog:
                 )
 
     def _read(
-        self, table: DeltaTable, expression: pc.Expression, columns: list[str] | None
+        self,
+        table: DeltaTable,
+        expression: pc.Expression,
+        columns: list[str] | None,
+        sequential: bool = False,
     ) -> pa.Table:
+        readahead = {"batch_readahead": 1, "fragment_readahead": 1} if sequential else {}
         try:
-            return _layout.delta_dataset(table).to_table(filter=expression, columns=columns)
+            return _layout.delta_dataset(table).to_table(
+                filter=expression, columns=columns, **readahead
+            )
         except Exception as exc:
             raise CheckpointError(f"Cannot read checkpoint table {self.uri}: {exc}") from exc
 

@@ -391,6 +391,33 @@ def test_retention_keeps_the_last_n_and_reclaims_storage(tmp_path: Path) -> None
         log.load(6)
 
 
+def test_a_log_that_commits_and_expires_knows_its_checkpoints_without_rereading(
+    tmp_path: Path,
+) -> None:
+    # A task's log keeps its checkpoint list current through its own commits and expiries
+    # (reading it again scans every result ever written); it must always equal a fresh read,
+    # also when another writer committed in between.
+    store = SnapshotStore(tmp_path)
+    log = store.subtask("job", "op", 0)
+
+    def fresh() -> list:
+        return SnapshotStore(tmp_path).subtask("job", "op", 0).checkpoints(include_expired=True)
+
+    parent = None
+    for ckpt in range(1, 10):
+        parent = commit(log, "run", ckpt, n=20, parent=parent, position=ckpt * 10).ref
+        if ckpt % 3 == 0:
+            log.expire(2, vacuum=ckpt != 6)
+        assert log.checkpoints(include_expired=True) == fresh()
+    assert [m.checkpoint_id for m in log.checkpoints(include_expired=False)] == [8, 9]
+
+    commit(SnapshotStore(tmp_path).subtask("job", "op", 0), "other", 1, n=5)  # a zombie
+    log.expire(1)
+    assert log.checkpoints(include_expired=True) == fresh()
+    assert [m.ref for m in log.checkpoints()] == [CheckpointRef("other", 1)]  # all else deleted
+    assert log.restore(1, run_id="other").metadata.in_flight == 5
+
+
 def _dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*.parquet"))
 
