@@ -99,6 +99,9 @@ _COMMIT_RETRIES = 100
 
 # Rows per batch of the stream that ``expire`` rewrites.
 _EXPIRE_BATCH_ROWS = 8192
+# Scans that pass over every file of a table read one fragment and one batch at a time: the
+# default read-ahead holds several files' worth in memory.
+_SEQUENTIAL = {"batch_readahead": 1, "fragment_readahead": 1}
 
 
 def _schema_to_text(schema: pa.Schema) -> str:
@@ -253,8 +256,7 @@ class SubtaskLog:
             return []
         version = table.version()
         if self._metadata is None or self._metadata[0] != version:
-            # Every row of the table is scanned for one row per checkpoint: one fragment and
-            # one batch at a time (the default read-ahead holds several files' worth).
+            # Every row of the table is scanned for one row per checkpoint.
             rows = self._read(
                 table, pc.field("kind") == KIND_CHECKPOINT, _META_COLUMNS, sequential=True
             )
@@ -635,9 +637,8 @@ class SubtaskLog:
                 columns=columns,
                 filter=_refs_filter(refs) & pc.field("kind").isin([KIND_RESULT, KIND_CHECKPOINT]),
                 batch_size=_EXPIRE_BATCH_ROWS,
-                batch_readahead=1,
-                fragment_readahead=1,
                 use_threads=False,
+                **_SEQUENTIAL,
             ).to_reader()
         except Exception as exc:
             raise CheckpointError(f"Cannot read checkpoint table {self.uri}: {exc}") from exc
@@ -726,10 +727,9 @@ class SubtaskLog:
         columns: list[str] | None,
         sequential: bool = False,
     ) -> pa.Table:
-        readahead = {"batch_readahead": 1, "fragment_readahead": 1} if sequential else {}
         try:
             return _layout.delta_dataset(table).to_table(
-                filter=expression, columns=columns, **readahead
+                filter=expression, columns=columns, **(_SEQUENTIAL if sequential else {})
             )
         except Exception as exc:
             raise CheckpointError(f"Cannot read checkpoint table {self.uri}: {exc}") from exc

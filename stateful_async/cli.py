@@ -75,6 +75,15 @@ class Format(str, Enum):
     json = "json"
 
 
+# The arguments and options the checkpoint commands share.
+LocationArg = Annotated[str, typer.Argument(help="The checkpoint location.")]
+CheckpointIdArg = Annotated[int, typer.Argument(metavar="ID", help="The checkpoint id.")]
+JobOpt = Annotated[str | None, typer.Option(help="The job (if the location holds several).")]
+PartitionOpt = Annotated[int | None, typer.Option(help="Only this partition.")]
+RunOpt = Annotated[str | None, typer.Option(help="The run (default: the newest with this id).")]
+OperatorOpt = Annotated[str | None, typer.Option(help="The operator id.")]
+
+
 # -- demo ------------------------------------------------------------------------------------
 
 
@@ -214,7 +223,7 @@ def _size(n: int) -> str:
 
 @checkpoints_app.command("list")
 def list_checkpoints(
-    location: Annotated[str, typer.Argument(help="The checkpoint location.")],
+    location: LocationArg,
     job: Annotated[str | None, typer.Option(help="Only this job.")] = None,
     include_expired: Annotated[bool, typer.Option("--all", help="Show expired ones too.")] = False,
 ) -> None:
@@ -303,16 +312,12 @@ def list_checkpoints(
 
 @checkpoints_app.command("show")
 def show_checkpoint(
-    location: Annotated[str, typer.Argument(help="The checkpoint location.")],
-    checkpoint_id: Annotated[int, typer.Argument(metavar="ID", help="The checkpoint id.")],
-    job: Annotated[
-        str | None, typer.Option(help="The job (if the location holds several).")
-    ] = None,
-    partition: Annotated[int | None, typer.Option(help="Only this partition.")] = None,
-    run: Annotated[
-        str | None, typer.Option(help="The run (default: the newest with this id).")
-    ] = None,
-    operator: Annotated[str | None, typer.Option(help="The operator id.")] = None,
+    location: LocationArg,
+    checkpoint_id: CheckpointIdArg,
+    job: JobOpt = None,
+    partition: PartitionOpt = None,
+    run: RunOpt = None,
+    operator: OperatorOpt = None,
     format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
 ) -> None:
     """The in-flight records and watermarks of one snapshot."""
@@ -365,11 +370,9 @@ def show_checkpoint(
 
 @checkpoints_app.command("expire")
 def expire_checkpoints(
-    location: Annotated[str, typer.Argument(help="The checkpoint location.")],
+    location: LocationArg,
     retain: Annotated[int, typer.Option(help="Checkpoints to keep per partition.", min=0)],
-    job: Annotated[
-        str | None, typer.Option(help="The job (if the location holds several).")
-    ] = None,
+    job: JobOpt = None,
 ) -> None:
     """Keep the newest N checkpoints of every partition; drop and vacuum the rest."""
     with _user_errors():
@@ -388,21 +391,17 @@ def expire_checkpoints(
 
 @app.command()
 def replay(
-    location: Annotated[str, typer.Argument(help="The checkpoint location.")],
-    checkpoint_id: Annotated[int, typer.Argument(metavar="ID", help="The checkpoint id.")],
+    location: LocationArg,
+    checkpoint_id: CheckpointIdArg,
     function: Annotated[str, typer.Option(help="The async function, as module:attribute.")],
     output: Annotated[
         Path | None,
         typer.Option(help="Write results here (.jsonl or .parquet); default: stdout."),
     ] = None,
-    job: Annotated[
-        str | None, typer.Option(help="The job (if the location holds several).")
-    ] = None,
-    partition: Annotated[int | None, typer.Option(help="Only this partition.")] = None,
-    run: Annotated[
-        str | None, typer.Option(help="The run (default: the newest with this id).")
-    ] = None,
-    operator: Annotated[str | None, typer.Option(help="The operator id.")] = None,
+    job: JobOpt = None,
+    partition: PartitionOpt = None,
+    run: RunOpt = None,
+    operator: OperatorOpt = None,
     capacity: Annotated[int, typer.Option(min=1, help="Calls in flight.")] = 100,
     timeout: Annotated[float | None, typer.Option(help="Per-element timeout, seconds.")] = None,
     mode: Annotated[Mode, typer.Option(help="Output order.")] = Mode.ordered,

@@ -242,20 +242,27 @@ def test_a_killed_job_resumes_with_restore_from(spark, service, tmp_path) -> Non
     assert all(not m.final for m in killed.values())
     before = {int(k): n for k, n in service.counts().items()}
 
+    def resume(restore_from: str | int) -> Any:
+        config = CheckpointConfig(
+            str(location),
+            "resume",
+            interval_records=interval,
+            retain=100,
+            restore_from=restore_from,
+        )
+        return ordered_wait(
+            source(spark, rows),
+            ServiceEnrichment(service.url),
+            SCHEMA,
+            capacity=capacity,
+            timeout=30.0,
+            checkpoint=config,
+        )
+
     # Resume from the latest checkpoints, in a new application (this test's session).
     service.configure(latency_ms=2)
     service.reset()
-    config = CheckpointConfig(
-        str(location), "resume", interval_records=interval, retain=100, restore_from="latest"
-    )
-    out = ordered_wait(
-        source(spark, rows),
-        ServiceEnrichment(service.url),
-        SCHEMA,
-        capacity=capacity,
-        timeout=30.0,
-        checkpoint=config,
-    )
+    out = resume("latest")
     parts = by_partition(out)
     for p, got in parts.items():
         assert got == [reference(i) for i in partition_ids(rows, 2, p)]
@@ -272,17 +279,7 @@ def test_a_killed_job_resumes_with_restore_from(spark, service, tmp_path) -> Non
 
     # Resume again, from checkpoint 1 of each partition: only what followed it is requested.
     service.reset()
-    config = CheckpointConfig(
-        str(location), "resume", interval_records=interval, retain=100, restore_from=1
-    )
-    out = ordered_wait(
-        source(spark, rows),
-        ServiceEnrichment(service.url),
-        SCHEMA,
-        capacity=capacity,
-        timeout=30.0,
-        checkpoint=config,
-    )
+    out = resume(1)
     assert sorted(out.collect()) == sorted(tuple(reference(i).values()) for i in range(rows))
     again = {int(k) for k in service.counts()}
     first = {p: store.load("resume", "enrich", p, 1, killed[p].run_id) for p in (0, 1)}
