@@ -6,7 +6,7 @@ import asyncio
 import enum
 from functools import partial
 from threading import get_ident
-from typing import Any, Awaitable, Callable, Generic, Iterable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Iterable, Sequence, TypeVar, cast
 
 from ._elements import StreamElement, StreamRecord, Watermark
 from ._exceptions import (
@@ -41,6 +41,7 @@ Output = Callable[[StreamElement], Any]
 _TIMEOUT = 0
 _RETRY = 1
 _PROGRAMMING_ERRORS = (InvalidResultError, ResultSchemaError)
+_new_record = object.__new__
 
 
 class OutputMode(enum.Enum):
@@ -100,19 +101,19 @@ class _Element(QueueEntry):
     """A queue entry plus the operator's bookkeeping for it (Flink's ``ResultHandler``).
 
     For a record, the first outcome decides (``decided``): a result, the timeout handler, or
-    a final failure. Watermark entries leave the extra fields unused.
+    a final failure. Watermark entries leave the extra fields unused. Without a timeout (so
+    without retries) the timeout and retry fields are never written and read as the class
+    defaults below: an entry is built per element, so it carries only what it needs;
+    ``_TimedElement`` has them as fields of its own.
     """
 
-    __slots__ = (
-        "attempts",
-        "deadline",
-        "task",
-        "timeout_task",
-        "decided",
-        "timed_out",
-        "backing_off",
-        "last_error",
-    )
+    __slots__ = ("attempts", "task", "decided")
+
+    deadline: float | None = None
+    timeout_task: asyncio.Future[Any] | None = None
+    timed_out = False
+    backing_off = False
+    last_error: BaseException | None = None
 
     def __init__(self, element: StreamElement, done: bool = False) -> None:
         # Fields of QueueEntry set here too: one constructor call per element, not two.
@@ -120,14 +121,29 @@ class _Element(QueueEntry):
         self.results: list[Any] | None = None
         self.done = done
         self.segment = None
-        self.attempts = 0
-        self.deadline: float | None = None
+        self.attempts = 1  # an entry's first attempt starts as it enters the queue
         self.task: asyncio.Future[Any] | None = None
-        self.timeout_task: asyncio.Future[Any] | None = None
         self.decided = False
+
+
+class _TimedElement(_Element):
+    """An entry of an operator with a timeout: deadline, timeout handler, retry state."""
+
+    __slots__ = ("deadline", "timeout_task", "timed_out", "backing_off", "last_error")
+
+    def __init__(self, element: StreamElement, done: bool = False) -> None:
+        self.element = element
+        self.results = None
+        self.done = done
+        self.segment = None
+        self.attempts = 0
+        self.task = None
+        self.decided = False
+        self.deadline = None
+        self.timeout_task = None
         self.timed_out = False
         self.backing_off = False
-        self.last_error: BaseException | None = None
+        self.last_error = None
 
 
 def _as_results(results: Any, element: StreamElement, attempts: int) -> list[Any]:
@@ -241,12 +257,18 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         )
         self._clock: Clock = clock if clock is not None else SystemClock()
         self._timers = TimerService(self._clock)
+        new_entry = self._reuse_entry if self._timeout is None else _TimedElement
         self._queue: ElementQueue = (
-            OrderedQueue(capacity, _Element)
+            OrderedQueue(capacity, new_entry)
             if self._mode is OutputMode.ORDERED
-            else UnorderedQueue(capacity, _Element)
+            else UnorderedQueue(capacity, new_entry)
         )
+        self._try_put = self._queue.try_put  # bound again in open(): called per element
+        self._complete_and_poll = self._queue.complete_and_poll
         self._state = _State.CREATED
+        # The loop thread's id while input is accepted (state OPEN), else None: one
+        # comparison per element checks both state and thread.
+        self._accepting_thread: int | None = None
         self._failure: ElementFailedError | StatefulAsyncError | None = None
         self._mailbox: Mailbox | None = None
         self._thread_id: int | None = None
@@ -255,9 +277,15 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._capacity_waiter: asyncio.Future[None] | None = None
         self._drain_waiter: asyncio.Future[None] | None = None
         self._emit_scheduled = False
+        # Emitted entries kept for reuse by new ones (see _reuse_entry); without a timeout.
+        self._spare: list[_Element] = []
         self._fn_opened = False
         self._restoring = False
         self.metrics = OperatorMetrics()
+
+    def _set_state(self, state: _State) -> None:
+        self._state = state
+        self._accepting_thread = self._thread_id if state is _State.OPEN else None
 
     # -- properties -------------------------------------------------------------------
 
@@ -308,14 +336,17 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._done: asyncio.Future[None] = loop.create_future()
         self._done.set_result(None)
         self._thread_id = get_ident()
-        # asyncio.Task(coro, loop=...) skips the Python wrapper of loop.create_task; a loop
-        # with a task factory (or a non-asyncio loop) gets create_task, honouring it.
+        self._try_put = self._queue.try_put
+        self._complete_and_poll = self._queue.complete_and_poll
+        # asyncio.Task(coro) skips the Python wrapper of loop.create_task, and without a loop=
+        # argument it takes the running loop (this one: tasks start on the loop thread only)
+        # at no cost. A loop with a task factory (or a non-asyncio loop) gets create_task.
         self._new_task = (
-            partial(asyncio.Task, loop=loop)
+            asyncio.Task
             if isinstance(loop, asyncio.BaseEventLoop) and loop.get_task_factory() is None
             else loop.create_task
         )
-        self._state = _State.OPEN
+        self._set_state(_State.OPEN)
         await self._fn.open()
         self._fn_opened = True
         self._restoring = True
@@ -345,7 +376,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         awaitable waits for room (completions, timers and emission keep running) and then
         adds the record. Misuse raises at the call.
         """
-        if self._state is not _State.OPEN or get_ident() != self._thread_id:
+        if get_ident() != self._accepting_thread:
             self._check_accepting("process_element()")
         if type(record) is not StreamRecord:
             raise ConfigurationError(
@@ -357,10 +388,14 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                     else ""
                 )
             )
-        entry = self._queue.try_put(record)
+        entry = self._try_put(record)
         if entry is None:
             return self._put_when_room(record)
-        self._start(entry)  # type: ignore[arg-type]
+        if self._timeout is None:  # _start without a timeout, inlined: the hot path
+            self.metrics.records_in += 1
+            entry.task = self._new_task(self._attempt_once(entry))  # type: ignore[arg-type, attr-defined]
+        else:
+            self._start(entry)  # type: ignore[arg-type]
         return self._done  # no coroutine per element on the fast path
 
     async def _put_when_room(self, record: StreamRecord[IN]) -> None:
@@ -370,7 +405,30 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             entry = self._queue.try_put(record)
         self._start(entry)  # type: ignore[arg-type]
 
-    def _start(self, entry: _Element) -> None:
+    def _reuse_entry(self, element: StreamElement, done: bool) -> _Element:
+        """A queue entry for ``element``: an emitted one reused, or a new one.
+
+        Without a timeout an element is decided only by its one attempt, so nothing refers
+        to its entry once it is emitted, and the entry can serve a new element. Reused, it
+        costs a few stores instead of an allocation; and what it held from its previous
+        element (record, results, finished task) is freed now, one element's worth per new
+        element, rather than a queue's worth at once at emission followed by a queue's worth
+        of allocations on refill, which set the garbage collector's young generation
+        running over every in-flight element again and again. Entries in flight and spare
+        together never exceed ``capacity``.
+        """
+        spare = self._spare
+        if not spare:
+            return _Element(element, done)
+        entry = spare.pop()
+        entry.element = element
+        entry.results = None
+        entry.done = done
+        entry.task = None
+        entry.decided = False
+        return entry  # attempts is 1 still; an unordered queue sets segment
+
+    def _start(self, entry: _TimedElement) -> None:
         """A record entered the queue: its timeout clock starts, and its first attempt."""
         if self._timeout is not None:
             entry.deadline = deadline = self._clock.now() + self._timeout
@@ -421,7 +479,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         (each element's current attempt is its last); waits until everything in flight has
         completed and been emitted. Raises the operator's failure, if any."""
         self._check_accepting("finish()")
-        self._state = _State.FINISHING
+        self._set_state(_State.FINISHING)
         for entry in self._queue.entries():
             if entry.backing_off:  # type: ignore[attr-defined]
                 self._timers.fire_now((entry, _RETRY))
@@ -434,16 +492,18 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 await waiter
             finally:
                 self._drain_waiter = None
+        self._spare.clear()
         if self._failure is not None:
             raise self._failure
-        self._state = _State.FINISHED
+        self._set_state(_State.FINISHED)
 
     async def close(self) -> None:
         """Release everything: cancels timers and in-flight calls (without ``finish()``,
         in-flight elements are discarded), then closes the function. Idempotent."""
         if self._state is _State.CLOSED:
             return
-        self._state = _State.CLOSED
+        self._set_state(_State.CLOSED)
+        self._spare.clear()
         self._timers.cancel_all()
         tasks = self._cancel_in_flight()
         self._wake_waiters(
@@ -461,38 +521,53 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         handler.attempts = attempt = handler.attempts + 1
         handler.task = self._new_task(self._attempt(handler, attempt))
 
-    async def _attempt(self, handler: _Element, attempt: int) -> None:
-        """One call of the async function. Its outcome is handled in the same task step
-        that finishes the call: no extra mail per element."""
+    async def _attempt_once(self, handler: _Element) -> None:
+        """The only attempt of an element of an operator without timeout (so without
+        retries): ``_attempt`` cut to what that case needs, since every element takes it.
+        The outcome is handled in the step that finishes the call: no mail per element."""
         try:
             results = await self._invoke(handler.element.value)  # type: ignore[union-attr]
-        except asyncio.CancelledError:
-            if handler.decided or attempt != handler.attempts:
-                return  # cancelled by the operator: the element was decided elsewhere
-            error: BaseException = asyncio.CancelledError(
-                "The attempt was cancelled by someone other than the operator."
-            )
-        except Exception as exc:
-            error = exc
+        except BaseException as exc:
+            self._on_attempt_raised(handler, 1, exc)
+            return
+        if handler.decided:
+            return  # the operator failed or closed meanwhile: dropped
+        if type(results) is list:
+            handler.decided = True  # nothing to release: no timers, no other attempts
+            entry = self._complete_and_poll(handler, results)
+            if entry is not None and self._failure is None:
+                self._emit(entry)
         else:
-            if handler.decided or attempt != handler.attempts:
-                return  # the element is decided, or this attempt was superseded: dropped
             handler.task = None
-            if type(results) is list and self._retry is None and self._timeout is None:
-                # The common case without detours: nothing to release, decide and emit.
-                handler.decided = True
-                self._queue.complete(handler, results)
-                self._output_completed()
-            else:
-                self._on_attempt_result(handler, results)
+            self._on_attempt_result(handler, results)
+
+    async def _attempt(self, handler: _Element, attempt: int) -> None:
+        """Attempt number ``attempt`` of an element, with a timeout and maybe retries."""
+        try:
+            results = await self._invoke(handler.element.value)  # type: ignore[union-attr]
+        except BaseException as exc:
+            self._on_attempt_raised(handler, attempt, exc)
             return
         if handler.decided or attempt != handler.attempts:
-            return
+            return  # the element is decided, or this attempt was superseded: dropped
         handler.task = None
-        self._on_attempt_error(handler, error)
+        self._on_attempt_result(handler, results)
+
+    def _on_attempt_raised(self, handler: _Element, attempt: int, exc: BaseException) -> None:
+        if handler.decided or attempt != handler.attempts:
+            return  # decided elsewhere (which cancels its other attempts), or superseded
+        if isinstance(exc, asyncio.CancelledError):
+            exc = asyncio.CancelledError(
+                "The attempt was cancelled by someone other than the operator."
+            )
+        elif not isinstance(exc, Exception):
+            raise exc  # KeyboardInterrupt, SystemExit: not an outcome of the element
+        handler.task = None
+        self._on_attempt_error(handler, exc)
 
     def _on_attempt_error(self, handler: _Element, error: BaseException) -> None:
-        handler.last_error = error
+        if self._timeout is not None:
+            cast(_TimedElement, handler).last_error = error  # a timeout error reports it
         if isinstance(error, _PROGRAMMING_ERRORS):
             # A result of the wrong shape: deterministic, never retried, already names the
             # element.
@@ -507,7 +582,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             and retry.can_retry(handler.attempts)
             and retry.should_retry_exception(error)
         ):
-            self._schedule_retry(handler)
+            self._schedule_retry(cast(_TimedElement, handler))  # retry implies a timeout
             return
         self._decide_failure(
             handler,
@@ -536,11 +611,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             and retry.can_retry(handler.attempts)
             and retry.should_retry_result(results)
         ):
-            self._schedule_retry(handler)
+            self._schedule_retry(cast(_TimedElement, handler))  # retry implies a timeout
             return
         self._decide(handler, results)
 
-    def _schedule_retry(self, handler: _Element) -> None:
+    def _schedule_retry(self, handler: _TimedElement) -> None:
         assert self._retry is not None
         when = self._clock.now() + self._retry.backoff(handler.attempts)
         # Armed even when it ends past the deadline: the timeout timer, registered first,
@@ -548,7 +623,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         handler.backing_off = True
         self._timers.register((handler, _RETRY), when, partial(self._on_retry_timer, handler))
 
-    def _on_retry_timer(self, handler: _Element) -> None:
+    def _on_retry_timer(self, handler: _TimedElement) -> None:
         handler.backing_off = False
         if handler.decided:
             return
@@ -557,7 +632,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self.metrics.retries += 1
         self._start_attempt(handler)
 
-    def _on_timeout(self, handler: _Element) -> None:
+    def _on_timeout(self, handler: _TimedElement) -> None:
         if handler.decided:
             return
         handler.timed_out = True
@@ -579,7 +654,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         handler.timeout_task = task
         task.add_done_callback(partial(self._on_timeout_handler_done, handler))
 
-    def _on_timeout_handler_done(self, handler: _Element, task: asyncio.Future[Any]) -> None:
+    def _on_timeout_handler_done(self, handler: _TimedElement, task: asyncio.Future[Any]) -> None:
         if handler.decided:
             return
         handler.timeout_task = None
@@ -612,7 +687,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             ),
         )
 
-    def _timeout_error(self, handler: _Element, cause: BaseException | None) -> ElementFailedError:
+    def _timeout_error(
+        self, handler: _TimedElement, cause: BaseException | None
+    ) -> ElementFailedError:
         error = element_error(
             AsyncTimeoutError,
             f"The element did not complete within the {self._timeout:g} s timeout",
@@ -636,17 +713,18 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         handler.decided = True
         if self._timeout is None:
             return  # no timers, no timeout handler; the attempt that decided has finished
-        self._timers.cancel((handler, _TIMEOUT))
-        if handler.backing_off:
-            handler.backing_off = False
-            self._timers.cancel((handler, _RETRY))
-        task = handler.task
+        timed = cast(_TimedElement, handler)
+        self._timers.cancel((timed, _TIMEOUT))
+        if timed.backing_off:
+            timed.backing_off = False
+            self._timers.cancel((timed, _RETRY))
+        task = timed.task
         if task is not None and not task.done():
             task.cancel()
-        task = handler.timeout_task
+        task = timed.timeout_task
         if task is not None and not task.done():
             task.cancel()
-        handler.task = handler.timeout_task = None
+        timed.task = timed.timeout_task = None
 
     def _decide(self, handler: _Element, results: list[Any]) -> None:
         self._release(handler)
@@ -662,7 +740,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             return
         self._failure = error
         if self._state is not _State.CLOSED:
-            self._state = _State.FAILED
+            self._set_state(_State.FAILED)
         self._timers.cancel_all()
         self._cancel_in_flight()
         self._wake_waiters(error)
@@ -671,10 +749,13 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         """Emit one completed queue entry; if more are ready, post a mail for the next."""
         if self._failure is not None:
             return
+        entry = self._queue.poll()
+        if entry is not None:
+            self._emit(entry)
+
+    def _emit(self, entry: QueueEntry) -> None:
+        """Emit ``entry``, just polled from the queue; if more are ready, post a mail."""
         queue = self._queue
-        entry = queue.poll()
-        if entry is None:
-            return
         element = entry.element
         output = self._output
         try:
@@ -685,7 +766,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 timestamp = element.timestamp
                 results = entry.results
                 for result in results:  # type: ignore[union-attr]
-                    output(StreamRecord(result, timestamp))
+                    # StreamRecord(result, timestamp) without the __init__ call: one per result
+                    record = _new_record(StreamRecord)
+                    record.value = result
+                    record.timestamp = timestamp
+                    output(record)
                 self.metrics.results_out += len(results)  # type: ignore[arg-type]
         except Exception as exc:
             error = OperatorStateError(
@@ -695,9 +780,13 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             error.__cause__ = exc
             self._fail(error)
             return
+        if self._timeout is None:
+            self._spare.append(entry)  # type: ignore[arg-type]
         waiter = self._capacity_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            self._capacity_waiter = None  # woken once; the next emissions skip this
+            if not waiter.done():
+                waiter.set_result(None)
         if self._drain_waiter is not None:
             waiter = self._drain_waiter
             if not len(queue) and not waiter.done():

@@ -18,7 +18,7 @@ when the queue is full. All methods run on the event-loop thread.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from ._elements import StreamElement, Watermark
 
@@ -27,7 +27,9 @@ class QueueEntry:
     """One queue slot: an element, and once complete, its results.
 
     The operator subclasses it to keep its per-element bookkeeping (attempts, timers) in
-    the same object; the queue builds entries of the ``entry_type`` it was given.
+    the same object; the queue gets its entries from the ``new_entry`` callable it was
+    given (``new_entry(element, done)``; a ``QueueEntry`` subclass, or a function that
+    reuses entries).
     """
 
     __slots__ = ("element", "results", "done", "segment")
@@ -56,6 +58,10 @@ class ElementQueue(Protocol):
         """Whether an entry may leave now."""
         ...
 
+    def complete_and_poll(self, entry: QueueEntry, results: list[Any]) -> QueueEntry | None:
+        """``complete(entry, results)``, then ``poll()``: one call on the hot path."""
+        ...
+
     def poll(self) -> QueueEntry | None:
         """Remove and return the next entry that may leave, or None if none may."""
         ...
@@ -74,15 +80,17 @@ class ElementQueue(Protocol):
 class OrderedQueue:
     """Entries leave in input order (see the module docstring)."""
 
-    def __init__(self, capacity: int, entry_type: type[QueueEntry] = QueueEntry) -> None:
+    def __init__(
+        self, capacity: int, new_entry: Callable[[StreamElement, bool], QueueEntry] = QueueEntry
+    ) -> None:
         self.capacity = capacity
-        self._entry_type = entry_type
+        self._new_entry = new_entry
         self._entries: deque[QueueEntry] = deque()
 
     def try_put(self, element: StreamElement) -> QueueEntry | None:
         if len(self._entries) >= self.capacity:
             return None
-        entry = self._entry_type(element, type(element) is Watermark)
+        entry = self._new_entry(element, type(element) is Watermark)
         self._entries.append(entry)
         return entry
 
@@ -93,6 +101,14 @@ class OrderedQueue:
     def has_completed(self) -> bool:
         entries = self._entries
         return bool(entries) and entries[0].done
+
+    def complete_and_poll(self, entry: QueueEntry, results: list[Any]) -> QueueEntry | None:
+        entry.results = results
+        entry.done = True
+        entries = self._entries
+        if entries[0].done:  # entry is in the queue: never empty here
+            return entries.popleft()
+        return None
 
     def poll(self) -> QueueEntry | None:
         entries = self._entries
@@ -128,9 +144,11 @@ class _Segment:
 class UnorderedQueue:
     """Records leave in completion order within watermark segments (see module docstring)."""
 
-    def __init__(self, capacity: int, entry_type: type[QueueEntry] = QueueEntry) -> None:
+    def __init__(
+        self, capacity: int, new_entry: Callable[[StreamElement, bool], QueueEntry] = QueueEntry
+    ) -> None:
         self.capacity = capacity
-        self._entry_type = entry_type
+        self._new_entry = new_entry
         self._segments: deque[_Segment] = deque()
         self._size = 0
 
@@ -139,12 +157,12 @@ class UnorderedQueue:
             return None
         segments = self._segments
         if type(element) is Watermark:
-            entry = self._entry_type(element, True)
+            entry = self._new_entry(element, True)
             segment = _Segment(is_watermark=True)
             segment.completed.append(entry)
             segments.append(segment)
         else:
-            entry = self._entry_type(element)
+            entry = self._new_entry(element, False)
             if not segments or segments[-1].is_watermark:
                 segments.append(_Segment(is_watermark=False))
             segment = segments[-1]
@@ -162,6 +180,10 @@ class UnorderedQueue:
     def has_completed(self) -> bool:
         segments = self._segments
         return bool(segments) and bool(segments[0].completed)
+
+    def complete_and_poll(self, entry: QueueEntry, results: list[Any]) -> QueueEntry | None:
+        self.complete(entry, results)
+        return self.poll()
 
     def poll(self) -> QueueEntry | None:
         segments = self._segments

@@ -38,13 +38,25 @@ async def test_thread_pool_completions_touch_operator_state_only_on_the_loop_thr
     )
     # Record the thread of every operation that changes operator state.
     queue = op._queue
-    for name in ("try_put", "complete", "poll"):
+    nested: list[str] = []
+    for name in ("try_put", "complete", "poll", "complete_and_poll"):
         original = getattr(queue, name)
 
         def traced(*args, _original=original, _name=name):
-            result = _original(*args)
+            outer = not nested
+            nested.append(_name)  # complete_and_poll may call complete and poll: count once
+            try:
+                result = _original(*args)
+            finally:
+                nested.pop()
+            if not outer:
+                return result
+            thread = threading.get_ident()
+            if _name == "complete_and_poll":  # the operator's fast path: both in one call
+                state_threads.append(("complete", thread))
+                _name = "poll"
             if _name != "poll" or result is not None:  # count entries actually emitted
-                state_threads.append((_name, threading.get_ident()))
+                state_threads.append((_name, thread))
             return result
 
         setattr(queue, name, traced)
