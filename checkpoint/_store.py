@@ -958,6 +958,9 @@ def _checkpoint_rows(
     schema = _table_schema(input_schema, output_schema)
     n_el, n_res = len(elements), results.num_rows
     total = 1 + n_el + n_res
+    # Rows: the checkpoint's metadata row, one per in-flight element, one per result. The
+    # element rows are built from Python values; the result rows (most of a checkpoint)
+    # only from Arrow arrays, without a Python object per row.
     kinds: list[str] = [KIND_CHECKPOINT]
     timestamps: list[int | None] = [None]
     values: list[Any] = []
@@ -974,8 +977,6 @@ def _checkpoint_rows(
                 f"{type(element).__name__}."
             )
         timestamps.append(element.timestamp)
-    kinds.extend([KIND_RESULT] * n_res)
-    timestamps.extend(result_timestamps if result_timestamps is not None else [None] * n_res)
 
     input_type = pa.struct(list(input_schema))
     try:
@@ -1007,20 +1008,33 @@ def _checkpoint_rows(
     def meta_then_nulls(value: Any, data_type: pa.DataType) -> pa.Array:
         return pa.concat_arrays([pa.array([value], data_type), pa.nulls(total - 1, data_type)])
 
+    def constant(value: Any, data_type: pa.DataType) -> pa.Array:
+        return pa.repeat(pa.scalar(value, data_type), total)
+
+    def then_results(head: list[Any], tail: pa.Array, data_type: pa.DataType) -> pa.Array:
+        """The metadata and element rows' values, then the result rows' ``tail``."""
+        return pa.concat_arrays([pa.array(head, data_type), tail])
+
     parent = meta.parent
+    result_stamps = (
+        pa.array(result_timestamps, pa.int64())
+        if result_timestamps is not None
+        else pa.nulls(n_res, pa.int64())
+    )
     columns = {
-        "job_id": pa.array([meta.job_id] * total, pa.string()),
-        "operator_id": pa.array([meta.operator_id] * total, pa.string()),
-        "run_id": pa.array([meta.run_id] * total, pa.string()),
-        "subtask": pa.array([meta.subtask] * total, pa.int32()),
-        "checkpoint_id": pa.array([meta.checkpoint_id] * total, pa.int64()),
-        "kind": pa.array(kinds, pa.string()),
-        "seq": pa.array([0, *range(n_el), *range(n_res)], pa.int64()),
-        "input_seq": pa.array(
-            [None, *(input_seqs if input_seqs is not None else [None] * n_el), *([None] * n_res)],
+        "job_id": constant(meta.job_id, pa.string()),
+        "operator_id": constant(meta.operator_id, pa.string()),
+        "run_id": constant(meta.run_id, pa.string()),
+        "subtask": constant(meta.subtask, pa.int32()),
+        "checkpoint_id": constant(meta.checkpoint_id, pa.int64()),
+        "kind": then_results(kinds, pa.repeat(pa.scalar(KIND_RESULT), n_res), pa.string()),
+        "seq": then_results([0, *range(n_el)], pa.array(range(n_res), pa.int64()), pa.int64()),
+        "input_seq": then_results(
+            [None, *(input_seqs if input_seqs is not None else [None] * n_el)],
+            pa.nulls(n_res, pa.int64()),
             pa.int64(),
         ),
-        "timestamp": pa.array(timestamps, pa.int64()),
+        "timestamp": then_results(timestamps, result_stamps, pa.int64()),
         "parent_run_id": meta_then_nulls(parent.run_id if parent else None, pa.string()),
         "parent_checkpoint_id": meta_then_nulls(
             parent.checkpoint_id if parent else None, pa.int64()
