@@ -162,7 +162,7 @@ def peak_rss(n: int, capacity: int, mode: str) -> float:
 def run(quick: bool = False) -> dict[str, Any]:
     capacity = 1000
     sizes = {"noop": 20_000 if quick else 200_000, "sleep20ms": 10_000 if quick else 100_000}
-    repeat = 1 if quick else 3
+    repeat = 1 if quick else 5
     rows = [
         compare(function, mode, sizes[function], capacity, repeat)
         for function in ("noop", "sleep20ms")

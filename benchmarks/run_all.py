@@ -112,7 +112,7 @@ class ProcessWatch:
 def operator_part(quick: bool) -> dict[str, Any]:
     """operator_bench's comparison over capacities 10, 100, 1000 and both functions and
     modes, plus its memory figures (the library's own bench functions, unchanged)."""
-    repeat = 1 if quick else 3
+    repeat = 1 if quick else 5
     rows = []
     for function in ("noop", "sleep20ms"):
         for mode in (OutputMode.ORDERED, OutputMode.UNORDERED):
