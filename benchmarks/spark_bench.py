@@ -348,6 +348,52 @@ def throughput(
     return out
 
 
+BATCH_SWEEP = (1_000, 200)  # Arrow batch sizes besides Spark's default (10,000)
+
+
+def batch_sweep(spark: Any, service: Any, sizes: Sizes, capacity: int) -> list[dict[str, Any]]:
+    """``ordered_wait`` against the hand-written per-batch loop with smaller Arrow batches
+    (``spark.sql.execution.arrow.maxRecordsPerBatch``): the hand-written loop drains its
+    requests at every batch boundary, ``ordered_wait`` does not, so the smaller the batch
+    next to the capacity, the more the drain weighs. Interleaved ``repeat`` times."""
+    key = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    kinds = ("ordered_wait", "handwritten_asyncio")
+    rows = sizes.throughput_rows // 2
+    meter = CpuMeter(service.pid)
+    out = []
+    try:
+        for batch in BATCH_SWEEP:
+            spark.conf.set(key, str(batch))
+            seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
+            cpu: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
+            for _ in range(sizes.repeat):
+                for kind in kinds:
+                    service.reset()
+                    seconds[kind].append(
+                        timed_write(build(kind, source(spark, rows), service.url, capacity), meter)
+                    )
+                    cpu[kind].append(meter.last)
+                    checked(service, rows, f"{kind} with {batch}-row batches")
+                    log(f"  {kind:<22} batches of {batch:>6,} {seconds[kind][-1]:7.2f} s")
+            row: dict[str, Any] = {"batch_rows": batch, "rows": rows}
+            for kind in kinds:
+                row[kind] = {
+                    "rows_per_s": rows / min(seconds[kind]),
+                    "rows_per_cpu_s": statistics.median(rows_per_cpu_s(rows, c) for c in cpu[kind]),
+                    "runs_s": seconds[kind],
+                }
+            row["ratio"] = (
+                row["ordered_wait"]["rows_per_s"] / row["handwritten_asyncio"]["rows_per_s"]
+            )
+            row["cpu_ratio"] = (
+                row["ordered_wait"]["rows_per_cpu_s"] / row["handwritten_asyncio"]["rows_per_cpu_s"]
+            )
+            out.append(row)
+    finally:
+        spark.conf.unset(key)
+    return out
+
+
 def slow_service(spark: Any, service: Any, sizes: Sizes, capacity: int) -> list[dict[str, Any]]:
     """At 200 ms, where CPU is not the limit: against the Little's-law bound."""
     service.configure(latency_ms=200)
@@ -928,6 +974,8 @@ def run(quick: bool = False, capacity: int = 64, latency_ms: float = 20.0) -> di
                 log(f"throughput at {latency_ms:g} ms, capacity {capacity}")
                 result["throughput"] = throughput(spark, service, sizes, capacity, work)
                 result["littles_law_rows_per_s"] = PARTITIONS * capacity / (latency_ms / 1000)
+                log(f"smaller Arrow batches: {', '.join(map(str, BATCH_SWEEP))} rows")
+                result["batch_sweep"] = batch_sweep(spark, service, sizes, capacity)
                 log("throughput at 200 ms")
                 result["slow"] = {
                     "latency_ms": 200,
