@@ -791,7 +791,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             waiter = self._drain_waiter
             if not len(queue) and not waiter.done():
                 waiter.set_result(None)
-        if not self._emit_scheduled and queue.has_completed():
+        if queue.completed and not self._emit_scheduled and queue.has_completed():
             self._emit_scheduled = True
             self._post_emit(self._emit_mail)
 

@@ -45,6 +45,8 @@ class ElementQueue(Protocol):
     """The queue contract shared by both output modes."""
 
     capacity: int
+    # Entries done and not yet polled: 0 means has_completed() is False, read without a call.
+    completed: int
 
     def try_put(self, element: StreamElement) -> QueueEntry | None:
         """Add ``element`` and return its entry, or return None if the queue is full."""
@@ -84,19 +86,24 @@ class OrderedQueue:
         self, capacity: int, new_entry: Callable[[StreamElement, bool], QueueEntry] = QueueEntry
     ) -> None:
         self.capacity = capacity
+        self.completed = 0
         self._new_entry = new_entry
         self._entries: deque[QueueEntry] = deque()
 
     def try_put(self, element: StreamElement) -> QueueEntry | None:
         if len(self._entries) >= self.capacity:
             return None
-        entry = self._new_entry(element, type(element) is Watermark)
+        done = type(element) is Watermark
+        entry = self._new_entry(element, done)
         self._entries.append(entry)
+        if done:
+            self.completed += 1
         return entry
 
     def complete(self, entry: QueueEntry, results: list[Any]) -> None:
         entry.results = results
         entry.done = True
+        self.completed += 1
 
     def has_completed(self) -> bool:
         entries = self._entries
@@ -106,13 +113,18 @@ class OrderedQueue:
         entry.results = results
         entry.done = True
         entries = self._entries
-        if entries[0].done:  # entry is in the queue: never empty here
+        head = entries[0]  # entry is in the queue: never empty here
+        if head is entry:  # the usual case: completed at the head, leaves at once
             return entries.popleft()
+        if head.done:  # an earlier completed head whose emission is still queued
+            return entries.popleft()  # it leaves, entry waits: completed is unchanged
+        self.completed += 1
         return None
 
     def poll(self) -> QueueEntry | None:
         entries = self._entries
         if entries and entries[0].done:
+            self.completed -= 1
             return entries.popleft()
         return None
 
@@ -151,6 +163,7 @@ class UnorderedQueue:
         self._new_entry = new_entry
         self._segments: deque[_Segment] = deque()
         self._size = 0
+        self.completed = 0
 
     def try_put(self, element: StreamElement) -> QueueEntry | None:
         if self._size >= self.capacity:
@@ -161,6 +174,7 @@ class UnorderedQueue:
             segment = _Segment(is_watermark=True)
             segment.completed.append(entry)
             segments.append(segment)
+            self.completed += 1
         else:
             entry = self._new_entry(element, False)
             if not segments or segments[-1].is_watermark:
@@ -176,6 +190,7 @@ class UnorderedQueue:
         entry.done = True
         assert entry.segment is not None
         entry.segment.completed.append(entry)
+        self.completed += 1
 
     def has_completed(self) -> bool:
         segments = self._segments
@@ -193,6 +208,7 @@ class UnorderedQueue:
         entry = segment.completed.popleft()
         del segment.pending[entry]
         self._size -= 1
+        self.completed -= 1
         if not segment.pending:
             segments.popleft()
         return entry
