@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import resource
 import subprocess
@@ -98,6 +99,7 @@ async def with_operator(fn: Fn, n: int, capacity: int, mode: OutputMode) -> int:
 
 
 def timed(coro_factory: Callable[[], Awaitable[int]], n: int) -> float:
+    gc.collect()  # every run starts from the same collector state, not the last run's garbage
     start = time.perf_counter()
     emitted = asyncio.run(coro_factory())  # type: ignore[arg-type]
     elapsed = time.perf_counter() - start

@@ -117,8 +117,8 @@ def operator_part(quick: bool) -> dict[str, Any]:
     for function in ("noop", "sleep20ms"):
         for mode in (OutputMode.ORDERED, OutputMode.UNORDERED):
             for capacity in (10, 100, 1000):
-                if function == "noop":
-                    n = 20_000 if quick else 100_000
+                if function == "noop":  # ~1 s per run: short runs swing with other jobs
+                    n = 20_000 if quick else 250_000
                 else:  # ~2 s at the Little's-law rate, whatever the capacity
                     n = capacity * (25 if quick else 100)
                 row = operator_bench.compare(function, mode, n, capacity, repeat)

@@ -428,14 +428,18 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         entry.decided = False
         return entry  # attempts is 1 still; an unordered queue sets segment
 
-    def _start(self, entry: _TimedElement) -> None:
-        """A record entered the queue: its timeout clock starts, and its first attempt."""
-        if self._timeout is not None:
-            entry.deadline = deadline = self._clock.now() + self._timeout
-            self._timers.register((entry, _TIMEOUT), deadline, partial(self._on_timeout, entry))
+    def _start(self, entry: _Element) -> None:
+        """A record entered the queue: its timeout clock starts, and its first attempt.
+        (``process_element`` inlines the case without a timeout.)"""
         self.metrics.records_in += 1
-        entry.attempts = 1
-        entry.task = self._new_task(self._attempt(entry, 1))
+        if self._timeout is None:
+            entry.task = self._new_task(self._attempt_once(entry))
+            return
+        timed = cast(_TimedElement, entry)
+        timed.deadline = deadline = self._clock.now() + self._timeout
+        self._timers.register((timed, _TIMEOUT), deadline, partial(self._on_timeout, timed))
+        timed.attempts = 1
+        timed.task = self._new_task(self._attempt(timed, 1))
 
     async def process_watermark(self, watermark: Watermark) -> None:
         """Add a watermark; it leaves as soon as everything before it has left."""
