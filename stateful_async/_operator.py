@@ -558,14 +558,14 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._on_attempt_result(handler, results)
 
     def _on_attempt_raised(self, handler: _Element, attempt: int, exc: BaseException) -> None:
+        if not isinstance(exc, (Exception, asyncio.CancelledError)):
+            raise exc  # KeyboardInterrupt, SystemExit: not an outcome of the element
         if handler.decided or attempt != handler.attempts:
             return  # decided elsewhere (which cancels its other attempts), or superseded
         if isinstance(exc, asyncio.CancelledError):
             exc = asyncio.CancelledError(
                 "The attempt was cancelled by someone other than the operator."
             )
-        elif not isinstance(exc, Exception):
-            raise exc  # KeyboardInterrupt, SystemExit: not an outcome of the element
         handler.task = None
         self._on_attempt_error(handler, exc)
 
@@ -606,6 +606,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             results = _as_results(results, handler.element, handler.attempts)
         except InvalidResultError as exc:
             self._decide_failure(handler, exc)
+            return
+        except Exception as exc:  # a generator of results that raised: the call failed
+            self._on_attempt_error(handler, exc)
             return
         retry = self._retry
         if (
@@ -673,8 +676,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             except InvalidResultError as exc:
                 self._decide_failure(handler, exc)
                 return
-            self._decide(handler, results)
-            return
+            except Exception as exc:  # a generator of fallback results that raised
+                error = exc
+            else:
+                self._decide(handler, results)
+                return
         if isinstance(error, _DefaultTimeout):
             self._decide_failure(handler, self._timeout_error(handler, None))
             return
@@ -762,6 +768,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         queue = self._queue
         element = entry.element
         output = self._output
+        if self._timeout is None:
+            # Spare from here on (see _reuse_entry): reads below use locals only, so even an
+            # output that re-enters process_element may reuse it, and entries in flight plus
+            # spare stay within capacity.
+            self._spare.append(entry)  # type: ignore[arg-type]
         try:
             if type(element) is Watermark:
                 output(element)
@@ -784,13 +795,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             error.__cause__ = exc
             self._fail(error)
             return
-        if self._timeout is None:
-            self._spare.append(entry)  # type: ignore[arg-type]
         waiter = self._capacity_waiter
-        if waiter is not None:
-            self._capacity_waiter = None  # woken once; the next emissions skip this
-            if not waiter.done():
-                waiter.set_result(None)
+        if waiter is not None and not waiter.done():
+            # Cleared by the waiting call when it resumes, not here: until then a second
+            # call must still find it and be refused (calls are awaited one at a time).
+            waiter.set_result(None)
         if self._drain_waiter is not None:
             waiter = self._drain_waiter
             if not len(queue) and not waiter.done():

@@ -373,6 +373,81 @@ async def test_a_result_that_is_not_an_iterable_of_results_is_a_clear_error(bad)
     await op.close()
 
 
+@pytest.mark.parametrize("timeout", [None, 10.0])
+async def test_a_result_generator_that_raises_fails_the_operator_naming_the_element(
+    timeout,
+) -> None:
+    def broken():
+        yield 1
+        raise ValueError("broken generator")
+
+    async def fn(value):
+        return broken()
+
+    op = AsyncWaitOperator(fn, lambda e: None, capacity=2, timeout=timeout)
+    await op.open()
+    await op.process_element(StreamRecord("x"))
+    with pytest.raises(AsyncFunctionError, match="element StreamRecord\\('x'\\).*broken generator"):
+        await asyncio.wait_for(op.finish(), 5.0)  # failed, not stuck undecided
+    await op.close()
+
+
+async def test_a_second_caller_waiting_for_room_is_refused_even_right_after_a_wake_up() -> None:
+    # Misuse (calls must be awaited one at a time), in the window where the first waiting
+    # call has been woken but not yet resumed: refused, never left waiting for ever.
+    fn, out, op = make(OutputMode.ORDERED, capacity=1)
+    await op.open()
+
+    async def first():
+        await op.process_element(StreamRecord("a"))
+        await op.process_element(StreamRecord("b"))  # waits for room
+
+    async def second():
+        await op.process_element(StreamRecord("c"))  # takes the room "a" leaves
+        await op.process_element(StreamRecord("d"))  # would wait too
+
+    one = asyncio.ensure_future(first())
+    await settle()
+    fn.complete("a", ["A"])  # emits A and wakes the first call...
+    two = asyncio.ensure_future(second())  # ...which has not resumed when this runs
+    await settle()
+    assert two.done()
+    with pytest.raises(OperatorStateError, match="another call was still waiting"):
+        two.result()
+    for value in ("c", "b"):
+        await settle()
+        fn.complete(value, [value.upper()])
+    await asyncio.wait_for(one, 5.0)
+    await op.finish()
+    assert values(out) == ["A", "C", "B"]
+    await op.close()
+
+
+async def test_an_output_that_feeds_the_operator_keeps_it_within_capacity() -> None:
+    fn = ControlledFunction()
+    out: list = []
+    box: list = []
+
+    def output(record):
+        out.append(record.value)
+        if record.value == "A":  # re-enters while "a" is being emitted; there is room
+            box[0].process_element(StreamRecord("c"))
+
+    op = AsyncWaitOperator(fn, output, OutputMode.ORDERED, capacity=2)
+    box.append(op)
+    await op.open()
+    await feed(op, ["a", "b"])
+    await settle()
+    fn.complete("a", ["A"])
+    await settle()
+    assert op.in_flight + len(op._spare) <= 2  # entries kept for reuse count too
+    fn.complete("b", ["B"])
+    fn.complete("c", ["C"])
+    await op.finish()
+    assert out == ["A", "B", "C"]
+    await op.close()
+
+
 async def test_an_invalid_result_is_not_retried() -> None:
     calls = []
 

@@ -203,6 +203,25 @@ async def test_completion_and_timeout_at_the_same_instant_give_one_outcome() -> 
 # -- retries -------------------------------------------------------------------------------
 
 
+async def test_a_timeout_handler_whose_results_raise_fails_the_operator() -> None:
+    class Fallback(ControlledFunction):
+        async def timeout(self, value):
+            def broken():
+                yield "fallback"
+                raise ValueError("broken fallback")
+
+            return broken()
+
+    clock = VirtualClock()
+    op = AsyncWaitOperator(Fallback(), lambda e: None, capacity=2, timeout=1.0, clock=clock)
+    await op.open()
+    await op.process_element(StreamRecord("x"))
+    await clock.advance(1.0)
+    with pytest.raises(TimeoutHandlerError, match="broken fallback"):
+        await asyncio.wait_for(op.finish(), 5.0)  # failed, not stuck undecided
+    await op.close()
+
+
 async def test_max_attempts_counts_total_attempts() -> None:
     clock = VirtualClock()
     fn = Timed(clock)
