@@ -69,6 +69,17 @@ OUTPUT = pa.schema(
     [("id", pa.int64()), ("name", pa.string()), ("score", pa.float64()), ("label", pa.string())]
 )
 PARTITIONS = 2
+INPUT = pa.schema([("id", pa.int64()), ("name", pa.string())])
+
+
+def input_batches(rows: int) -> Iterator[pa.RecordBatch]:
+    """The benchmark's input for one task outside Spark, generated lazily in 10k-row Arrow
+    batches as Spark feeds ``mapInArrow``: the same rows as ``source``."""
+    for start in range(0, rows, 10_000):
+        ids = list(range(start, min(rows, start + 10_000)))
+        yield pa.RecordBatch.from_pydict(
+            {"id": ids, "name": [f"user{i}" for i in ids]}, schema=INPUT
+        )
 
 
 # -- the competitors, written as users write them -------------------------------------------
@@ -189,6 +200,26 @@ def timed_write(df: Any, meter: CpuMeter | None = None) -> float:
     if meter is not None:
         meter.stop(seconds)
     return seconds
+
+
+def run_case(
+    spark: Any,
+    service: Any,
+    kind: str,
+    rows: int,
+    capacity: int,
+    meter: CpuMeter,
+    what: str,
+    checkpoint: Any = None,
+    fn: Any = None,
+) -> tuple[float, dict[str, float]]:
+    """One measured run of a competitor against a freshly reset service: its wall time and
+    the CPU of each process (``meter``), after checking one request per row."""
+    service.reset()
+    df = build(kind, source(spark, rows), service.url, capacity, checkpoint, fn)
+    seconds = timed_write(df, meter)
+    checked(service, rows, what)
+    return seconds, meter.last
 
 
 class CpuMeter:
@@ -324,11 +355,9 @@ def throughput(
             if case == "udf_one_at_a_time" and rep > 0:
                 continue  # ~50x slower than the rest: once is enough to place it
             rows = rows_for[case]
-            service.reset()
-            df = build(case, source(spark, rows), service.url, capacity)
-            seconds[case].append(timed_write(df, meter))
-            cpu[case].append(meter.last)
-            checked(service, rows, case)
+            run_s, run_cpu = run_case(spark, service, case, rows, capacity, meter, case)
+            seconds[case].append(run_s)
+            cpu[case].append(run_cpu)
             log(f"  {case:<22} {rows:>8,} rows {seconds[case][-1]:7.2f} s")
     out = []
     for case in cases:
@@ -368,12 +397,10 @@ def batch_sweep(spark: Any, service: Any, sizes: Sizes, capacity: int) -> list[d
             cpu: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
             for _ in range(sizes.repeat):
                 for kind in kinds:
-                    service.reset()
-                    seconds[kind].append(
-                        timed_write(build(kind, source(spark, rows), service.url, capacity), meter)
-                    )
-                    cpu[kind].append(meter.last)
-                    checked(service, rows, f"{kind} with {batch}-row batches")
+                    what = f"{kind} with {batch}-row batches"
+                    run_s, run_cpu = run_case(spark, service, kind, rows, capacity, meter, what)
+                    seconds[kind].append(run_s)
+                    cpu[kind].append(run_cpu)
                     log(f"  {kind:<22} batches of {batch:>6,} {seconds[kind][-1]:7.2f} s")
             row: dict[str, Any] = {"batch_rows": batch, "rows": rows}
             for kind in kinds:
@@ -407,11 +434,11 @@ def slow_service(spark: Any, service: Any, sizes: Sizes, capacity: int) -> list[
         ):
             runs, cpus = [], []
             for _ in range(repeat if sizes.repeat > 1 else 1):
-                service.reset()
-                df = build(kind, source(spark, sizes.slow_rows), service.url, capacity)
-                runs.append(timed_write(df, meter))
-                cpus.append(meter.last)
-                checked(service, sizes.slow_rows, kind)
+                run_s, run_cpu = run_case(
+                    spark, service, kind, sizes.slow_rows, capacity, meter, kind
+                )
+                runs.append(run_s)
+                cpus.append(run_cpu)
             log(f"  {kind:<22} {sizes.slow_rows:>8,} rows {min(runs):7.2f} s (200 ms)")
             out.append(
                 {
@@ -584,18 +611,19 @@ def service_checkpoint(
                 config = CheckpointConfig(
                     os.path.join(work, "service"), f"service-{rep}", interval_records=interval
                 )
-            service.reset()
-            df = build(
+            run_s, run_cpu = run_case(
+                spark,
+                service,
                 "ordered_wait",
-                source(spark, rows),
-                service.url,
+                rows,
                 capacity,
+                meter,
+                f"checkpoint {case}",
                 config,
                 disarmed(service.url, crash_at, armed=False),
             )
-            seconds[case].append(timed_write(df, meter))
-            cpu[case].append(meter.last)
-            checked(service, rows, f"checkpoint {case}")
+            seconds[case].append(run_s)
+            cpu[case].append(run_cpu)
             if config is not None:
                 commits.extend(commit_latencies(config.location, config.job_id))
             log(
@@ -682,7 +710,6 @@ def _memory_child(rows: int, capacity: int, checkpoint_dir: str) -> None:
         await asyncio.sleep(0)  # an instant service: yields once, so the queue fills up
         return [{**row, "score": 0.5, "label": "L"}]
 
-    input_schema = pa.schema([("id", pa.int64()), ("name", pa.string())])
     config = None
     if checkpoint_dir:
         os.environ["STATEFUL_ASYNC_RUN_ID"] = "memory"
@@ -693,7 +720,7 @@ def _memory_child(rows: int, capacity: int, checkpoint_dir: str) -> None:
         capacity=capacity,
         timeout=None,
         retry=None,
-        input_schema=input_schema,
+        input_schema=INPUT,
         output_schema=OUTPUT,
         event_time=None,
         max_out_of_orderness=0,
@@ -701,16 +728,9 @@ def _memory_child(rows: int, capacity: int, checkpoint_dir: str) -> None:
         app_id="memory-bench",
     )
 
-    def batches() -> Iterator[pa.RecordBatch]:  # generated lazily, 10k rows like Spark's
-        for start in range(0, rows, 10_000):
-            ids = list(range(start, min(rows, start + 10_000)))
-            yield pa.RecordBatch.from_pydict(
-                {"id": ids, "name": [f"user{i}" for i in ids]}, schema=input_schema
-            )
-
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    out = sum(batch.num_rows for batch in PartitionTask(spec)(batches()))
+    out = sum(batch.num_rows for batch in PartitionTask(spec)(input_batches(rows)))
     elapsed = time.perf_counter() - start
     assert out == rows, (out, rows)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -763,15 +783,6 @@ def _cpu_child(kind: str, rows: int, url: str, capacity: int, profile: bool) -> 
     from stateful_async.chaos import ServiceEnrichment
     from stateful_async.spark._task import PartitionTask, TaskSpec
 
-    input_schema = pa.schema([("id", pa.int64()), ("name", pa.string())])
-
-    def batches() -> Iterator[pa.RecordBatch]:
-        for start in range(0, rows, 10_000):
-            ids = list(range(start, min(rows, start + 10_000)))
-            yield pa.RecordBatch.from_pydict(
-                {"id": ids, "name": [f"user{i}" for i in ids]}, schema=input_schema
-            )
-
     if kind == "handwritten_asyncio":
         task: Any = HandwrittenAsyncio(url, capacity)
     else:
@@ -782,7 +793,7 @@ def _cpu_child(kind: str, rows: int, url: str, capacity: int, profile: bool) -> 
             capacity,
             None,
             None,
-            input_schema,
+            INPUT,
             OUTPUT,
             None,
             0,
@@ -812,7 +823,7 @@ def _cpu_child(kind: str, rows: int, url: str, capacity: int, profile: bool) -> 
         profilers[-1].enable()
     before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
-    out = sum(batch.num_rows for batch in task(batches()))
+    out = sum(batch.num_rows for batch in task(input_batches(rows)))
     elapsed = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF)
     assert out == rows, (out, rows)

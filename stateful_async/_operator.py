@@ -132,13 +132,8 @@ class _TimedElement(_Element):
     __slots__ = ("deadline", "timeout_task", "timed_out", "backing_off", "last_error")
 
     def __init__(self, element: StreamElement, done: bool = False) -> None:
-        self.element = element
-        self.results = None
-        self.done = done
-        self.segment = None
-        self.attempts = 0
-        self.task = None
-        self.decided = False
+        super().__init__(element, done)
+        self.attempts = 0  # _start counts the first attempt when it starts it
         self.deadline = None
         self.timeout_task = None
         self.timed_out = False
