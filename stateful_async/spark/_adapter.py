@@ -33,7 +33,11 @@ def ordered_wait(
 
     ``fn`` is an ``AsyncFunction`` or an ``async def`` that receives one input row as a
     dict and returns a list of result rows (dicts with exactly the fields of ``schema``, a
-    DDL string or ``StructType``). ``capacity`` bounds the calls in flight per task;
+    DDL string or ``StructType``), holding values of the declared types: a result that
+    does not match, including a value Arrow would only take with loss (a float for an
+    integer field, a struct with keys it does not declare), fails the task with
+    ``ResultSchemaError`` naming the field and the input row. ``capacity`` bounds the
+    calls in flight per task;
     ``timeout`` (seconds, per row, covering retries) and ``retry`` are as in
     ``AsyncWaitOperator``. With ``checkpoint``, each task checkpoints its progress to Delta
     and a failed task or a killed job resumes instead of starting over (see

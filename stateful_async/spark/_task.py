@@ -18,12 +18,15 @@ in-flight inputs and carries on. The successful attempt's output is exactly once
 from __future__ import annotations
 
 import asyncio
+import decimal
+import functools
+import numbers
 import os
 import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -568,9 +571,23 @@ def _to_batch(
     rows: list[dict[str, Any]], sources: list[dict[str, Any]], schema: pa.Schema
 ) -> pa.RecordBatch:
     try:
-        return pa.RecordBatch.from_pylist(rows, schema=schema)
+        batch = pa.RecordBatch.from_pylist(rows, schema=schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
         pass
+    else:
+        # pyarrow converts some values it cannot hold by dropping data (1.5 into a long
+        # becomes 1, a struct's unknown keys vanish): refuse those, naming the field.
+        for name, check in _lossy_checks(schema):
+            for row, source in zip(rows, sources, strict=True):
+                value = row[name]
+                if value is not None and (problem := check(value)) is not None:
+                    raise ResultSchemaError(
+                        f"The result field {name + problem.path!r} ({problem.type}) cannot hold "
+                        f"{describe(problem.value)} ({type(problem.value).__name__}): "
+                        f"{problem.reason}, returned for input row {describe(source)}. Return "
+                        "values of the types the output schema declares."
+                    )
+        return batch
     for row, source in zip(rows, sources, strict=True):  # find the culprit, for the message
         for field in schema:
             value = row.get(field.name)
@@ -591,3 +608,100 @@ def _to_batch(
     raise ResultSchemaError(
         f"The results could not be converted to the output schema {schema}."
     )  # pragma: no cover - a per-field failure is always found above
+
+
+@dataclass(frozen=True)
+class _Loss:
+    """A value pyarrow would convert with loss: where below the field, its type, why."""
+
+    path: str
+    type: pa.DataType
+    value: Any
+    reason: str
+
+    def under(self, prefix: str) -> _Loss:
+        return _Loss(prefix + self.path, self.type, self.value, self.reason)
+
+
+_Check = Callable[[Any], "_Loss | None"]  # None: pyarrow converts the value without loss
+
+
+@functools.lru_cache(maxsize=64)
+def _lossy_checks(schema: pa.Schema) -> tuple[tuple[str, _Check], ...]:
+    """The top-level fields whose values pyarrow might convert with loss, with their checks."""
+    return tuple(
+        (field.name, check) for field in schema if (check := _check_for(field.type)) is not None
+    )
+
+
+def _check_for(arrow_type: pa.DataType) -> _Check | None:
+    if pa.types.is_integer(arrow_type):
+
+        def check_integer(value: Any) -> _Loss | None:
+            if type(value) is int or isinstance(value, numbers.Integral):
+                return None
+            if isinstance(value, (numbers.Number, decimal.Decimal)):
+                return _Loss("", arrow_type, value, "an integer field would truncate it")
+            return None  # anything else pyarrow refuses outright
+
+        return check_integer
+    if pa.types.is_struct(arrow_type):
+        children = [arrow_type.field(i) for i in range(arrow_type.num_fields)]
+        names = frozenset(child.name for child in children)
+        checks = [(child.name, _check_for(child.type)) for child in children]
+
+        def check_struct(value: Any) -> _Loss | None:
+            if not isinstance(value, dict):
+                return None  # a tuple or Row: pyarrow takes it by position or refuses it
+            if value.keys() != names:
+                extra = sorted(value.keys() - names)
+                missing = sorted(names - value.keys())
+                reason = "; ".join(
+                    part
+                    for part in (
+                        f"unexpected field(s) {extra} would be dropped" if extra else "",
+                        f"missing field(s) {missing}" if missing else "",
+                    )
+                    if part
+                )
+                return _Loss("", arrow_type, value, f"{reason} (the struct has {sorted(names)})")
+            for name, check in checks:
+                child = value[name]
+                if check is not None and child is not None and (loss := check(child)):
+                    return loss.under(f".{name}")
+            return None
+
+        return check_struct
+    if (
+        pa.types.is_list(arrow_type)
+        or pa.types.is_large_list(arrow_type)
+        or pa.types.is_fixed_size_list(arrow_type)
+    ):
+        element_check = _check_for(arrow_type.value_type)
+        if element_check is None:
+            return None
+        check_element: _Check = element_check
+
+        def check_list(value: Any) -> _Loss | None:
+            for i, element in enumerate(value):
+                if element is not None and (loss := check_element(element)):
+                    return loss.under(f"[{i}]")
+            return None
+
+        return check_list
+    if pa.types.is_map(arrow_type):
+        key, item = _check_for(arrow_type.key_type), _check_for(arrow_type.item_type)
+        if key is None and item is None:
+            return None
+
+        def check_map(value: Any) -> _Loss | None:
+            pairs = value.items() if isinstance(value, dict) else value
+            for k, v in pairs:
+                if key is not None and k is not None and (loss := key(k)):
+                    return loss.under(" key")
+                if item is not None and v is not None and (loss := item(v)):
+                    return loss.under(f"[{k!r}]")
+            return None
+
+        return check_map
+    return None

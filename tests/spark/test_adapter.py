@@ -351,21 +351,62 @@ def test_a_result_missing_a_field_names_it_and_the_input_row(spark) -> None:
         return [{"id": row["id"]}]
 
     with pytest.raises(
-        Exception, match=r"input row \{'id': 0\} does not match the output schema: missing field"
+        Exception,
+        match=r"input row \{'id': 0\} does not match the output schema: missing field\(s\) "
+        r"\['score'\]",
     ):
         ordered_wait(
             spark.range(0, 5, numPartitions=1), incomplete, "id long, score double", capacity=2
         ).collect()
 
 
-def test_a_result_of_the_wrong_type_names_the_field_and_the_input_row(spark) -> None:
+@pytest.mark.parametrize(
+    ("result", "schema", "message"),
+    [
+        (
+            {"score": "high"},
+            "id long, score double",
+            r"result field 'score' \(double\) cannot hold 'high' \(str\), returned for input "
+            r"row \{'id': 0\}",
+        ),
+        # pyarrow would silently truncate these: 2.5 into a long is 2
+        (
+            {"score": 2.5},
+            "id long, score long",
+            r"result field 'score' \(int64\) cannot hold 2.5 \(float\): an integer field would "
+            r"truncate it, returned for input row \{'id': 0\}",
+        ),
+        # ... and drop a struct's unknown keys, at any depth
+        (
+            {"score": {"value": 1, "tags": [{"name": "a", "weight": 1.0}]}},
+            "id long, score struct<value: long, tags: array<struct<name: string>>>",
+            r"result field 'score.tags\[0\]' \(struct<name: string>\) cannot hold "
+            r"\{'name': 'a', 'weight': 1.0\} \(dict\): unexpected field\(s\) \['weight'\] would be "
+            r"dropped .*input row \{'id': 0\}",
+        ),
+    ],
+    ids=["str-for-double", "float-for-long", "extra-nested-key"],
+)
+def test_a_result_of_the_wrong_type_names_the_field_and_the_input_row(
+    spark, result, schema, message
+) -> None:
     async def wrong(row):  # type: ignore[no-untyped-def]
-        return [{"id": row["id"], "score": "high"}]
+        return [{"id": row["id"], **result}]
 
-    with pytest.raises(Exception, match=r"result field 'score' \(double\) cannot hold 'high'"):
-        ordered_wait(
-            spark.range(0, 5, numPartitions=1), wrong, "id long, score double", capacity=2
-        ).collect()
+    with pytest.raises(Exception, match=message):
+        ordered_wait(spark.range(0, 5, numPartitions=1), wrong, schema, capacity=2).collect()
+
+
+def test_results_of_the_declared_types_pass_unchanged(spark) -> None:
+    schema = "id long, score struct<value: long, tags: array<struct<name: string>>>"
+
+    async def nested(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"], "score": {"value": row["id"] * 2, "tags": [{"name": "t"}]}}]
+
+    rows = ordered_wait(spark.range(0, 3, numPartitions=1), nested, schema, capacity=2).collect()
+    assert [r.asDict(recursive=True) for r in rows] == [
+        {"id": i, "score": {"value": 2 * i, "tags": [{"name": "t"}]}} for i in range(3)
+    ]
 
 
 def test_an_unpicklable_function_fails_before_the_job_starts(spark) -> None:
