@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 from typing import Any, Union
 
 import pyarrow as pa
@@ -65,7 +66,8 @@ def unordered_wait(
 
     With ``event_time`` (a timestamp, date or integer column) each task generates
     watermarks from it with ``max_out_of_orderness`` (a timedelta or seconds for timestamp
-    columns; the column's own units for integer columns); results are then reordered only
+    columns; a timedelta of whole days or days for date columns; the column's own units for
+    integer columns); results are then reordered only
     between two watermarks, never across one.
     """
     return _async_wait(
@@ -111,6 +113,14 @@ def _async_wait(
     output_schema = _arrow_schema(struct, "output")
     ooo = _event_time(df, event_time, max_out_of_orderness)
     if checkpoint is not None:
+        if checkpoint.restore_from is not None and df.isStreaming:
+            raise ConfigurationError(
+                f"restore_from={checkpoint.restore_from!r} is for batch jobs. A streaming query "
+                "resumes by itself: restarted from its checkpointLocation, it re-runs the "
+                "interrupted micro-batch under the same query id and batch id, and that "
+                "batch resumes from its own checkpoints. Drop restore_from (each micro-batch "
+                "is a run of its own, so it would only find the previous batch's checkpoints)."
+            )
         _check_checkpoint(checkpoint, input_schema, output_schema)
     spec = TaskSpec(
         fn=function,
@@ -189,7 +199,13 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
     elif isinstance(kind, DateType):
         unit = 1  # days
         if isinstance(ooo, dt.timedelta):
-            return int(ooo.days)
+            if ooo < dt.timedelta(0) or ooo % dt.timedelta(days=1):
+                raise ConfigurationError(
+                    f"event_time column {column!r} is a date: max_out_of_orderness must be a "
+                    f"whole number of days >= 0 (a timedelta of days, or a number of days); "
+                    f"got {ooo!r}."
+                )
+            return ooo.days
     elif isinstance(kind, (LongType, IntegerType)):
         if isinstance(ooo, dt.timedelta):
             raise ConfigurationError(
@@ -205,9 +221,14 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
     if ooo is None:
         return 0
     seconds = ooo.total_seconds() if isinstance(ooo, dt.timedelta) else ooo
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not 0 <= seconds < math.inf
+    ):
         raise ConfigurationError(
-            f"max_out_of_orderness must be >= 0 (a timedelta, or a number); got {ooo!r}."
+            f"max_out_of_orderness must be a finite duration >= 0 (a timedelta, or a number "
+            f"in the column's units: seconds for timestamps, days for dates); got {ooo!r}."
         )
     return int(round(seconds * unit))
 

@@ -3,6 +3,7 @@ resumes from."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Union
@@ -67,10 +68,24 @@ class CheckpointConfig:
                 f"CheckpointConfig interval_records must be an integer >= 1; got "
                 f"{self.interval_records!r}."
             )
-        if self.interval_seconds is not None and not self.interval_seconds > 0:
+        seconds = self.interval_seconds
+        if seconds is not None and (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not 0 < seconds < math.inf
+        ):
             raise ConfigurationError(
-                f"CheckpointConfig interval_seconds must be > 0 or None; got "
-                f"{self.interval_seconds!r}."
+                f"CheckpointConfig interval_seconds must be a number of seconds > 0 (and "
+                f"finite), or None; got {self.interval_seconds!r}."
+            )
+        options = self.storage_options
+        if options is not None and (
+            not isinstance(options, dict)
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in options.items())
+        ):
+            raise ConfigurationError(
+                f"CheckpointConfig storage_options must be a dict of strings to strings (as "
+                f"deltalake takes them), or None; got {options!r}."
             )
         if isinstance(self.retain, bool) or not isinstance(self.retain, int) or self.retain < 1:
             raise ConfigurationError(

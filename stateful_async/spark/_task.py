@@ -456,6 +456,27 @@ class _TaskRun:
         if meta is None and config.restore_from is not None:  # a new run that asks to resume
             max_id = None if config.restore_from == "latest" else int(config.restore_from)
             meta = log.latest(max_id=max_id)
+            if meta is None:
+                gone = sorted(
+                    {
+                        m.checkpoint_id
+                        for m in log.checkpoints(include_expired=True)
+                        if max_id is None or m.checkpoint_id <= max_id
+                    }
+                )
+                if gone:  # this partition had a restore point, but it has expired
+                    from checkpoint import CheckpointNotFoundError
+
+                    restorable = sorted(
+                        {m.checkpoint_id for m in log.checkpoints(include_expired=False)}
+                    )
+                    raise CheckpointNotFoundError(
+                        f"Partition {self.identity.partition} cannot resume from "
+                        f"restore_from={config.restore_from!r}: its checkpoint(s) {gone} have "
+                        f"expired (retain={config.retain} keeps the newest per partition). "
+                        f"Restorable ids of this partition: {restorable or 'none'}. Pick one "
+                        "of those, or drop restore_from to start this job fresh."
+                    )
         if meta is None:
             return None
         return log.restore(meta.checkpoint_id, meta.run_id)

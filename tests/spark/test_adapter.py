@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -317,6 +318,54 @@ def test_restore_from_without_checkpoints_is_refused_up_front(spark, tmp_path) -
         ordered_wait(spark.range(3), f, "id long", checkpoint=config)
 
 
+def test_restore_from_on_a_streaming_dataframe_is_refused_up_front(spark, tmp_path) -> None:
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [row]
+
+    (tmp_path / "in").mkdir()
+    stream = spark.readStream.schema("id long").json(str(tmp_path / "in"))
+    config = CheckpointConfig(str(tmp_path / "ckpt"), "stream", restore_from="latest")
+    with pytest.raises(ConfigurationError, match="restore_from='latest' is for batch jobs"):
+        ordered_wait(stream, f, "id long", checkpoint=config)
+    assert ordered_wait(stream, f, "id long", checkpoint=CheckpointConfig(str(tmp_path), "s"))
+
+
+def test_a_partition_whose_restore_point_expired_fails_instead_of_starting_fresh(
+    spark, tmp_path
+) -> None:
+    async def double(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"], "twice": 2 * row["id"]}]
+
+    # partition 0: 25 rows (checkpoints 1, 2 and the final 3); partition 1: 100 rows
+    # (checkpoints 1..10, final 11), of which retain=3 keeps 9, 10 and 11
+    df = spark.range(0, 200, numPartitions=2).where("id < 25 or id >= 100")
+    schema = "id long, twice long"
+
+    def config(restore_from):  # type: ignore[no-untyped-def]
+        return CheckpointConfig(
+            str(tmp_path), "expiring", interval_records=10, retain=3, restore_from=restore_from
+        )
+
+    assert ordered_wait(df, double, schema, capacity=4, checkpoint=config(None)).count() == 125
+    store = SnapshotStore(str(tmp_path))
+    live = {
+        p: sorted(m.checkpoint_id for m in store.checkpoints("expiring") if m.subtask == p)
+        for p in (0, 1)
+    }
+    assert live == {0: [1, 2, 3], 1: [9, 10, 11]}
+    with pytest.raises(
+        Exception,
+        match=r"Partition 1 cannot resume from restore_from=3: its checkpoint\(s\) \[1, 2, 3\] "
+        r"have expired .* Restorable ids of this partition: \[9, 10, 11\]",
+    ):
+        ordered_wait(df, double, schema, capacity=4, checkpoint=config(3)).collect()
+    # an id both partitions can still restore works
+    rows = ordered_wait(df, double, schema, capacity=4, checkpoint=config(11)).collect()
+    assert sorted((r.id, r.twice) for r in rows) == [
+        (i, 2 * i) for i in [*range(25), *range(100, 200)]
+    ]
+
+
 # -- timeouts, retries, errors ---------------------------------------------------------------
 
 
@@ -431,15 +480,35 @@ def test_an_unpicklable_function_fails_before_the_job_starts(spark) -> None:
         ({"event_time": "missing"}, "event_time column 'missing' is not in the DataFrame"),
         ({"max_out_of_orderness": 5}, "max_out_of_orderness needs event_time"),
         ({"fn": len}, "is a regular function"),
+        (
+            {"event_time": "id", "max_out_of_orderness": float("nan")},
+            "max_out_of_orderness must be a finite duration >= 0",
+        ),
+        (
+            {"event_time": "ts", "max_out_of_orderness": "5s"},
+            "max_out_of_orderness must be a finite duration >= 0",
+        ),
+        (
+            {"event_time": "day", "max_out_of_orderness": timedelta(hours=12)},
+            "is a date: max_out_of_orderness must be a whole number of days >= 0",
+        ),
+        (
+            {"event_time": "day", "max_out_of_orderness": timedelta(days=-3)},
+            "is a date: max_out_of_orderness must be a whole number of days >= 0",
+        ),
+        ({"event_time": "id", "max_out_of_orderness": timedelta(1)}, "is an integer"),
     ],
 )
 def test_bad_arguments_fail_before_the_job_starts(spark, kwargs, message) -> None:
     async def f(row):  # type: ignore[no-untyped-def]
         return [row]
 
+    df = spark.range(3).select(
+        "id", F.current_timestamp().alias("ts"), F.current_date().alias("day")
+    )
     args = {"fn": f, "schema": "id long", **kwargs}
     with pytest.raises(ConfigurationError, match=message):
-        unordered_wait(spark.range(3), args.pop("fn"), args.pop("schema"), **args)
+        unordered_wait(df, args.pop("fn"), args.pop("schema"), **args)
 
 
 def test_checkpoint_config_validates_its_fields(tmp_path) -> None:
@@ -449,6 +518,13 @@ def test_checkpoint_config_validates_its_fields(tmp_path) -> None:
         CheckpointConfig(str(tmp_path), "job", restore_from="yesterday")
     with pytest.raises(ConfigurationError, match="cannot name a checkpoint directory"):
         CheckpointConfig(str(tmp_path), "../up")
+    for seconds in ("5", True, float("inf"), 0, -1.0):
+        with pytest.raises(ConfigurationError, match="interval_seconds must be a number of sec"):
+            CheckpointConfig(str(tmp_path), "job", interval_seconds=seconds)
+    for options in (["AWS_REGION=x"], {"timeout": 5}):
+        with pytest.raises(ConfigurationError, match="storage_options must be a dict of strings"):
+            CheckpointConfig(str(tmp_path), "job", storage_options=options)
+    assert CheckpointConfig(str(tmp_path), "job", interval_seconds=2).interval_seconds == 2
 
 
 def test_job_output_json_helper_is_not_collected() -> None:
