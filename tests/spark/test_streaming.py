@@ -1,24 +1,42 @@
 """Structured Streaming: a file source through ordered_wait into the exactly-once Delta
-sink; the query is stopped in the middle of a micro-batch and restarted from its
-checkpoint location."""
+sink; the query is interrupted in the middle of a micro-batch and restarted from its
+checkpoint location — stopped in-process, and killed with its driver (SIGKILL)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 from deltalake import DeltaTable
 
-from checkpoint import SnapshotStore, delta_dataset
-from stateful_async.chaos import MockService, ServiceConfig, ServiceEnrichment, expected_enrichment
-from stateful_async.spark import CheckpointConfig, ordered_wait, register_delta_sink
+from checkpoint import CheckpointMetadata, SnapshotStore, delta_dataset
+from stateful_async.chaos import DriverProcess, MockService, ServiceConfig, expected_enrichment
+from stateful_async.spark import register_delta_sink
 
 pytestmark = pytest.mark.spark
 
-SCHEMA = "id long, name string, score double, label string"
-FILES, ROWS_PER_FILE, CAPACITY, INTERVAL = 4, 600, 10, 100
+HERE = Path(__file__).parent
+FILES, ROWS_PER_FILE = 4, 300
+
+
+def _driver_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "enrich_stream_driver", HERE / "enrich_stream_driver.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+DRIVER = _driver_module()
 
 
 def reference(i: int) -> tuple:
@@ -26,77 +44,110 @@ def reference(i: int) -> tuple:
     return (i, f"user{i}", answer["score"], answer["label"])
 
 
-def test_a_query_stopped_mid_batch_resumes_and_writes_every_result_once(spark, tmp_path) -> None:
-    register_delta_sink(spark)
-    source = tmp_path / "in"
+def write_source(source: Path) -> None:
     source.mkdir()
     for f in range(FILES):
         with open(source / f"part-{f}.json", "w") as handle:
             for i in range(f * ROWS_PER_FILE, (f + 1) * ROWS_PER_FILE):
                 handle.write(json.dumps({"id": i, "name": f"user{i}"}) + "\n")
-    table, stream_ckpt, snapshots = tmp_path / "out", tmp_path / "stream", tmp_path / "snapshots"
 
-    with MockService(ServiceConfig(latency_ms=10)) as service:
 
-        def start():  # type: ignore[no-untyped-def]
-            df = (
-                spark.readStream.schema("id long, name string")
-                .option("maxFilesPerTrigger", 1)
-                .json(str(source))
-            )
-            enriched = ordered_wait(
-                df,
-                ServiceEnrichment(service.url),
-                SCHEMA,
-                capacity=CAPACITY,
-                timeout=30.0,
-                checkpoint=CheckpointConfig(
-                    str(snapshots), "stream", interval_records=INTERVAL, retain=100
-                ),
-            )
-            return (
-                enriched.writeStream.format("delta_rs")
-                .option("checkpointLocation", str(stream_ckpt))
-                .start(str(table))
-            )
+def wait_mid_batch(snapshots: Path, alive: Callable[[], bool]) -> CheckpointMetadata:
+    """Wait until one micro-batch has finished and the next has committed at least two
+    checkpoints but not its final one; returns the latter's newest checkpoint."""
+    store = SnapshotStore(snapshots)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert alive(), "the query stopped on its own"
+        if (snapshots / "stream").exists():
+            metas = store.checkpoints("stream")
+            finished = {m.run_id for m in metas if m.final}
+            started = [m for m in metas if m.run_id not in finished and m.checkpoint_id >= 2]
+            if finished and started:
+                return started[-1]
+        time.sleep(0.05)
+    raise AssertionError("the query never reached the middle of its second batch")
 
-        query = start()
-        store = SnapshotStore(snapshots)
-        deadline = time.monotonic() + 180
-        interrupted_run = None
-        while time.monotonic() < deadline and interrupted_run is None:
-            if (snapshots / "stream").exists():
-                metas = store.checkpoints("stream")
-                finished = {m.run_id for m in metas if m.final}
-                started = [m for m in metas if m.run_id not in finished and m.checkpoint_id >= 2]
-                if finished and started:  # one batch done, the next one half way
-                    interrupted_run = started[0].run_id
-            time.sleep(0.05)
-        assert interrupted_run is not None, "the query never reached its second batch"
+
+def assert_resumed_exactly_once(
+    table: Path,
+    snapshots: Path,
+    service: MockService,
+    interrupted: CheckpointMetadata,
+    interrupted_at: datetime,
+    query_id: str,
+) -> None:
+    rows = delta_dataset(DeltaTable(str(table))).to_table().to_pylist()
+    got = sorted((r["id"], r["name"], r["score"], r["label"]) for r in rows)
+    assert got == [reference(i) for i in range(FILES * ROWS_PER_FILE)]  # each exactly once
+
+    # The re-run batch resumed from the interrupted attempt's checkpoints: its requests
+    # repeated only what was in flight at the restored checkpoint or read after it.
+    counts = service.counts()
+    assert all(counts[str(i)] >= 1 for i in range(FILES * ROWS_PER_FILE))
+    repeated = [k for k in counts if counts[k] > 1]
+    assert all(counts[k] <= 2 for k in counts)
+    assert len(repeated) <= DRIVER.CAPACITY + DRIVER.INTERVAL
+
+    store = SnapshotStore(snapshots)
+    run = [m for m in store.checkpoints("stream") if m.run_id == interrupted.run_id]
+    finals = [m for m in run if m.final]
+    assert len(finals) == 1
+    chain = store.subtask("stream", "enrich", finals[0].subtask).chain(finals[0])
+    assert interrupted.ref in {m.ref for m in chain}  # resumed, not restarted
+    assert any(m.created_at < interrupted_at for m in chain[:-1])
+    assert chain[-1].created_at > interrupted_at
+    assert [m.checkpoint_id for m in chain] == list(range(1, len(chain) + 1))
+    # A micro-batch's run is keyed by the query id and the batch id (both survive a
+    # restart from the checkpoint location), and its checkpoints record them.
+    batch_id = interrupted.run_id.rsplit(".batch", 1)[1]
+    assert interrupted.run_id == f"{query_id}.batch{batch_id}"
+    assert {(m.properties["query_id"], m.properties["batch_id"]) for m in chain} == {
+        (query_id, batch_id)
+    }
+
+
+def test_a_query_stopped_mid_batch_resumes_and_writes_every_result_once(spark, tmp_path) -> None:
+    register_delta_sink(spark)
+    source, table = tmp_path / "in", tmp_path / "out"
+    stream, snapshots = tmp_path / "stream", tmp_path / "snapshots"
+    write_source(source)
+    with MockService(ServiceConfig(latency_ms=50)) as service:
+        args = (str(source), str(table), str(stream), str(snapshots), service.url)
+        query = DRIVER.start_query(spark, *args)
+        interrupted = wait_mid_batch(snapshots, lambda: query.isActive)
         query.stop()  # mid-batch: the running batch is cancelled and not committed
         stopped_at = datetime.now(timezone.utc)
         written_before = delta_dataset(DeltaTable(str(table))).to_table().num_rows
         assert 0 < written_before < FILES * ROWS_PER_FILE
-        before = service.counts()
 
-        query = start()  # same checkpoint location: the interrupted batch runs again
+        query = DRIVER.start_query(spark, *args)  # the interrupted batch runs again
         query.processAllAvailable()
         query.stop()
+        assert_resumed_exactly_once(table, snapshots, service, interrupted, stopped_at, query.id)
 
-        rows = delta_dataset(DeltaTable(str(table))).to_table().to_pylist()
-        got = sorted((r["id"], r["name"], r["score"], r["label"]) for r in rows)
-        assert got == [reference(i) for i in range(FILES * ROWS_PER_FILE)]  # each exactly once
 
-        # The re-run batch resumed from the interrupted attempt's checkpoints: its requests
-        # repeated only what was in flight at the restored checkpoint or read after it.
-        after = service.counts()
-        repeated = [k for k in after if after[k] > 1]
-        assert all(after[k] <= 2 for k in after)
-        assert len(repeated) <= CAPACITY + INTERVAL
-        assert before  # the interrupted attempt had made requests
-        finals = [m for m in store.checkpoints("stream") if m.run_id == interrupted_run and m.final]
-        assert len(finals) == 1
-        chain = store.subtask("stream", "enrich", finals[0].subtask).chain(finals[0])
-        assert any(m.created_at < stopped_at for m in chain[:-1])  # resumed, not restarted
-        assert chain[-1].created_at > stopped_at
-        assert [m.checkpoint_id for m in chain] == list(range(1, len(chain) + 1))
+def test_a_query_whose_driver_is_sigkilled_mid_batch_resumes_exactly_once(spark, tmp_path) -> None:
+    register_delta_sink(spark)
+    source, table = tmp_path / "in", tmp_path / "out"
+    stream, snapshots = tmp_path / "stream", tmp_path / "snapshots"
+    write_source(source)
+    with MockService(ServiceConfig(latency_ms=50)) as service:
+        args = (str(source), str(table), str(stream), str(snapshots), service.url)
+        driver = DriverProcess(
+            [sys.executable, str(HERE / "enrich_stream_driver.py"), *args],
+            log_dir=tmp_path / "logs",
+        )
+        try:
+            interrupted = wait_mid_batch(snapshots, driver.running)
+        finally:
+            killed = driver.kill()  # the driver, its JVM and its Python workers
+        killed_at = datetime.now(timezone.utc)
+        assert driver.returncode == -9 and len(killed) >= 3
+        written_before = delta_dataset(DeltaTable(str(table))).to_table().num_rows
+        assert 0 < written_before < FILES * ROWS_PER_FILE
+
+        query = DRIVER.start_query(spark, *args)  # a new application, same query
+        query.processAllAvailable()
+        query.stop()
+        assert_resumed_exactly_once(table, snapshots, service, interrupted, killed_at, query.id)
