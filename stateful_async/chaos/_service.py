@@ -4,12 +4,15 @@ It answers ``GET /enrich?key=K`` with ``{"key": K, "score": ..., "label": ...}``
 function of the key, see ``expected_enrichment``) after a configurable latency, and can be
 told to misbehave: random or deterministic 5xx errors, error bursts, latency spikes and
 hangs. It counts requests per key, so a test can tell exactly which keys were requested
-more than once.
+more than once, and the requests it is handling at once (in flight: from arrival to answer,
+latency and hangs included), so a test can check a client's concurrency limit.
 
 Admin API (JSON):
 
-* ``GET /admin/counts`` — ``{"counts": {key: n}, "total": N, "errors": E, "hangs": H}``
-* ``POST /admin/reset`` — zero every counter
+* ``GET /admin/counts`` — ``{"counts": {key: n}, "total": N, "errors": E, "hangs": H,
+  "in_flight": F, "peak_in_flight": P}``: ``F`` requests being handled now, ``P`` the most
+  handled at once since the last reset (``/enrich`` requests only)
+* ``POST /admin/reset`` — zero every counter (the peak restarts from the requests in flight)
 * ``GET|POST /admin/config`` — read / merge the fault configuration (``ServiceConfig``)
 * ``GET /health``
 
@@ -87,6 +90,7 @@ class _State:
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
         self.random = random.Random(config.seed)
+        self.in_flight = 0  # not reset: requests still being handled will finish
         self.reset()
 
     def reset(self) -> None:
@@ -94,6 +98,7 @@ class _State:
         self.total = 0
         self.errors = 0
         self.hangs = 0
+        self.peak_in_flight = self.in_flight
 
     def latency(self, number: int) -> float:
         c = self.config
@@ -116,6 +121,15 @@ class _State:
 
 async def _enrich(request: web.Request) -> web.StreamResponse:
     state: _State = request.app["state"]
+    state.in_flight += 1
+    state.peak_in_flight = max(state.peak_in_flight, state.in_flight)
+    try:
+        return await _answer(request, state)
+    finally:  # also when a hung request is cancelled
+        state.in_flight -= 1
+
+
+async def _answer(request: web.Request, state: _State) -> web.StreamResponse:
     key = request.query.get("key") or request.match_info.get("key")
     if key is None:
         return web.json_response({"error": "pass ?key=..."}, status=400)
@@ -144,7 +158,14 @@ async def _enrich(request: web.Request) -> web.StreamResponse:
 async def _counts(request: web.Request) -> web.Response:
     state: _State = request.app["state"]
     return web.json_response(
-        {"counts": state.counts, "total": state.total, "errors": state.errors, "hangs": state.hangs}
+        {
+            "counts": state.counts,
+            "total": state.total,
+            "errors": state.errors,
+            "hangs": state.hangs,
+            "in_flight": state.in_flight,
+            "peak_in_flight": state.peak_in_flight,
+        }
     )
 
 
