@@ -110,22 +110,25 @@ def _pair(results: Any, row: dict[str, Any], names: frozenset[str]) -> list[Any]
                     f"{sorted(names)}."
                 )
         if result.keys() != names:
-            missing = sorted(names - result.keys())
-            extra = sorted(result.keys() - names)
-            detail = "; ".join(
-                part
-                for part in (
-                    f"missing field(s) {missing}" if missing else "",
-                    f"unexpected field(s) {extra}" if extra else "",
-                )
-                if part
-            )
             raise ResultSchemaError(
                 f"A result for input row {describe(row)} does not match the output schema: "
-                f"{detail}. The schema has the fields {sorted(names)}."
+                f"{_key_difference(result.keys(), names)}. The schema has the fields "
+                f"{sorted(names)}."
             )
         paired.append((result, row))
     return paired
+
+
+def _key_difference(keys: Any, names: frozenset[str]) -> str:
+    missing, extra = sorted(names - keys), sorted(keys - names)
+    return "; ".join(
+        part
+        for part in (
+            f"missing field(s) {missing}" if missing else "",
+            f"unexpected field(s) {extra}" if extra else "",
+        )
+        if part
+    )
 
 
 # -- the mapInArrow function ---------------------------------------------------------------
@@ -675,17 +678,8 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
             if not isinstance(value, dict):
                 return None  # a tuple or Row: pyarrow takes it by position or refuses it
             if value.keys() != names:
-                extra = sorted(value.keys() - names)
-                missing = sorted(names - value.keys())
-                reason = "; ".join(
-                    part
-                    for part in (
-                        f"unexpected field(s) {extra} would be dropped" if extra else "",
-                        f"missing field(s) {missing}" if missing else "",
-                    )
-                    if part
-                )
-                return _Loss("", arrow_type, value, f"{reason} (the struct has {sorted(names)})")
+                reason = f"{_key_difference(value.keys(), names)} (the struct has {sorted(names)})"
+                return _Loss("", arrow_type, value, reason)
             for name, check in checks:
                 child = value[name]
                 if check is not None and child is not None and (loss := check(child)):

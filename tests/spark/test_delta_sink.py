@@ -8,7 +8,6 @@ table is read back with deltalake, Polars and DuckDB, never through the sink its
 from __future__ import annotations
 
 import datetime as dt
-import importlib.util
 import json
 import math
 import os
@@ -17,7 +16,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 from urllib.parse import unquote
 
@@ -27,6 +25,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+import sink_stream_driver as DRIVER  # a driver script: tests/spark is on pythonpath
 from deltalake import DeltaTable
 from pyspark import TaskContext
 from pyspark.errors import AnalysisException, StreamingQueryException
@@ -58,19 +57,6 @@ SOURCE_ARROW = pa.schema(
         ("ts", pa.timestamp("us", tz="UTC")),
     ]
 )
-
-
-def _driver_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "sink_stream_driver", HERE / "sink_stream_driver.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-DRIVER = _driver_module()
 
 
 # -- helpers -----------------------------------------------------------------------------

@@ -4,15 +4,15 @@ checkpoint location — stopped in-process, and killed with its driver (SIGKILL)
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
+import enrich_stream_driver as DRIVER  # a driver script: tests/spark is on pythonpath
 import pytest
 from deltalake import DeltaTable
 
@@ -24,19 +24,6 @@ pytestmark = pytest.mark.spark
 
 HERE = Path(__file__).parent
 FILES, ROWS_PER_FILE = 4, 300
-
-
-def _driver_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "enrich_stream_driver", HERE / "enrich_stream_driver.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-DRIVER = _driver_module()
 
 
 def reference(i: int) -> tuple:
@@ -69,14 +56,19 @@ def wait_mid_batch(snapshots: Path, alive: Callable[[], bool]) -> CheckpointMeta
     raise AssertionError("the query never reached the middle of its second batch")
 
 
-def assert_resumed_exactly_once(
-    table: Path,
-    snapshots: Path,
+def restart_and_check(
+    spark: Any,
+    args: tuple[str, ...],
     service: MockService,
     interrupted: CheckpointMetadata,
     interrupted_at: datetime,
-    query_id: str,
 ) -> None:
+    """Restart the query from its checkpoint location (the interrupted batch runs again),
+    run it to the end of its input, and check what it wrote and how it resumed."""
+    query = DRIVER.start_query(spark, *args)
+    query.processAllAvailable()
+    query.stop()
+    table, snapshots, query_id = Path(args[1]), Path(args[3]), query.id
     rows = delta_dataset(DeltaTable(str(table))).to_table().to_pylist()
     got = sorted((r["id"], r["name"], r["score"], r["label"]) for r in rows)
     assert got == [reference(i) for i in range(FILES * ROWS_PER_FILE)]  # each exactly once
@@ -121,10 +113,7 @@ def test_a_query_stopped_mid_batch_resumes_and_writes_every_result_once(spark, t
         written_before = delta_dataset(DeltaTable(str(table))).to_table().num_rows
         assert 0 < written_before < FILES * ROWS_PER_FILE
 
-        query = DRIVER.start_query(spark, *args)  # the interrupted batch runs again
-        query.processAllAvailable()
-        query.stop()
-        assert_resumed_exactly_once(table, snapshots, service, interrupted, stopped_at, query.id)
+        restart_and_check(spark, args, service, interrupted, stopped_at)
 
 
 def test_a_query_whose_driver_is_sigkilled_mid_batch_resumes_exactly_once(spark, tmp_path) -> None:
@@ -147,7 +136,4 @@ def test_a_query_whose_driver_is_sigkilled_mid_batch_resumes_exactly_once(spark,
         written_before = delta_dataset(DeltaTable(str(table))).to_table().num_rows
         assert 0 < written_before < FILES * ROWS_PER_FILE
 
-        query = DRIVER.start_query(spark, *args)  # a new application, same query
-        query.processAllAvailable()
-        query.stop()
-        assert_resumed_exactly_once(table, snapshots, service, interrupted, killed_at, query.id)
+        restart_and_check(spark, args, service, interrupted, killed_at)  # a new application
