@@ -99,41 +99,32 @@ def restart_and_check(
     }
 
 
-def test_a_query_stopped_mid_batch_resumes_and_writes_every_result_once(spark, tmp_path) -> None:
+@pytest.mark.parametrize("interrupt", ["stop", "sigkill"])
+def test_a_query_interrupted_mid_batch_resumes_and_writes_every_result_once(
+    spark, tmp_path, interrupt
+) -> None:
     register_delta_sink(spark)
     source, table = tmp_path / "in", tmp_path / "out"
     stream, snapshots = tmp_path / "stream", tmp_path / "snapshots"
     write_source(source)
     with MockService(ServiceConfig(latency_ms=50)) as service:
         args = (str(source), str(table), str(stream), str(snapshots), service.url)
-        query = DRIVER.start_query(spark, *args)
-        interrupted = wait_mid_batch(snapshots, lambda: query.isActive)
-        query.stop()  # mid-batch: the running batch is cancelled and not committed
-        stopped_at = datetime.now(timezone.utc)
+        if interrupt == "stop":  # in-process: the running batch is cancelled, not committed
+            query = DRIVER.start_query(spark, *args)
+            interrupted = wait_mid_batch(snapshots, lambda: query.isActive)
+            query.stop()
+        else:  # the query's own application: its driver, JVM and Python workers, by pid
+            driver = DriverProcess(
+                [sys.executable, str(HERE / "enrich_stream_driver.py"), *args],
+                log_dir=tmp_path / "logs",
+            )
+            try:
+                interrupted = wait_mid_batch(snapshots, driver.running)
+            finally:
+                killed = driver.kill()
+            assert driver.returncode == -9 and len(killed) >= 3
+        interrupted_at = datetime.now(timezone.utc)
         written_before = delta_dataset(DeltaTable(str(table))).to_table().num_rows
         assert 0 < written_before < FILES * ROWS_PER_FILE
 
-        restart_and_check(spark, args, service, interrupted, stopped_at)
-
-
-def test_a_query_whose_driver_is_sigkilled_mid_batch_resumes_exactly_once(spark, tmp_path) -> None:
-    register_delta_sink(spark)
-    source, table = tmp_path / "in", tmp_path / "out"
-    stream, snapshots = tmp_path / "stream", tmp_path / "snapshots"
-    write_source(source)
-    with MockService(ServiceConfig(latency_ms=50)) as service:
-        args = (str(source), str(table), str(stream), str(snapshots), service.url)
-        driver = DriverProcess(
-            [sys.executable, str(HERE / "enrich_stream_driver.py"), *args],
-            log_dir=tmp_path / "logs",
-        )
-        try:
-            interrupted = wait_mid_batch(snapshots, driver.running)
-        finally:
-            killed = driver.kill()  # the driver, its JVM and its Python workers
-        killed_at = datetime.now(timezone.utc)
-        assert driver.returncode == -9 and len(killed) >= 3
-        written_before = delta_dataset(DeltaTable(str(table))).to_table().num_rows
-        assert 0 < written_before < FILES * ROWS_PER_FILE
-
-        restart_and_check(spark, args, service, interrupted, killed_at)  # a new application
+        restart_and_check(spark, args, service, interrupted, interrupted_at)
