@@ -34,7 +34,7 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -96,6 +96,7 @@ _META_COLUMNS = [f.name for f in _KEY_FIELDS] + [f.name for f in _META_FIELDS]
 # delta-rs retries a commit that lost to a concurrent append on another app id; a subtask's
 # table has one committer at a time, so this only matters for zombies and maintenance.
 _COMMIT_RETRIES = 100
+_RESTORE_GROUP_ROWS = 100_000  # results a resuming task reads (and holds) at a time
 
 # Rows per batch of the stream that ``expire`` rewrites.
 _EXPIRE_BATCH_ROWS = 8192
@@ -383,7 +384,8 @@ class SubtaskLog:
 
     def restore(self, checkpoint_id: int, run_id: str | None = None) -> RestorePoint:
         """What a subtask resumes from: the checkpoint's in-flight elements, and every result
-        committed along its chain, in commit order."""
+        committed along its chain, in commit order (all in memory; a task streams them with
+        ``chain_results`` instead)."""
         snapshot = self.load(checkpoint_id, run_id)
         chain = self.chain(snapshot.metadata)
         if len(chain) == 1:
@@ -394,15 +396,52 @@ class SubtaskLog:
                 snapshot.results,
                 snapshot.result_timestamps,
             )
+        parts = list(self.chain_results(snapshot.metadata))
+        _, output_schema = self.schemas()  # type: ignore[misc]
+        return RestorePoint(
+            snapshot.metadata,
+            snapshot.elements,
+            snapshot.input_seqs,
+            pa.concat_tables([p for p, _ in parts]) if parts else output_schema.empty_table(),
+            [t for _, stamps in parts for t in stamps],
+        )
+
+    def chain_results(
+        self, meta: CheckpointMetadata, max_rows: int = _RESTORE_GROUP_ROWS
+    ) -> Iterator[tuple[pa.Table, list[int | None]]]:
+        """The results committed along ``meta``'s chain, in commit order, with their
+        timestamps: one table per group of consecutive checkpoints holding at most
+        ``max_rows`` results (or one checkpoint that holds more), so a resuming task holds
+        one group at a time rather than its partition's whole output so far."""
+        chain = self.chain(meta)
         table = self._open()
         assert table is not None
         _, output_schema = self.schemas()  # type: ignore[misc]
+        group: list[CheckpointMetadata] = []
+        size = 0
+        for i, m in enumerate(chain):
+            group.append(m)
+            size += m.result_count
+            last = i == len(chain) - 1
+            if not last and size + chain[i + 1].result_count <= max_rows:
+                continue
+            if size:
+                yield self._group_results(table, group, size, output_schema)
+            group, size = [], 0
+
+    def _group_results(
+        self,
+        table: DeltaTable,
+        group: list[CheckpointMetadata],
+        expected: int,
+        output_schema: pa.Schema,
+    ) -> tuple[pa.Table, list[int | None]]:
         rows = self._read(
             table,
-            (pc.field("kind") == KIND_RESULT) & _refs_filter(m.ref for m in chain),
+            (pc.field("kind") == KIND_RESULT) & _refs_filter(m.ref for m in group),
             ["run_id", "checkpoint_id", "seq", "timestamp", "result"],
         )
-        order = {m.ref: i for i, m in enumerate(chain)}
+        order = {m.ref: i for i, m in enumerate(group)}
         position = [
             order[CheckpointRef(r, c)]
             for r, c in zip(
@@ -414,19 +453,12 @@ class SubtaskLog:
         rows = rows.append_column("_order", pa.array(position, pa.int64()))
         rows = rows.sort_by([("_order", "ascending"), ("seq", "ascending")])
         results = _struct_to_table(rows.column("result"), output_schema)
-        expected = sum(m.result_count for m in chain)
         if len(results) != expected:
             raise CorruptCheckpointError(
-                f"The chain of checkpoint {snapshot.metadata.ref} of subtask {self.subtask} "
-                f"records {expected} results but {len(results)} are stored."
+                f"Checkpoints {group[0].ref}..{group[-1].ref} of subtask {self.subtask} "
+                f"record {expected} results but {len(results)} are stored."
             )
-        return RestorePoint(
-            snapshot.metadata,
-            snapshot.elements,
-            snapshot.input_seqs,
-            results,
-            rows.column("timestamp").to_pylist(),
-        )
+        return results, rows.column("timestamp").to_pylist()
 
     # -- writing ------------------------------------------------------------------------
 

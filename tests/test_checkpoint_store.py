@@ -360,6 +360,23 @@ def test_restore_collects_results_along_the_chain_across_runs(tmp_path: Path) ->
     assert log.latest(max_id=3).ref == b3.ref
 
 
+def test_chain_results_come_in_bounded_groups_in_commit_order(tmp_path: Path) -> None:
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    parent = None
+    for ckpt in range(1, 8):  # each checkpoint commits one result
+        parent = commit(log, "run-a" if ckpt < 4 else "run-b", ckpt, parent=parent).ref
+    last = log.find(7, "run-b")
+    groups = [t.column("label").to_pylist() for t, _ in log.chain_results(last, max_rows=3)]
+    assert groups == [
+        ["result of 1", "result of 2", "result of 3"],
+        ["result of 4", "result of 5", "result of 6"],
+        ["result of 7"],
+    ]
+    whole = [t.column("label").to_pylist() for t, _ in log.chain_results(last)]
+    assert whole == [[f"result of {i}" for i in range(1, 8)]]
+    assert log.restore(7, "run-b").results.column("label").to_pylist() == whole[0]
+
+
 def test_retention_keeps_the_last_n_and_reclaims_storage(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     log = store.subtask("job", "op", 0)

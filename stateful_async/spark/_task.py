@@ -318,10 +318,13 @@ class _TaskRun:
         if self.leftover is not None:
             batch, self.leftover = self.leftover, None
             return batch
-        while self.out.qsize() > _MAX_QUEUED_BATCHES:  # Spark is slower than we are
-            await asyncio.sleep(0.005)
+        await self._wait_for_room()
         assert self.loop is not None
         return await self.loop.run_in_executor(self.reader, next, self.batches, None)
+
+    async def _wait_for_room(self) -> None:
+        while self.out.qsize() > _MAX_QUEUED_BATCHES:  # Spark is slower than we are
+            await asyncio.sleep(0.005)
 
     async def _consume(self) -> None:
         spec = self.spec
@@ -437,12 +440,17 @@ class _TaskRun:
         self.restored_final = meta.final
         self.stats.update(
             restored_from=str(meta.ref),
-            restored_results=point.results.num_rows,
+            restored_results=sum(m.result_count for m in self.log.chain(meta)),
             restored_in_flight=len(point.elements),
         )
         await self._skip_consumed(meta.position, meta.fingerprint, str(meta.ref))
-        for batch in point.results.to_batches(max_chunksize=_OUTPUT_ROWS):
-            self.out.put(("batch", batch))  # committed results: re-emitted, not recomputed
+        # Committed results are re-emitted, not recomputed: read a group of checkpoints'
+        # results at a time, and only as fast as Spark takes them.
+        groups = self.log.chain_results(meta)
+        while (group := await self._in_io(next, groups, None)) is not None:
+            for batch in group[0].to_batches(max_chunksize=_OUTPUT_ROWS):
+                await self._wait_for_room()
+                self.out.put(("batch", batch))
         restored: list[StreamElement] = []
         for element, seq in zip(point.elements, point.input_seqs, strict=True):
             if type(element) is Watermark:
@@ -482,7 +490,7 @@ class _TaskRun:
                     )
         if meta is None:
             return None
-        return log.restore(meta.checkpoint_id, meta.run_id)
+        return log.load(meta.checkpoint_id, meta.run_id)  # its results: see chain_results
 
     async def _skip_consumed(self, position: int, fingerprint: str, ref: str) -> None:
         while self.position < position:
