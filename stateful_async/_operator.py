@@ -261,6 +261,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._try_put = self._queue.try_put  # bound again in open(): called per element
         self._complete_and_poll = self._queue.complete_and_poll
         self._state = _State.CREATED
+        self._retry_while_finishing = False  # finish(keep_retrying=True)
+        self._retrying = False  # whether a failed or rejected attempt may be retried
         # The loop thread's id while input is accepted (state OPEN), else None: one
         # comparison per element checks both state and thread.
         self._accepting_thread: int | None = None
@@ -281,6 +283,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
     def _set_state(self, state: _State) -> None:
         self._state = state
         self._accepting_thread = self._thread_id if state is _State.OPEN else None
+        self._retrying = state is _State.OPEN or (
+            state is _State.FINISHING and self._retry_while_finishing
+        )
 
     # -- properties -------------------------------------------------------------------
 
@@ -473,15 +478,24 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             )
         return self._queue.values()
 
-    async def finish(self) -> None:
+    async def finish(self, *, keep_retrying: bool = False) -> None:
         """Drain: no more input; pending retry backoffs fire now and retrying is disabled
-        (each element's current attempt is its last); waits until everything in flight has
-        completed and been emitted. Raises the operator's failure, if any."""
+        (each element's current attempt is its last), as Flink does at the end of input;
+        waits until everything in flight has completed and been emitted. Raises the
+        operator's failure, if any.
+
+        With ``keep_retrying=True`` the elements in flight keep their backoffs and retries
+        (each still bounded by its timeout): for a caller whose timers keep running after
+        its input ends, such as a Spark task at the end of its partition, whose last
+        elements should be retried like any other.
+        """
         self._check_accepting("finish()")
+        self._retry_while_finishing = keep_retrying
         self._set_state(_State.FINISHING)
-        for entry in self._queue.entries():
-            if entry.backing_off:  # type: ignore[attr-defined]
-                self._timers.fire_now((entry, _RETRY))
+        if not keep_retrying:
+            for entry in self._queue.entries():
+                if entry.backing_off:  # type: ignore[attr-defined]
+                    self._timers.fire_now((entry, _RETRY))
         while len(self._queue):
             if self._failure is not None:
                 break
@@ -577,7 +591,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         retry = self._retry
         if (
             retry is not None
-            and self._state is _State.OPEN
+            and self._retrying
             and retry.can_retry(handler.attempts)
             and retry.should_retry_exception(error)
         ):
@@ -609,7 +623,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         if (
             retry is not None
             and not handler.timed_out
-            and self._state is _State.OPEN
+            and self._retrying
             and retry.can_retry(handler.attempts)
             and retry.should_retry_result(results)
         ):

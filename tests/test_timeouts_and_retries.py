@@ -11,6 +11,7 @@ from stateful_async import (
     AsyncFunctionError,
     AsyncTimeoutError,
     AsyncWaitOperator,
+    OperatorStateError,
     OutputMode,
     RetryStrategy,
     StreamRecord,
@@ -390,6 +391,33 @@ async def test_finish_during_a_backoff_fires_it_at_once_and_disables_retry() -> 
     with pytest.raises(AsyncFunctionError, match="after 2 attempts"):
         await asyncio.wait_for(finishing, timeout=5)  # bound only turns a hang into a failure
     assert [e.value for e in out] == []  # ordered: "B" waits behind the failed "a"
+    await op.close()
+
+
+async def test_finish_keep_retrying_lets_backoffs_and_retries_run_their_course() -> None:
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    out, op = make(fn, clock, timeout=100, retry=RetryStrategy.fixed_delay(10, 5.0))
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    fn.fail("a", Flaky("first"))
+    await settle()
+    finishing = asyncio.ensure_future(op.finish(keep_retrying=True))
+    await settle()
+    assert fn.calls == ["a"]  # the backoff keeps its time
+    await clock.advance(5)
+    assert fn.calls == ["a", "a"]
+    fn.fail("a", Flaky("second"))  # still retried while finishing
+    await settle()
+    await clock.advance(5)
+    assert fn.calls == ["a", "a", "a"]
+    with pytest.raises(OperatorStateError):
+        await op.process_element(StreamRecord("late"))  # no input once finishing
+    fn.complete("a", ["A"])
+    await asyncio.wait_for(finishing, timeout=5)  # bound only turns a hang into a failure
+    assert [e.value for e in out] == ["A"]
+    assert op.metrics.retries == 2
     await op.close()
 
 

@@ -302,7 +302,10 @@ class _TaskRun:
         try:
             await self.op.open(restored=restored)
             await self._consume()
-            await self.op.finish()
+            # The end of a partition is not the end of the job: its last elements keep
+            # their retries (Flink's end-of-input drain would make each one's current
+            # attempt its last).
+            await self.op.finish(keep_retrying=True)
             self._flush()
             if self.checkpointing:
                 await self._checkpoint(final=True)

@@ -458,8 +458,41 @@ def test_retries_and_timeouts_against_a_misbehaving_service(spark, service) -> N
         assert got[i] == want
     counts = service.counts()
     assert (counts["5"], counts["17"], counts["40"]) == (3, 2, 4)  # failures, then success
-    assert (counts["9"], counts["33"]) == (1, 1)  # no retry after the deadline
+    assert (counts["9"], counts["33"]) == (1, 1)  # a hang is no error: the timeout decided
     assert all(counts[str(i)] == 1 for i in range(60) if i not in (5, 17, 40))
+
+
+def test_no_retry_starts_past_the_timeout_which_covers_all_attempts(spark, service) -> None:
+    service.configure(fail_first={"12": 10})  # would succeed at the 11th attempt
+    fn = ServiceEnrichment(service.url, fallback={"score": -1.0, "label": "fallback"})
+    retry = RetryStrategy.fixed_delay(20, 0.4, retry_on_exception=(ServiceError,))
+    out = ordered_wait(source(spark, 20), fn, SCHEMA, capacity=8, timeout=1.0, retry=retry)
+    got = {r.id: r.asDict() for r in out.collect()}
+    assert got == {
+        i: {**reference(i), "score": -1.0, "label": "fallback"} if i == 12 else reference(i)
+        for i in range(20)
+    }
+    counts = service.counts()
+    # Attempts start at 0, 0.4 and 0.8 s; the next would start at 1.2 s, past the 1.0 s
+    # deadline measured from the first attempt, so it never does: the fallback decides.
+    assert 2 <= counts["12"] <= 3
+    assert all(counts[str(i)] == 1 for i in range(20) if i != 12)
+
+
+def test_retries_running_out_fail_the_job_naming_the_row(spark, service) -> None:
+    service.configure(fail_first={"7": 1000})
+    retry = RetryStrategy.fixed_delay(3, 0.01, retry_on_exception=(ServiceError,))
+    with pytest.raises(Exception, match=r"'id': 7.* after 3 attempts: ServiceError"):
+        ordered_wait(
+            source(spark, 10),
+            ServiceEnrichment(service.url),
+            SCHEMA,
+            capacity=4,
+            timeout=10.0,
+            retry=retry,
+        ).collect()
+    # 3 attempts (max_attempts counts them all) in each of Spark's 3 task attempts
+    assert service.counts()["7"] == 3 * 3
 
 
 def test_a_timeout_without_fallback_fails_the_job_naming_the_row(spark, service) -> None:
