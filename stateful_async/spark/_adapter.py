@@ -35,8 +35,9 @@ def ordered_wait(
     ``fn`` is an ``AsyncFunction`` or an ``async def`` that receives one input row as a
     dict and returns a list of result rows (dicts with exactly the fields of ``schema``, a
     DDL string or ``StructType``), holding values of the declared types: a result that
-    does not match, including a value Arrow would only take with loss (a float for an
-    integer field, a struct with keys it does not declare), fails the task with
+    does not match, including a value Arrow would only take with loss (2.5 for an integer
+    field, a struct with keys it does not declare, a Row whose fields are not the struct's
+    in order), fails the task with
     ``ResultSchemaError`` naming the field and the input row. ``capacity`` bounds the
     calls in flight per task;
     ``timeout`` (seconds, per row, covering retries) and ``retry`` are as in
@@ -198,14 +199,13 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
         unit = 1_000_000  # Spark timestamps are microseconds
     elif isinstance(kind, DateType):
         unit = 1  # days
-        if isinstance(ooo, dt.timedelta):
-            if ooo < dt.timedelta(0) or ooo % dt.timedelta(days=1):
-                raise ConfigurationError(
-                    f"event_time column {column!r} is a date: max_out_of_orderness must be a "
-                    f"whole number of days >= 0 (a timedelta of days, or a number of days); "
-                    f"got {ooo!r}."
-                )
-            return ooo.days
+        days = ooo / dt.timedelta(days=1) if isinstance(ooo, dt.timedelta) else ooo
+        if isinstance(days, float) and not days.is_integer():
+            raise ConfigurationError(
+                f"event_time column {column!r} is a date: max_out_of_orderness must be a "
+                f"whole number of days (a timedelta of days, or a number of days); got {ooo!r}."
+            )
+        ooo = days
     elif isinstance(kind, (LongType, IntegerType)):
         if isinstance(ooo, dt.timedelta):
             raise ConfigurationError(

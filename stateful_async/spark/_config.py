@@ -4,6 +4,7 @@ resumes from."""
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Union
@@ -71,7 +72,7 @@ class CheckpointConfig:
         seconds = self.interval_seconds
         if seconds is not None and (
             isinstance(seconds, bool)
-            or not isinstance(seconds, (int, float))
+            or not isinstance(seconds, numbers.Real)
             or not 0 < seconds < math.inf
         ):
             raise ConfigurationError(

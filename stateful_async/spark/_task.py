@@ -676,23 +676,47 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
             if type(value) is int or isinstance(value, numbers.Integral):
                 return None
             if isinstance(value, (numbers.Number, decimal.Decimal)):
+                try:
+                    if value == int(value):  # type: ignore[arg-type]
+                        return None  # 2.0 is 2: pyarrow converts it without loss
+                except (ValueError, OverflowError, TypeError):
+                    pass  # nan, inf, complex
                 return _Loss("", arrow_type, value, "an integer field would truncate it")
             return None  # anything else pyarrow refuses outright
 
         return check_integer
     if pa.types.is_struct(arrow_type):
         children = [arrow_type.field(i) for i in range(arrow_type.num_fields)]
-        names = frozenset(child.name for child in children)
+        order = [child.name for child in children]
+        names = frozenset(order)
         checks = [(child.name, _check_for(child.type)) for child in children]
 
         def check_struct(value: Any) -> _Loss | None:
-            if not isinstance(value, dict):
-                return None  # a tuple or Row: pyarrow takes it by position or refuses it
-            if value.keys() != names:
-                reason = f"{_key_difference(value.keys(), names)} (the struct has {sorted(names)})"
-                return _Loss("", arrow_type, value, reason)
-            for name, check in checks:
-                child = value[name]
+            if isinstance(value, dict):
+                extra = value.keys() - names
+                if extra:  # pyarrow would drop them (a missing key is null, as in Spark)
+                    reason = (
+                        f"unexpected field(s) {sorted(extra)} would be dropped (the struct has "
+                        f"{order})"
+                    )
+                    return _Loss("", arrow_type, value, reason)
+                fields: Any = ((name, check, value.get(name)) for name, check in checks)
+            elif isinstance(value, tuple):  # taken by position, a Row's names notwithstanding
+                row_names = getattr(value, "__fields__", None)
+                if row_names is not None and list(row_names) != order:
+                    reason = (
+                        f"a Row's fields are taken by position, and its fields {list(row_names)} "
+                        f"are not the struct's {order} in order: return a dict, or a Row with "
+                        "the struct's fields in order"
+                    )
+                    return _Loss("", arrow_type, value, reason)
+                fields = (
+                    (name, check, child)
+                    for (name, check), child in zip(checks, value, strict=False)
+                )
+            else:
+                return None  # pyarrow refuses it outright
+            for name, check, child in fields:
                 if check is not None and child is not None and (loss := check(child)):
                     return loss.under(f".{name}")
             return None
@@ -722,7 +746,9 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
 
         def check_map(value: Any) -> _Loss | None:
             pairs = value.items() if isinstance(value, dict) else value
-            for k, v in pairs:
+            for pair in pairs:
+                # a (key, value) pair, or a {"key": ..., "value": ...} dict as pyarrow takes
+                k, v = (pair.get("key"), pair.get("value")) if isinstance(pair, dict) else pair
                 if key is not None and k is not None and (loss := key(k)):
                     return loss.under(" key")
                 if item is not None and v is not None and (loss := item(v)):

@@ -12,14 +12,18 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import pytest
 from pyspark import cloudpickle
+from pyspark.sql import Row
 from pyspark.sql import functions as F
 
 from checkpoint import SnapshotStore
 from stateful_async import (
     ConfigurationError,
     FunctionNotSerializableError,
+    ResultSchemaError,
     RetryStrategy,
 )
 from stateful_async.chaos import (
@@ -538,8 +542,8 @@ def test_a_result_missing_a_field_names_it_and_the_input_row(spark) -> None:
             {"score": {"value": 1, "tags": [{"name": "a", "weight": 1.0}]}},
             "id long, score struct<value: long, tags: array<struct<name: string>>>",
             r"result field 'score.tags\[0\]' \(struct<name: string>\) cannot hold "
-            r"\{'name': 'a', 'weight': 1.0\} \(dict\): unexpected field\(s\) \['weight'\] \(the "
-            r"struct has \['name'\]\), returned for input row \{'id': 0\}",
+            r"\{'name': 'a', 'weight': 1.0\} \(dict\): unexpected field\(s\) \['weight'\] would be "
+            r"dropped \(the struct has \['name'\]\), returned for input row \{'id': 0\}",
         ),
     ],
     ids=["str-for-double", "float-for-long", "extra-nested-key"],
@@ -554,15 +558,47 @@ def test_a_result_of_the_wrong_type_names_the_field_and_the_input_row(
         ordered_wait(spark.range(0, 5, numPartitions=1), wrong, schema, capacity=2).collect()
 
 
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ({"id": 2.0, "st": {"a": 1}}, None),  # whole: no loss; missing "b" is null
+        ({"id": 1, "st": (1, 2), "m": [("k", 3)]}, None),
+        ({"id": 1, "st": Row(a=1, b=2)}, None),
+        ({"id": 1, "st": (1.5, 2)}, r"'st.a' \(int64\) cannot hold 1.5"),  # by position
+        ({"id": 1, "st": Row(b=2, a=1)}, r"a Row's fields are taken by position"),
+        ({"id": 1, "m": [{"key": "k", "value": 2.5}]}, r"\"m\['k'\]\" \(int64\) cannot hold 2.5"),
+        ({"id": float("nan")}, r"'id' \(int64\) cannot hold nan"),
+    ],
+)
+def test_result_conversion_refuses_only_what_would_lose_data(value, problem) -> None:
+    from stateful_async.spark._task import _to_batch
+
+    schema = pa.schema(
+        [
+            ("id", pa.int64()),
+            ("st", pa.struct([("a", pa.int64()), ("b", pa.int64())])),
+            ("m", pa.map_(pa.string(), pa.int64())),
+        ]
+    )
+    row = {"st": None, "m": None, **value}
+    if problem is None:
+        assert _to_batch([row], [{"id": 0}], schema).num_rows == 1
+    else:
+        with pytest.raises(ResultSchemaError, match=problem):
+            _to_batch([row], [{"id": 0}], schema)
+
+
 def test_results_of_the_declared_types_pass_unchanged(spark) -> None:
-    schema = "id long, score struct<value: long, tags: array<struct<name: string>>>"
+    schema = "id long, score struct<value: long, tags: array<struct<name: string, n: int>>>"
 
     async def nested(row):  # type: ignore[no-untyped-def]
-        return [{"id": row["id"], "score": {"value": row["id"] * 2, "tags": [{"name": "t"}]}}]
+        # a whole float for a long converts without loss; a nested field left out is null
+        value = float(row["id"] * 2)
+        return [{"id": row["id"], "score": {"value": value, "tags": [{"name": "t"}]}}]
 
     rows = ordered_wait(spark.range(0, 3, numPartitions=1), nested, schema, capacity=2).collect()
     assert [r.asDict(recursive=True) for r in rows] == [
-        {"id": i, "score": {"value": 2 * i, "tags": [{"name": "t"}]}} for i in range(3)
+        {"id": i, "score": {"value": 2 * i, "tags": [{"name": "t", "n": None}]}} for i in range(3)
     ]
 
 
@@ -598,11 +634,15 @@ def test_an_unpicklable_function_fails_before_the_job_starts(spark) -> None:
         ),
         (
             {"event_time": "day", "max_out_of_orderness": timedelta(hours=12)},
-            "is a date: max_out_of_orderness must be a whole number of days >= 0",
+            "is a date: max_out_of_orderness must be a whole number of days",
+        ),
+        (
+            {"event_time": "day", "max_out_of_orderness": 1.5},
+            "is a date: max_out_of_orderness must be a whole number of days",
         ),
         (
             {"event_time": "day", "max_out_of_orderness": timedelta(days=-3)},
-            "is a date: max_out_of_orderness must be a whole number of days >= 0",
+            "max_out_of_orderness must be a finite duration >= 0",
         ),
         ({"event_time": "id", "max_out_of_orderness": timedelta(1)}, "is an integer"),
     ],
@@ -626,13 +666,14 @@ def test_checkpoint_config_validates_its_fields(tmp_path) -> None:
         CheckpointConfig(str(tmp_path), "job", restore_from="yesterday")
     with pytest.raises(ConfigurationError, match="cannot name a checkpoint directory"):
         CheckpointConfig(str(tmp_path), "../up")
-    for seconds in ("5", True, float("inf"), 0, -1.0):
+    for seconds in ("5", True, float("inf"), float("nan"), 0, -1.0):
         with pytest.raises(ConfigurationError, match="interval_seconds must be a number of sec"):
             CheckpointConfig(str(tmp_path), "job", interval_seconds=seconds)
     for options in (["AWS_REGION=x"], {"timeout": 5}):
         with pytest.raises(ConfigurationError, match="storage_options must be a dict of strings"):
             CheckpointConfig(str(tmp_path), "job", storage_options=options)
-    assert CheckpointConfig(str(tmp_path), "job", interval_seconds=2).interval_seconds == 2
+    for seconds in (2, 0.5, np.int64(30)):
+        assert CheckpointConfig(str(tmp_path), "j", interval_seconds=seconds).interval_seconds
 
 
 def test_job_output_json_helper_is_not_collected() -> None:
