@@ -455,7 +455,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             f"checkpoints every {sc['interval']:,} records cost <= 5 % (`ordered_wait`, the "
             "service workload)",
             f"{cost:.1f} % per CPU-second ({cpu_ratio:.3f}x); raw rows/s: "
-            f"{sc['cost_pct']:.1f} % best of {spark['repeat']}, "
+            f"{sc['cost_pct']:.1f} % best of {len(sc['runs_s']['checkpoint'])}, "
             f"{(1 - medians) * 100:.1f} % median",
             cost <= 5,
             f"{cost - 5:.1f} points over" if cost > 5 else "",
