@@ -336,27 +336,36 @@ class SubtaskLog:
             f"that exist: {_describe_refs(available)}."
         )
 
-    def load(self, checkpoint_id: int, run_id: str | None = None) -> Snapshot:
-        """One checkpoint: its in-flight elements and the results it committed."""
+    def load(
+        self, checkpoint_id: int, run_id: str | None = None, *, results: bool = True
+    ) -> Snapshot:
+        """One checkpoint: its in-flight elements and the results it committed. With
+        ``results=False`` only the elements are read (``results`` is empty): for a caller
+        that reads the results along the chain with ``chain_results``."""
         meta = self.find(checkpoint_id, run_id)
         table = self._open()
         assert table is not None
         input_schema, output_schema = self.schemas()  # type: ignore[misc]
+        kinds = pc.field("kind") != KIND_CHECKPOINT
+        if not results:
+            kinds = pc.field("kind").isin([KIND_RECORD, KIND_WATERMARK])
         rows = self._read(
             table,
             (pc.field("run_id") == meta.run_id)
             & (pc.field("checkpoint_id") == meta.checkpoint_id)
-            & (pc.field("kind") != KIND_CHECKPOINT),
+            & kinds,
             None,
         )
         elements, seqs = self._elements(rows, input_schema, meta)
-        results, timestamps = self._results(rows, output_schema)
-        if len(results) != meta.result_count:
+        if not results:
+            return Snapshot(meta, elements, seqs, output_schema.empty_table(), [])
+        stored, timestamps = self._results(rows, output_schema)
+        if len(stored) != meta.result_count:
             raise CorruptCheckpointError(
                 f"Checkpoint {meta.ref} of subtask {self.subtask} records {meta.result_count} "
-                f"results but {len(results)} are stored."
+                f"results but {len(stored)} are stored."
             )
-        return Snapshot(meta, elements, seqs, results, timestamps)
+        return Snapshot(meta, elements, seqs, stored, timestamps)
 
     def chain(self, meta: CheckpointMetadata) -> list[CheckpointMetadata]:
         """``meta`` and its ancestors, oldest first."""
@@ -386,23 +395,13 @@ class SubtaskLog:
         """What a subtask resumes from: the checkpoint's in-flight elements, and every result
         committed along its chain, in commit order (all in memory; a task streams them with
         ``chain_results`` instead)."""
-        snapshot = self.load(checkpoint_id, run_id)
-        chain = self.chain(snapshot.metadata)
-        if len(chain) == 1:
-            return RestorePoint(
-                snapshot.metadata,
-                snapshot.elements,
-                snapshot.input_seqs,
-                snapshot.results,
-                snapshot.result_timestamps,
-            )
+        snapshot = self.load(checkpoint_id, run_id, results=False)
         parts = list(self.chain_results(snapshot.metadata))
-        _, output_schema = self.schemas()  # type: ignore[misc]
         return RestorePoint(
             snapshot.metadata,
             snapshot.elements,
             snapshot.input_seqs,
-            pa.concat_tables([p for p, _ in parts]) if parts else output_schema.empty_table(),
+            pa.concat_tables([p for p, _ in parts]) if parts else snapshot.results,
             [t for _, stamps in parts for t in stamps],
         )
 

@@ -262,7 +262,6 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._complete_and_poll = self._queue.complete_and_poll
         self._state = _State.CREATED
         self._retry_while_finishing = False  # finish(keep_retrying=True)
-        self._retrying = False  # whether a failed or rejected attempt may be retried
         # The loop thread's id while input is accepted (state OPEN), else None: one
         # comparison per element checks both state and thread.
         self._accepting_thread: int | None = None
@@ -283,9 +282,12 @@ class AsyncWaitOperator(Generic[IN, OUT]):
     def _set_state(self, state: _State) -> None:
         self._state = state
         self._accepting_thread = self._thread_id if state is _State.OPEN else None
-        self._retrying = state is _State.OPEN or (
-            state is _State.FINISHING and self._retry_while_finishing
-        )
+
+    def _may_retry(self) -> bool:
+        """Whether a failed or rejected attempt may be retried: while input is accepted,
+        and while finishing with ``keep_retrying``."""
+        state = self._state
+        return state is _State.OPEN or (state is _State.FINISHING and self._retry_while_finishing)
 
     # -- properties -------------------------------------------------------------------
 
@@ -591,7 +593,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         retry = self._retry
         if (
             retry is not None
-            and self._retrying
+            and self._may_retry()
             and retry.can_retry(handler.attempts)
             and retry.should_retry_exception(error)
         ):
@@ -623,7 +625,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         if (
             retry is not None
             and not handler.timed_out
-            and self._retrying
+            and self._may_retry()
             and retry.can_retry(handler.attempts)
             and retry.should_retry_result(results)
         ):

@@ -443,7 +443,7 @@ class _TaskRun:
         self.restored_final = meta.final
         self.stats.update(
             restored_from=str(meta.ref),
-            restored_results=sum(m.result_count for m in self.log.chain(meta)),
+            restored_results=0,
             restored_in_flight=len(point.elements),
         )
         await self._skip_consumed(meta.position, meta.fingerprint, str(meta.ref))
@@ -451,6 +451,7 @@ class _TaskRun:
         # results at a time, and only as fast as Spark takes them.
         groups = self.log.chain_results(meta)
         while (group := await self._in_io(next, groups, None)) is not None:
+            self.stats["restored_results"] += group[0].num_rows
             for batch in group[0].to_batches(max_chunksize=_OUTPUT_ROWS):
                 await self._wait_for_room()
                 self.out.put(("batch", batch))
@@ -470,20 +471,15 @@ class _TaskRun:
         if meta is None and config.restore_from is not None:  # a new run that asks to resume
             max_id = None if config.restore_from == "latest" else int(config.restore_from)
             meta = log.latest(max_id=max_id)
-            if meta is None:
+            if meta is None:  # none restorable: had this partition one that has expired?
+                metas = log.checkpoints(include_expired=True)
                 gone = sorted(
-                    {
-                        m.checkpoint_id
-                        for m in log.checkpoints(include_expired=True)
-                        if max_id is None or m.checkpoint_id <= max_id
-                    }
+                    {m.checkpoint_id for m in metas if max_id is None or m.checkpoint_id <= max_id}
                 )
-                if gone:  # this partition had a restore point, but it has expired
+                if gone:
                     from checkpoint import CheckpointNotFoundError
 
-                    restorable = sorted(
-                        {m.checkpoint_id for m in log.checkpoints(include_expired=False)}
-                    )
+                    restorable = sorted({m.checkpoint_id for m in metas if not m.expired})
                     raise CheckpointNotFoundError(
                         f"Partition {self.identity.partition} cannot resume from "
                         f"restore_from={config.restore_from!r}: its checkpoint(s) {gone} have "
@@ -493,7 +489,7 @@ class _TaskRun:
                     )
         if meta is None:
             return None
-        return log.load(meta.checkpoint_id, meta.run_id)  # its results: see chain_results
+        return log.load(meta.checkpoint_id, meta.run_id, results=False)  # see chain_results
 
     async def _skip_consumed(self, position: int, fingerprint: str, ref: str) -> None:
         while self.position < position:
