@@ -18,6 +18,10 @@ writes them to Spark's ``noop`` sink, with the same concurrency per task (``--ca
 
 Then, on the same session and service:
 
+* latency that varies (exponential, mean 20 ms; lognormal, median 20 ms, sigma 1), at
+  Spark's default Arrow batches: the hand-written loop against ``ordered_wait`` at the same
+  capacity and at 16x it, and ``unordered_wait``, with the service's peak of requests in
+  flight (an ordered queue holds results that wait for an earlier element);
 * checkpoint cost: ``ordered_wait`` with a checkpoint every 10k records against none on
   the service workload (60k rows, interleaved), and an interval sweep (1k / 10k / 100k /
   none) of a 20 ms ``asyncio.sleep`` function at capacity 1000 (400k rows: the worst
@@ -49,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import resource
 import shutil
@@ -418,6 +423,86 @@ def batch_sweep(spark: Any, service: Any, sizes: Sizes, capacity: int) -> list[d
             out.append(row)
     finally:
         spark.conf.unset(key)
+    return out
+
+
+# 20 ms services whose latency varies, as real services' latency does: name, the service's
+# configuration, mean latency in ms
+LATENCY_SHAPES: tuple[tuple[str, dict[str, Any], float], ...] = (
+    ("exponential", {"distribution": "exponential"}, 20.0),
+    # median 20 ms, sigma 1: mean 33 ms, p99 205 ms
+    ("lognormal", {"distribution": "lognormal", "latency_sigma": 1.0}, 20.0 * math.exp(0.5)),
+)
+WIDE_CAPACITY = 16  # ordered_wait at 16 x the capacity: what buys back head-of-line blocking
+
+
+def latency_variance(spark: Any, service: Any, sizes: Sizes, capacity: int) -> list[dict[str, Any]]:
+    """The async competitors at Spark's default Arrow batches against a service whose
+    latency varies (median 20 ms). The hand-written loop still drains once per batch, but
+    now waits for the batch's slowest request; ``ordered_wait`` counts a completed result
+    that waits for an earlier one against its capacity (Flink's queue), so fewer requests
+    are in flight than ``capacity`` allows; ``unordered_wait`` is neither drained nor
+    blocked. Also ``ordered_wait`` at ``WIDE_CAPACITY`` x the capacity, with the service's
+    peak of requests in flight to show what that costs it. Interleaved, at most twice
+    (the ordered case at the same capacity runs several times slower than the rest)."""
+    cases = [
+        ("handwritten_asyncio", capacity),
+        ("ordered_wait", capacity),
+        ("ordered_wait", capacity * WIDE_CAPACITY),
+        ("unordered_wait", capacity),
+    ]
+    # more than two Arrow batches per task, so the hand-written loop drains mid-task
+    rows = sizes.throughput_rows * 2
+    repeat = min(sizes.repeat, 2)
+    meter = CpuMeter(service.pid)
+    out = []
+    try:
+        for name, config, mean_ms in LATENCY_SHAPES:
+            service.configure(latency_ms=20, **config)
+            seconds: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
+            cpu: dict[tuple[str, int], list[dict[str, float]]] = {case: [] for case in cases}
+            peaks: dict[tuple[str, int], int] = {case: 0 for case in cases}
+            for _ in range(repeat):
+                for kind, cap in cases:
+                    what = f"{kind} (capacity {cap}), {name} latency"
+                    run_s, run_cpu = run_case(spark, service, kind, rows, cap, meter, what)
+                    seconds[(kind, cap)].append(run_s)
+                    cpu[(kind, cap)].append(run_cpu)
+                    peak = service.stats()["peak_in_flight"]
+                    peaks[(kind, cap)] = max(peaks[(kind, cap)], peak)
+                    log(f"  {kind:<22} capacity {cap:>5} {name:<12} {run_s:7.2f} s")
+            anchor = rows / min(seconds[cases[0]])
+            measured = []
+            for kind, cap in cases:
+                rate = rows / min(seconds[(kind, cap)])
+                measured.append(
+                    {
+                        "case": kind,
+                        "label": LABELS[kind],
+                        "capacity": cap,
+                        "rows_per_s": rate,
+                        "vs_handwritten": rate / anchor,
+                        "rows_per_cpu_s": statistics.median(
+                            rows_per_cpu_s(rows, c) for c in cpu[(kind, cap)]
+                        ),
+                        "peak_in_flight": peaks[(kind, cap)],
+                        "runs_s": seconds[(kind, cap)],
+                    }
+                )
+            out.append(
+                {
+                    "shape": name,
+                    "config": config,
+                    "mean_ms": mean_ms,
+                    "rows": rows,
+                    "repeat": repeat,
+                    # Little's law at the mean latency, for the competitors at `capacity`
+                    "littles_law_rows_per_s": PARTITIONS * capacity / (mean_ms / 1000),
+                    "table": measured,
+                }
+            )
+    finally:
+        service.configure(latency_ms=20, distribution="constant")
     return out
 
 
@@ -987,6 +1072,8 @@ def run(quick: bool = False, capacity: int = 64, latency_ms: float = 20.0) -> di
                 result["littles_law_rows_per_s"] = PARTITIONS * capacity / (latency_ms / 1000)
                 log(f"smaller Arrow batches: {', '.join(map(str, BATCH_SWEEP))} rows")
                 result["batch_sweep"] = batch_sweep(spark, service, sizes, capacity)
+                log("latency that varies (exponential, lognormal; median 20 ms)")
+                result["latency_variance"] = latency_variance(spark, service, sizes, capacity)
                 log("throughput at 200 ms")
                 result["slow"] = {
                     "latency_ms": 200,
@@ -1042,6 +1129,14 @@ def report(result: dict[str, Any]) -> str:
             f"{r['label']:<52}{r['rows']:>8,}{r['rows_per_s']:>10,.0f}"
             f"{r['rows_per_s'] / slow_bound:>19.2f}x"
         )
+    for shape in result.get("latency_variance", []):
+        lines += ["", f"{shape['shape']} latency, median 20 ms, mean {shape['mean_ms']:.0f} ms"]
+        for r in shape["table"]:
+            lines.append(
+                f"{r['label'] + ' (capacity ' + str(r['capacity']) + ')':<52}{shape['rows']:>8,}"
+                f"{r['rows_per_s']:>10,.0f}{r['vs_handwritten']:>8.2f}x"
+                f"  peak in flight {r['peak_in_flight']:,}"
+            )
     sweep = result["sweep"]
     lines += [
         "",
