@@ -38,8 +38,11 @@ def ordered_wait(
     does not match, including a value Arrow would only take with loss (2.5 for an integer
     field, a struct with keys it does not declare, a Row whose fields are not the struct's
     in order), fails the task with
-    ``ResultSchemaError`` naming the field and the input row. ``capacity`` bounds the
-    calls in flight per task;
+    ``ResultSchemaError`` naming the field and the input row. ``capacity`` bounds the rows
+    in a task's queue: the calls in flight and, as in Flink, the results that wait for an
+    earlier row's. Behind a slow call the queue fills with finished results, so against a
+    service whose latency varies fewer calls are in flight than ``capacity``: set it well
+    above the concurrency the service should see on average (README, "Ordering modes");
     ``timeout`` (seconds, per row, covering retries) and ``retry`` are as in
     ``AsyncWaitOperator``. With ``checkpoint``, each task checkpoints its progress to Delta
     and a failed task or a killed job resumes instead of starting over (see
@@ -69,7 +72,9 @@ def unordered_wait(
     watermarks from it with ``max_out_of_orderness`` (a timedelta or seconds for timestamp
     columns; a timedelta of whole days or days for date columns; the column's own units for
     integer columns); results are then reordered only
-    between two watermarks, never across one.
+    between two watermarks, never across one. Without ``event_time`` a finished result
+    leaves at once, so ``capacity`` bounds the calls in flight alone; with it, results
+    after a watermark wait, in the queue, for every row before the watermark.
     """
     return _async_wait(
         df,
