@@ -173,6 +173,33 @@ async def test_process_element_waits_for_capacity_while_completions_keep_running
 
 
 @pytest.mark.parametrize("mode", MODES)
+async def test_a_finished_result_waiting_for_an_earlier_one_keeps_its_entry_in_ordered_mode(
+    mode: OutputMode,
+) -> None:
+    # What README "Choosing capacity for ordered output" rests on: in ordered mode a
+    # slow head holds back the calls behind it, in unordered mode it does not.
+    fn, out, op = make(mode, capacity=2)
+    await op.open()
+    await feed(op, ["slow", "fast"])
+    await settle()
+    fn.complete("fast", ["FAST"])
+    await settle()
+    third = asyncio.ensure_future(op.process_element(StreamRecord("next")))
+    await settle()
+    if mode is OutputMode.ORDERED:
+        assert values(out) == []  # "FAST" waits for "slow", in the queue
+        assert not third.done()
+        assert fn.calls == ["slow", "fast"]  # one call in flight, yet the queue is full
+        fn.complete("slow", ["SLOW"])
+        await settle()
+        assert values(out) == ["SLOW", "FAST"]
+    else:
+        assert values(out) == ["FAST"]
+    assert third.done()
+    assert fn.calls == ["slow", "fast", "next"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 async def test_watermarks_take_capacity(mode: OutputMode) -> None:
     fn, out, op = make(mode, capacity=2)
     await op.open()
