@@ -285,6 +285,11 @@ def rows_per_cpu_s(rows: int, cpu: dict[str, float]) -> float:
     return rows / ours if ours > 0 else float("nan")
 
 
+def median_rows_per_cpu_s(rows: int, cpus: list[dict[str, float]]) -> float:
+    """The median of ``rows_per_cpu_s`` over the runs of one case."""
+    return statistics.median(rows_per_cpu_s(rows, c) for c in cpus)
+
+
 def checked(service: Any, rows: int, what: str) -> None:
     total = service.stats()["total"]
     if total != rows:
@@ -374,9 +379,7 @@ def throughput(
             "rows_per_s": rows_for[case] / min(seconds[case]),
             "cpu_s": cpu[case][seconds[case].index(min(seconds[case]))],
             "cpu_runs": cpu[case],
-            "rows_per_cpu_s": statistics.median(
-                rows_per_cpu_s(rows_for[case], c) for c in cpu[case]
-            ),
+            "rows_per_cpu_s": median_rows_per_cpu_s(rows_for[case], cpu[case]),
         }
         out.append(row)
     return out
@@ -411,7 +414,7 @@ def batch_sweep(spark: Any, service: Any, sizes: Sizes, capacity: int) -> list[d
             for kind in kinds:
                 row[kind] = {
                     "rows_per_s": rows / min(seconds[kind]),
-                    "rows_per_cpu_s": statistics.median(rows_per_cpu_s(rows, c) for c in cpu[kind]),
+                    "rows_per_cpu_s": median_rows_per_cpu_s(rows, cpu[kind]),
                     "runs_s": seconds[kind],
                 }
             row["ratio"] = (
@@ -482,9 +485,7 @@ def latency_variance(spark: Any, service: Any, sizes: Sizes, capacity: int) -> l
                         "capacity": cap,
                         "rows_per_s": rate,
                         "vs_handwritten": rate / anchor,
-                        "rows_per_cpu_s": statistics.median(
-                            rows_per_cpu_s(rows, c) for c in cpu[(kind, cap)]
-                        ),
+                        "rows_per_cpu_s": median_rows_per_cpu_s(rows, cpu[(kind, cap)]),
                         "peak_in_flight": peaks[(kind, cap)],
                         "runs_s": seconds[(kind, cap)],
                     }
@@ -590,11 +591,11 @@ def checkpoint_sweep(spark: Any, sizes: Sizes, work: str) -> dict[str, Any]:
                 commits[str(interval)].extend(latencies)
                 counts[str(interval)] = len(latencies)
     base = rows / min(seconds["None"])
-    base_cpu = statistics.median(rows_per_cpu_s(rows, c) for c in cpu["None"])
+    base_cpu = median_rows_per_cpu_s(rows, cpu["None"])
     table = []
     for interval in intervals:
         rate = rows / min(seconds[str(interval)])
-        efficiency = statistics.median(rows_per_cpu_s(rows, c) for c in cpu[str(interval)])
+        efficiency = median_rows_per_cpu_s(rows, cpu[str(interval)])
         row: dict[str, Any] = {
             "interval": interval,
             "rows": rows,
@@ -728,10 +729,8 @@ def service_checkpoint(
         "commit_latencies_ms": commits,
         "cpu_s": {k: cpu[k][seconds[k].index(min(seconds[k]))] for k in cpu},
         "cpu_runs": cpu,
-        "rows_per_cpu_s_none": statistics.median(rows_per_cpu_s(rows, c) for c in cpu["none"]),
-        "rows_per_cpu_s_checkpoint": statistics.median(
-            rows_per_cpu_s(rows, c) for c in cpu["checkpoint"]
-        ),
+        "rows_per_cpu_s_none": median_rows_per_cpu_s(rows, cpu["none"]),
+        "rows_per_cpu_s_checkpoint": median_rows_per_cpu_s(rows, cpu["checkpoint"]),
     }
 
 

@@ -346,9 +346,11 @@ class SubtaskLog:
         table = self._open()
         assert table is not None
         input_schema, output_schema = self.schemas()  # type: ignore[misc]
-        kinds = pc.field("kind") != KIND_CHECKPOINT
-        if not results:
-            kinds = pc.field("kind").isin([KIND_RECORD, KIND_WATERMARK])
+        kinds = (
+            pc.field("kind") != KIND_CHECKPOINT
+            if results
+            else pc.field("kind").isin([KIND_RECORD, KIND_WATERMARK])
+        )
         rows = self._read(
             table,
             (pc.field("run_id") == meta.run_id)
@@ -402,16 +404,17 @@ class SubtaskLog:
             snapshot.elements,
             snapshot.input_seqs,
             pa.concat_tables([p for p, _ in parts]) if parts else snapshot.results,
-            [t for _, stamps in parts for t in stamps],
+            [t for _, stamps in parts for t in stamps.to_pylist()],
         )
 
     def chain_results(
         self, meta: CheckpointMetadata, max_rows: int = _RESTORE_GROUP_ROWS
-    ) -> Iterator[tuple[pa.Table, list[int | None]]]:
+    ) -> Iterator[tuple[pa.Table, pa.ChunkedArray]]:
         """The results committed along ``meta``'s chain, in commit order, with their
-        timestamps: one table per group of consecutive checkpoints holding at most
-        ``max_rows`` results (or one checkpoint that holds more), so a resuming task holds
-        one group at a time rather than its partition's whole output so far."""
+        timestamps (an int64 array, null where none): one table per group of consecutive
+        checkpoints holding at most ``max_rows`` results (or one checkpoint that holds
+        more), so a resuming task holds one group at a time rather than its partition's
+        whole output so far."""
         chain = self.chain(meta)
         table = self._open()
         assert table is not None
@@ -434,7 +437,7 @@ class SubtaskLog:
         group: list[CheckpointMetadata],
         expected: int,
         output_schema: pa.Schema,
-    ) -> tuple[pa.Table, list[int | None]]:
+    ) -> tuple[pa.Table, pa.ChunkedArray]:
         rows = self._read(
             table,
             (pc.field("kind") == KIND_RESULT) & _refs_filter(m.ref for m in group),
@@ -457,7 +460,7 @@ class SubtaskLog:
                 f"Checkpoints {group[0].ref}..{group[-1].ref} of subtask {self.subtask} "
                 f"record {expected} results but {len(results)} are stored."
             )
-        return results, rows.column("timestamp").to_pylist()
+        return results, rows.column("timestamp")
 
     # -- writing ------------------------------------------------------------------------
 

@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import pyarrow as pa
@@ -420,7 +419,7 @@ class _TaskRun:
 
     async def _in_io(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         assert self.loop is not None
-        return await self.loop.run_in_executor(self.io, partial(fn, *args, **kwargs))
+        return await self.loop.run_in_executor(self.io, functools.partial(fn, *args, **kwargs))
 
     async def _restore(self) -> list[StreamElement]:
         from checkpoint import InputFingerprint, SnapshotStore
@@ -451,8 +450,9 @@ class _TaskRun:
         # results at a time, and only as fast as Spark takes them.
         groups = self.log.chain_results(meta)
         while (group := await self._in_io(next, groups, None)) is not None:
-            self.stats["restored_results"] += group[0].num_rows
-            for batch in group[0].to_batches(max_chunksize=_OUTPUT_ROWS):
+            results, _ = group  # Spark rows carry no timestamps
+            self.stats["restored_results"] += results.num_rows
+            for batch in results.to_batches(max_chunksize=_OUTPUT_ROWS):
                 await self._wait_for_room()
                 self.out.put(("batch", batch))
         restored: list[StreamElement] = []
