@@ -1,0 +1,83 @@
+"""The README's code, run as written: only the service URL and the paths are replaced."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from deltalake import DeltaTable
+
+from checkpoint import delta_dataset
+from stateful_async.chaos import MockService, ServiceConfig, expected_enrichment
+
+pytestmark = pytest.mark.spark
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def python_blocks() -> list[str]:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+    assert len(blocks) == 2, f"README has {len(blocks)} python blocks; this test runs 2"
+    return blocks
+
+
+def substitute(code: str, replacements: dict[str, str]) -> str:
+    for old, new in replacements.items():
+        assert old in code, f"the README's quickstart no longer contains {old!r}"
+        code = code.replace(old, new)
+    return code
+
+
+def test_the_quickstart_runs_then_resumes_from_its_checkpoints(spark: Any, tmp_path: Path) -> None:
+    users = [{"id": i, "name": f"user-{i}"} for i in range(300)]
+    spark.createDataFrame(users, "id long, name string").repartition(2).write.parquet(
+        str(tmp_path / "users")
+    )
+    expected = []
+    for user in users:
+        answer = expected_enrichment(str(user["id"]))
+        expected.append({**user, "score": answer["score"], "label": answer["label"]})
+    paths = {
+        '"/data/users"': repr(str(tmp_path / "users")),
+        '"/data/checkpoints"': repr(str(tmp_path / "checkpoints")),
+    }
+    with MockService(ServiceConfig(latency_ms=1)) as service:
+        paths["http://127.0.0.1:8099"] = service.url
+        first = substitute(
+            python_blocks()[0],
+            {**paths, '"/data/users_scored"': repr(str(tmp_path / "first"))},
+        )
+        exec(compile(first, "README.md quickstart", "exec"), {})
+        assert service.counts() == {str(user["id"]): 1 for user in users}
+
+        # The README's advice after a driver crash: the same job with restore_from="latest".
+        again = substitute(
+            first,
+            {
+                "interval_records=10_000)": 'interval_records=10_000, restore_from="latest")',
+                repr(str(tmp_path / "first")): repr(str(tmp_path / "again")),
+            },
+        )
+        exec(compile(again, "README.md quickstart, resumed", "exec"), {})
+        assert service.counts() == {str(user["id"]): 1 for user in users}, (
+            "the resumed run called the service for results its checkpoints hold"
+        )
+
+    for output in ("first", "again"):
+        written = delta_dataset(DeltaTable(str(tmp_path / output))).to_table().to_pylist()
+        assert sorted(written, key=lambda r: r["id"]) == expected, output
+
+
+def test_the_operator_example_runs_without_spark() -> None:
+    namespace: dict[str, Any] = {}
+    exec(compile(python_blocks()[1], "README.md operator example", "exec"), namespace)
+
+    async def lookup(row: int) -> list[int]:
+        await asyncio.sleep(0.001 * (row % 7))  # later rows often finish first
+        return [row * 10]
+
+    rows = list(range(250))
+    assert asyncio.run(namespace["run"](rows, lookup)) == [row * 10 for row in rows]
