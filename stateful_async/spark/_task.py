@@ -18,15 +18,13 @@ in-flight inputs and carries on. The successful attempt's output is exactly once
 from __future__ import annotations
 
 import asyncio
-import decimal
 import functools
-import numbers
 import os
 import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +37,7 @@ from .._function import AsyncFunction, CoroutineFunction, has_timeout_handler
 from .._operator import AsyncWaitOperator, OutputMode
 from .._retry import RetryStrategy
 from ._config import CheckpointConfig
+from ._results import to_batch
 
 _CHUNK_ROWS = 1024  # rows converted to Python and fed per step (bounds loop latency)
 _OUTPUT_ROWS = 1024  # rows per output Arrow batch
@@ -404,7 +403,7 @@ class _TaskRun:
             return
         rows, sources = self.rows, self.sources
         self.rows, self.sources = [], []
-        batch = _to_batch(rows, sources, self.spec.output_schema)
+        batch = to_batch(rows, sources, self.spec.output_schema)
         if self.checkpointing:
             self.uncommitted.append(batch)
         self.out.put(("batch", batch))
@@ -596,160 +595,3 @@ def _timestamps(chunk: pa.RecordBatch, column: str) -> list[int | None]:
     elif pa.types.is_date(array.type):
         array = array.cast(pa.date32()).cast(pa.int32()).cast(pa.int64())
     return array.cast(pa.int64()).to_pylist()
-
-
-def _to_batch(
-    rows: list[dict[str, Any]], sources: list[dict[str, Any]], schema: pa.Schema
-) -> pa.RecordBatch:
-    try:
-        batch = pa.RecordBatch.from_pylist(rows, schema=schema)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
-        pass
-    else:
-        # pyarrow converts some values it cannot hold by dropping data (1.5 into a long
-        # becomes 1, a struct's unknown keys vanish): refuse those, naming the field.
-        for name, check in _lossy_checks(schema):
-            for row, source in zip(rows, sources, strict=True):
-                value = row[name]
-                if value is not None and (problem := check(value)) is not None:
-                    raise ResultSchemaError(
-                        f"The result field {name + problem.path!r} ({problem.type}) cannot hold "
-                        f"{describe(problem.value)} ({type(problem.value).__name__}): "
-                        f"{problem.reason}, returned for input row {describe(source)}. Return "
-                        "values of the types the output schema declares."
-                    )
-        return batch
-    for row, source in zip(rows, sources, strict=True):  # find the culprit, for the message
-        for field in schema:
-            value = row.get(field.name)
-            try:
-                pa.array([value], type=field.type)
-            except (
-                pa.ArrowInvalid,
-                pa.ArrowTypeError,
-                OverflowError,
-                TypeError,
-                ValueError,
-            ) as exc:
-                raise ResultSchemaError(
-                    f"The result field {field.name!r} ({field.type}) cannot hold {describe(value)} "
-                    f"({type(value).__name__}), returned for input row {describe(source)}: {exc}. "
-                    "Return values of the types the output schema declares."
-                ) from exc
-    raise ResultSchemaError(
-        f"The results could not be converted to the output schema {schema}."
-    )  # pragma: no cover - a per-field failure is always found above
-
-
-@dataclass(frozen=True)
-class _Loss:
-    """A value pyarrow would convert with loss: where below the field, its type, why."""
-
-    path: str
-    type: pa.DataType
-    value: Any
-    reason: str
-
-    def under(self, prefix: str) -> _Loss:
-        return _Loss(prefix + self.path, self.type, self.value, self.reason)
-
-
-_Check = Callable[[Any], "_Loss | None"]  # None: pyarrow converts the value without loss
-
-
-@functools.lru_cache(maxsize=64)
-def _lossy_checks(schema: pa.Schema) -> tuple[tuple[str, _Check], ...]:
-    """The top-level fields whose values pyarrow might convert with loss, with their checks."""
-    return tuple(
-        (field.name, check) for field in schema if (check := _check_for(field.type)) is not None
-    )
-
-
-def _check_for(arrow_type: pa.DataType) -> _Check | None:
-    if pa.types.is_integer(arrow_type):
-
-        def check_integer(value: Any) -> _Loss | None:
-            if type(value) is int or isinstance(value, numbers.Integral):
-                return None
-            if isinstance(value, (numbers.Number, decimal.Decimal)):
-                try:
-                    if value == int(value):  # type: ignore[arg-type]
-                        return None  # 2.0 is 2: pyarrow converts it without loss
-                except (ValueError, OverflowError, TypeError):
-                    pass  # nan, inf, complex
-                return _Loss("", arrow_type, value, "an integer field would truncate it")
-            return None  # anything else pyarrow refuses outright
-
-        return check_integer
-    if pa.types.is_struct(arrow_type):
-        children = [arrow_type.field(i) for i in range(arrow_type.num_fields)]
-        order = [child.name for child in children]
-        names = frozenset(order)
-        checks = [(child.name, _check_for(child.type)) for child in children]
-
-        def check_struct(value: Any) -> _Loss | None:
-            if isinstance(value, dict):
-                extra = value.keys() - names
-                if extra:  # pyarrow would drop them (a missing key is null, as in Spark)
-                    reason = (
-                        f"unexpected field(s) {sorted(extra)} would be dropped (the struct has "
-                        f"{order})"
-                    )
-                    return _Loss("", arrow_type, value, reason)
-                fields: Any = ((name, check, value.get(name)) for name, check in checks)
-            elif isinstance(value, tuple):  # taken by position, a Row's names notwithstanding
-                row_names = getattr(value, "__fields__", None)
-                if row_names is not None and list(row_names) != order:
-                    reason = (
-                        f"a Row's fields are taken by position, and its fields {list(row_names)} "
-                        f"are not the struct's {order} in order: return a dict, or a Row with "
-                        "the struct's fields in order"
-                    )
-                    return _Loss("", arrow_type, value, reason)
-                fields = (
-                    (name, check, child)
-                    for (name, check), child in zip(checks, value, strict=False)
-                )
-            else:
-                return None  # pyarrow refuses it outright
-            for name, check, child in fields:
-                if check is not None and child is not None and (loss := check(child)):
-                    return loss.under(f".{name}")
-            return None
-
-        return check_struct
-    if (
-        pa.types.is_list(arrow_type)
-        or pa.types.is_large_list(arrow_type)
-        or pa.types.is_fixed_size_list(arrow_type)
-    ):
-        element_check = _check_for(arrow_type.value_type)
-        if element_check is None:
-            return None
-        check_element: _Check = element_check
-
-        def check_list(value: Any) -> _Loss | None:
-            for i, element in enumerate(value):
-                if element is not None and (loss := check_element(element)):
-                    return loss.under(f"[{i}]")
-            return None
-
-        return check_list
-    if pa.types.is_map(arrow_type):
-        key, item = _check_for(arrow_type.key_type), _check_for(arrow_type.item_type)
-        if key is None and item is None:
-            return None
-
-        def check_map(value: Any) -> _Loss | None:
-            pairs = value.items() if isinstance(value, dict) else value
-            for pair in pairs:
-                # a (key, value) pair, or a {"key": ..., "value": ...} dict as pyarrow takes
-                k, v = (pair.get("key"), pair.get("value")) if isinstance(pair, dict) else pair
-                if key is not None and k is not None and (loss := key(k)):
-                    return loss.under(" key")
-                if item is not None and v is not None and (loss := item(v)):
-                    return loss.under(f"[{k!r}]")
-            return None
-
-        return check_map
-    return None

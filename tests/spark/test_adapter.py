@@ -571,7 +571,7 @@ def test_a_result_of_the_wrong_type_names_the_field_and_the_input_row(
     ],
 )
 def test_result_conversion_refuses_only_what_would_lose_data(value, problem) -> None:
-    from stateful_async.spark._task import _to_batch
+    from stateful_async.spark._results import to_batch
 
     schema = pa.schema(
         [
@@ -582,10 +582,76 @@ def test_result_conversion_refuses_only_what_would_lose_data(value, problem) -> 
     )
     row = {"st": None, "m": None, **value}
     if problem is None:
-        assert _to_batch([row], [{"id": 0}], schema).num_rows == 1
+        assert to_batch([row], [{"id": 0}], schema).num_rows == 1
     else:
         with pytest.raises(ResultSchemaError, match=problem):
-            _to_batch([row], [{"id": 0}], schema)
+            to_batch([row], [{"id": 0}], schema)
+
+
+def test_a_struct_returned_in_two_forms_in_one_batch_names_the_row() -> None:
+    from stateful_async.spark._results import to_batch
+
+    schema = pa.schema([("id", pa.int64()), ("st", pa.struct([("a", pa.int64())]))])
+    rows = [{"id": i, "st": {"a": i}} for i in range(5)] + [{"id": 5, "st": (5,)}]
+    with pytest.raises(
+        ResultSchemaError,
+        match=r"'st' \(struct<a: int64>\) cannot hold \(5,\) \(tuple\), returned for input "
+        r"row \{'id': 50\}, in the same batch as \{'a': 0\} \(dict\)\. Return each field in "
+        r"one form",
+    ):
+        to_batch(rows, [{"id": 10 * i} for i in range(6)], schema)
+
+
+NOT_NULL_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.int64(), nullable=False),
+        ("st", pa.struct([pa.field("a", pa.int64(), nullable=False), ("b", pa.int64())])),
+        ("l", pa.list_(pa.field("item", pa.int64(), nullable=False))),
+        ("m", pa.map_(pa.string(), pa.field("value", pa.int64(), nullable=False))),
+        ("sl", pa.list_(pa.struct([pa.field("x", pa.int64(), nullable=False)]))),
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ({}, None),
+        ({"st": None, "l": None, "m": None, "sl": [None]}, None),  # nullable around NOT NULL
+        ({"id": None}, r"'id' \(int64\) cannot hold None \(NoneType\): the output schema "),
+        ({"st": {"b": 1}}, r"'st.a' \(int64\) cannot hold None"),  # a missing key is null
+        ({"st": (None, 1)}, r"'st.a' \(int64\) cannot hold None"),
+        ({"l": [4, None]}, r"'l\[1\]' \(int64\) cannot hold None"),
+        ({"m": {"k": None}}, r"\"m\['k'\]\" \(int64\) cannot hold None"),
+        ({"sl": [{"x": 1}, {}]}, r"'sl\[1\].x' \(int64\) cannot hold None"),
+    ],
+)
+def test_a_null_in_a_not_null_field_is_refused_naming_the_field_and_the_row(value, problem) -> None:
+    from stateful_async.spark._results import to_batch
+
+    # the second of three rows carries the value, behind a first row with nested values
+    fine = {"id": 1, "st": None, "l": [1, 2], "m": {"a": 1}, "sl": [{"x": 1}]}
+    rows = [fine, {**fine, "id": 2, **value}, {**fine, "id": 3}]
+    sources = [{"id": 10}, {"id": 20}, {"id": 30}]
+    if problem is None:
+        assert to_batch(rows, sources, NOT_NULL_SCHEMA).num_rows == 3
+    else:
+        with pytest.raises(ResultSchemaError, match=problem + r".*input row \{'id': 20\}"):
+            to_batch(rows, sources, NOT_NULL_SCHEMA)
+
+
+def test_a_null_in_a_not_null_output_column_fails_with_the_message_not_a_jvm_trace(
+    spark,
+) -> None:
+    async def no_id(row):  # type: ignore[no-untyped-def]
+        return [{"id": None if row["id"] == 3 else row["id"], "label": "x"}]
+
+    with pytest.raises(
+        Exception, match=r"result field 'id' \(int64\) cannot hold None .*input row \{'id': 3\}"
+    ):
+        ordered_wait(
+            spark.range(0, 5, numPartitions=1), no_id, "id long not null, label string"
+        ).collect()
 
 
 def test_results_of_the_declared_types_pass_unchanged(spark) -> None:

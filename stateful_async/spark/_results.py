@@ -1,0 +1,326 @@
+"""Results to Arrow: a task's result dicts become one batch of the output schema, or a
+``ResultSchemaError`` that names the field, the value and the input row.
+
+pyarrow converts some values it cannot hold by dropping data (1.5 into a long becomes 1, a
+struct's unknown keys vanish) and lets a null into a field the schema declares NOT NULL
+(which Spark's JVM then fails on with a bare stack trace): both are refused here.
+"""
+
+from __future__ import annotations
+
+import decimal
+import functools
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .._elements import describe
+from .._exceptions import ResultSchemaError
+
+
+def to_batch(
+    rows: list[dict[str, Any]], sources: list[dict[str, Any]], schema: pa.Schema
+) -> pa.RecordBatch:
+    try:
+        batch = pa.RecordBatch.from_pylist(rows, schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
+        pass
+    else:
+        # pyarrow converts some values it cannot hold by dropping data (1.5 into a long
+        # becomes 1, a struct's unknown keys vanish): refuse those, naming the field.
+        for name, check in _lossy_checks(schema):
+            for row, source in zip(rows, sources, strict=True):
+                value = row[name]
+                if value is not None and (problem := check(value)) is not None:
+                    raise _refusal(name, problem, source)
+        # ... and lets a null into a NOT NULL field, which Spark's JVM fails on.
+        for index, field in _required_fields(schema):
+            at = _forbidden_null_row(batch.column(index), field.nullable, None, None)
+            if at is not None:
+                problem = _null_loss(rows[at].get(field.name), field) or _Loss(
+                    "", field.type, None, _NOT_NULL
+                )
+                raise _refusal(field.name, problem, sources[at])
+        return batch
+    for row, source in zip(rows, sources, strict=True):  # find the culprit, for the message
+        for field in schema:
+            value = row.get(field.name)
+            try:
+                pa.array([value], type=field.type)
+            except (
+                pa.ArrowInvalid,
+                pa.ArrowTypeError,
+                OverflowError,
+                TypeError,
+                ValueError,
+            ) as exc:
+                raise ResultSchemaError(
+                    f"The result field {field.name!r} ({field.type}) cannot hold {describe(value)} "
+                    f"({type(value).__name__}), returned for input row {describe(source)}: {exc}. "
+                    "Return values of the types the output schema declares."
+                ) from exc
+    # Every value converts alone but a column does not: pyarrow takes the form of a
+    # column's values (a struct as a dict, or as a tuple) from its first one.
+    for field in schema:
+        values = [row.get(field.name) for row in rows]
+        if (at := _first_failing_prefix(values, field.type)) is None:
+            continue
+        first = next(value for value in values if value is not None)
+        raise ResultSchemaError(
+            f"The result field {field.name!r} ({field.type}) cannot hold {describe(values[at])} "
+            f"({type(values[at]).__name__}), returned for input row {describe(sources[at])}, "
+            f"in the same batch as {describe(first)} ({type(first).__name__}). Return each "
+            "field in one form for every row (a struct always as a dict, or always as a tuple)."
+        )
+    raise ResultSchemaError(  # pragma: no cover - one of the searches above finds it
+        f"The results could not be converted to the output schema {schema}."
+    )
+
+
+def _first_failing_prefix(values: list[Any], arrow_type: pa.DataType) -> int | None:
+    """The index of the value that makes ``values`` fail to convert, or None if they convert."""
+
+    def converts(count: int) -> bool:
+        try:
+            pa.array(values[:count], type=arrow_type)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
+            return False
+        return True
+
+    if converts(len(values)):
+        return None
+    good, bad = 0, len(values)  # the first `good` values convert, the first `bad` do not
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if converts(middle) else (good, middle)
+    return bad - 1
+
+
+def _refusal(name: str, problem: _Loss, source: dict[str, Any]) -> ResultSchemaError:
+    return ResultSchemaError(
+        f"The result field {name + problem.path!r} ({problem.type}) cannot hold "
+        f"{describe(problem.value)} ({type(problem.value).__name__}): {problem.reason}, "
+        f"returned for input row {describe(source)}. Return values of the types the output "
+        "schema declares."
+    )
+
+
+@dataclass(frozen=True)
+class _Loss:
+    """A value pyarrow would convert with loss: where below the field, its type, why."""
+
+    path: str
+    type: pa.DataType
+    value: Any
+    reason: str
+
+    def under(self, prefix: str) -> _Loss:
+        return _Loss(prefix + self.path, self.type, self.value, self.reason)
+
+
+_Check = Callable[[Any], "_Loss | None"]  # None: pyarrow converts the value without loss
+
+
+@functools.lru_cache(maxsize=64)
+def _lossy_checks(schema: pa.Schema) -> tuple[tuple[str, _Check], ...]:
+    """The top-level fields whose values pyarrow might convert with loss, with their checks."""
+    return tuple(
+        (field.name, check) for field in schema if (check := _check_for(field.type)) is not None
+    )
+
+
+def _check_for(arrow_type: pa.DataType) -> _Check | None:
+    if pa.types.is_integer(arrow_type):
+
+        def check_integer(value: Any) -> _Loss | None:
+            if type(value) is int or isinstance(value, numbers.Integral):
+                return None
+            if isinstance(value, (numbers.Number, decimal.Decimal)):
+                try:
+                    if value == int(value):  # type: ignore[arg-type]
+                        return None  # 2.0 is 2: pyarrow converts it without loss
+                except (ValueError, OverflowError, TypeError):
+                    pass  # nan, inf, complex
+                return _Loss("", arrow_type, value, "an integer field would truncate it")
+            return None  # anything else pyarrow refuses outright
+
+        return check_integer
+    if pa.types.is_struct(arrow_type):
+        children = [arrow_type.field(i) for i in range(arrow_type.num_fields)]
+        order = [child.name for child in children]
+        names = frozenset(order)
+        checks = [(child.name, _check_for(child.type)) for child in children]
+
+        def check_struct(value: Any) -> _Loss | None:
+            if isinstance(value, dict):
+                extra = value.keys() - names
+                if extra:  # pyarrow would drop them (a missing key is null, as in Spark)
+                    reason = (
+                        f"unexpected field(s) {sorted(extra)} would be dropped (the struct has "
+                        f"{order})"
+                    )
+                    return _Loss("", arrow_type, value, reason)
+                fields: Any = ((name, check, value.get(name)) for name, check in checks)
+            elif isinstance(value, tuple):  # taken by position, a Row's names notwithstanding
+                row_names = getattr(value, "__fields__", None)
+                if row_names is not None and list(row_names) != order:
+                    reason = (
+                        f"a Row's fields are taken by position, and its fields {list(row_names)} "
+                        f"are not the struct's {order} in order: return a dict, or a Row with "
+                        "the struct's fields in order"
+                    )
+                    return _Loss("", arrow_type, value, reason)
+                fields = (
+                    (name, check, child)
+                    for (name, check), child in zip(checks, value, strict=False)
+                )
+            else:
+                return None  # pyarrow refuses it outright
+            for name, check, child in fields:
+                if check is not None and child is not None and (loss := check(child)):
+                    return loss.under(f".{name}")
+            return None
+
+        return check_struct
+    if (
+        pa.types.is_list(arrow_type)
+        or pa.types.is_large_list(arrow_type)
+        or pa.types.is_fixed_size_list(arrow_type)
+    ):
+        element_check = _check_for(arrow_type.value_type)
+        if element_check is None:
+            return None
+        check_element: _Check = element_check
+
+        def check_list(value: Any) -> _Loss | None:
+            for i, element in enumerate(value):
+                if element is not None and (loss := check_element(element)):
+                    return loss.under(f"[{i}]")
+            return None
+
+        return check_list
+    if pa.types.is_map(arrow_type):
+        key, item = _check_for(arrow_type.key_type), _check_for(arrow_type.item_type)
+        if key is None and item is None:
+            return None
+
+        def check_map(value: Any) -> _Loss | None:
+            pairs = value.items() if isinstance(value, dict) else value
+            for pair in pairs:
+                # a (key, value) pair, or a {"key": ..., "value": ...} dict as pyarrow takes
+                k, v = (pair.get("key"), pair.get("value")) if isinstance(pair, dict) else pair
+                if key is not None and k is not None and (loss := key(k)):
+                    return loss.under(" key")
+                if item is not None and v is not None and (loss := item(v)):
+                    return loss.under(f"[{k!r}]")
+            return None
+
+        return check_map
+    return None
+
+
+# -- NOT NULL fields ----------------------------------------------------------------------
+
+_NOT_NULL = "the output schema declares it NOT NULL (return a value, or declare it nullable)"
+
+
+def _requires(field: pa.Field) -> bool:
+    """Whether ``field``, or a field anywhere inside it, is NOT NULL."""
+    children = _children(field.type)
+    return not field.nullable or any(_requires(child) for child in children)
+
+
+def _children(arrow_type: pa.DataType) -> list[pa.Field]:
+    if pa.types.is_struct(arrow_type):
+        return [arrow_type.field(i) for i in range(arrow_type.num_fields)]
+    if pa.types.is_map(arrow_type):  # a list of non-null (key, value) entries
+        entries = pa.struct([arrow_type.key_field, arrow_type.item_field])
+        return [pa.field("entries", entries, nullable=False)]
+    if (
+        pa.types.is_list(arrow_type)
+        or pa.types.is_large_list(arrow_type)
+        or pa.types.is_fixed_size_list(arrow_type)
+    ):
+        return [arrow_type.value_field]
+    return []
+
+
+@functools.lru_cache(maxsize=64)
+def _required_fields(schema: pa.Schema) -> tuple[tuple[int, pa.Field], ...]:
+    """The top-level fields that are, or hold, NOT NULL fields, with their positions."""
+    return tuple((i, field) for i, field in enumerate(schema) if _requires(field))
+
+
+def _forbidden_null_row(
+    array: pa.Array, nullable: bool, valid: np.ndarray | None, rows: np.ndarray | None
+) -> int | None:
+    """The first row holding a null in ``array`` where the schema forbids one, or None.
+
+    ``valid`` marks the positions whose enclosing values are all non-null (a NOT NULL field
+    of a null struct is fine); ``rows`` maps positions to rows (None: the identity)."""
+    present = array.is_valid().to_numpy(zero_copy_only=False)
+    if valid is not None:
+        present &= valid
+        absent = valid & ~present
+    else:
+        absent = ~present
+    if not nullable and absent.any():
+        at = int(absent.argmax())
+        return at if rows is None else int(rows[at])
+    arrow_type = array.type
+    if pa.types.is_struct(arrow_type):
+        for i, child in enumerate(_children(arrow_type)):
+            if _requires(child):
+                found = _forbidden_null_row(array.field(i), child.nullable, present, rows)
+                if found is not None:
+                    return found
+        return None
+    children = _children(arrow_type)
+    if not children or not _requires(children[0]):
+        return None
+    if pa.types.is_fixed_size_list(arrow_type):
+        size = arrow_type.list_size
+        values = array.values.slice(array.offset * size, len(array) * size)
+        lengths = np.full(len(array), size)
+    else:
+        offsets = array.offsets.to_numpy()
+        values = array.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        lengths = np.diff(offsets)
+    parents = np.repeat(np.arange(len(array)), lengths)
+    return _forbidden_null_row(
+        values, children[0].nullable, present[parents], parents if rows is None else rows[parents]
+    )
+
+
+def _null_loss(value: Any, field: pa.Field) -> _Loss | None:
+    """Where in ``value`` a NOT NULL field holds None, for the message (None: not found)."""
+    if value is None:
+        return None if field.nullable else _Loss("", field.type, None, _NOT_NULL)
+    arrow_type = field.type
+    if pa.types.is_struct(arrow_type):
+        children = _children(arrow_type)
+        if isinstance(value, dict):
+            pairs = [(child, value.get(child.name)) for child in children]
+        elif isinstance(value, tuple):  # by position, as pyarrow takes it
+            padded = (*value, *[None] * (len(children) - len(value)))
+            pairs = list(zip(children, padded, strict=False))
+        else:
+            return None
+        for child, item in pairs:
+            if (loss := _null_loss(item, child)) is not None:
+                return loss.under(f".{child.name}")
+    elif pa.types.is_map(arrow_type):
+        entries = value.items() if isinstance(value, dict) else value
+        for entry in entries:
+            k, v = (entry.get("key"), entry.get("value")) if isinstance(entry, dict) else entry
+            if (loss := _null_loss(v, arrow_type.item_field)) is not None:
+                return loss.under(f"[{k!r}]")
+    elif _children(arrow_type):
+        for i, element in enumerate(value):
+            if (loss := _null_loss(element, arrow_type.value_field)) is not None:
+                return loss.under(f"[{i}]")
+    return None
