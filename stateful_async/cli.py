@@ -30,8 +30,10 @@ from typing import Annotated, Any
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from ._exceptions import StatefulAsyncError
 
@@ -61,7 +63,7 @@ def _user_errors() -> Iterator[None]:
     try:
         yield
     except (Fail, StatefulAsyncError) as exc:
-        err.print(f"[bold red]Error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+        err.print(f"[bold red]Error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(USER_ERROR) from None
 
 
@@ -176,11 +178,12 @@ def demo(
         "exactly-once",
         f"{verdict} ({result.output_rows:,} rows in the Delta table)",
     )
-    table.add_row("output", f"{result.output_path} (Delta)")
-    table.add_row("checkpoints", result.checkpoint_location)
-    table.add_row("Spark's log", result.spark_log)
+    table.add_row("output", escape(f"{result.output_path} (Delta)"))
+    table.add_row("checkpoints", escape(result.checkpoint_location))
+    table.add_row("Spark's log", escape(result.spark_log))
     out.print(table)
-    out.print(f"Look inside: [bold]stateful-async checkpoints list {result.checkpoint_location}[/]")
+    look = escape(f"stateful-async checkpoints list {result.checkpoint_location}")
+    out.print(f"Look inside: [bold]{look}[/]")
     if not result.exactly_once:
         raise typer.Exit(1)
 
@@ -268,7 +271,7 @@ def list_checkpoints(
         ordered = sorted(runs.items(), key=lambda kv: min(g["created"] for _, g in kv[1]))
         for (name, operator, run), rows in ordered:
             table = Table(
-                title=f"job {name}, operator {operator}, run {run}",
+                title=escape(f"job {name}, operator {operator}, run {run}"),
                 title_justify="left",
                 box=box.SIMPLE_HEAD,
                 pad_edge=False,
@@ -351,8 +354,10 @@ def show_checkpoint(
         for s in snapshots:
             m = s.metadata
             table = Table(
-                title=f"Checkpoint {m.checkpoint_id} of job {m.job_id}, partition {m.subtask} "
-                f"(run {m.run_id}): {m.in_flight} in flight at input position {m.position:,}",
+                title=escape(
+                    f"Checkpoint {m.checkpoint_id} of job {m.job_id}, partition {m.subtask} "
+                    f"(run {m.run_id}): {m.in_flight} in flight at input position {m.position:,}"
+                ),
                 title_justify="left",
             )
             for column in ("#", "kind", "input seq", "timestamp", "value"):
@@ -363,7 +368,7 @@ def show_checkpoint(
                     "watermark" if _is_watermark(e) else "record",
                     "" if seq is None else str(seq),
                     "" if e.timestamp is None else str(e.timestamp),
-                    "" if _is_watermark(e) else json.dumps(e.value, default=_json_default),
+                    Text("" if _is_watermark(e) else json.dumps(e.value, default=_json_default)),
                 )
             out.print(table)
 
@@ -380,8 +385,8 @@ def expire_checkpoints(
         name = _job(store, job)
         report = store.expire(name, retain)
         out.print(
-            f"Job {name}: {len(report.expired)} checkpoint(s) expired (state dropped, results "
-            f"kept for later checkpoints), {len(report.deleted)} deleted, "
+            f"Job {escape(name)}: {len(report.expired)} checkpoint(s) expired (state dropped, "
+            f"results kept for later checkpoints), {len(report.deleted)} deleted, "
             f"{report.files_removed} file(s) removed from storage."
         )
 
@@ -396,7 +401,10 @@ def replay(
     function: Annotated[str, typer.Option(help="The async function, as module:attribute.")],
     output: Annotated[
         Path | None,
-        typer.Option(help="Write results here (.jsonl or .parquet); default: stdout."),
+        typer.Option(
+            help="Write results here (.jsonl or .json: one JSON object per line; .parquet); "
+            "default: stdout, as JSON lines."
+        ),
     ] = None,
     job: JobOpt = None,
     partition: PartitionOpt = None,
@@ -412,7 +420,7 @@ def replay(
         if output is not None and output.exists():
             raise Fail(f"The output path {output} already exists; choose a new one.")
         if output is not None and output.suffix not in (".jsonl", ".json", ".parquet"):
-            raise Fail(f"The output path {output} must end in .jsonl or .parquet.")
+            raise Fail(f"The output path {output} must end in .jsonl, .json or .parquet.")
         fn = _import_function(function)
         store = _store(location)
         snapshots = _snapshots(store, _job(store, job), checkpoint_id, operator, partition, run)
@@ -435,7 +443,7 @@ def replay(
         err.print(
             f"Replayed checkpoint {checkpoint_id}: {records} in-flight record(s) of "
             f"{len(snapshots)} partition(s) gave {len(results)} result(s)"
-            + (f", written to {output}." if output else ".")
+            + (f", written to {escape(str(output))}." if output else ".")
         )
 
 

@@ -40,7 +40,8 @@ async def snapshot_mid_job(location: Path) -> list[dict]:
         emitted: list = []
         op = AsyncWaitOperator(fn, emitted.append, OutputMode.ORDERED, capacity=10)
         await op.open()
-        rows = [{"id": partition * 100 + i, "name": f"n{i}"} for i in range(8)]
+        # names in brackets: the terminal output must show them, not take them for markup
+        rows = [{"id": partition * 100 + i, "name": f"[n{i}]"} for i in range(8)]
         for row in rows[:4]:
             await op.process_element(StreamRecord(row))
         await settle()
@@ -103,6 +104,9 @@ REPLAY_MODULE = textwrap.dedent(
     def not_async(row):
         return [row]
 
+    async def returns_a_dict(row):
+        return {"id": row["id"], "greeting": "hi"}
+
     NOT_A_FUNCTION = 42
     """
 )
@@ -147,7 +151,7 @@ def test_show_lists_in_flight_records_and_watermarks(checkpoints) -> None:
     assert [e["value"] for e in snapshot["elements"] if e["kind"] == "record"] == in_flight
     table = invoke("checkpoints", "show", str(location), "2")
     assert table.exit_code == 0
-    assert '"name": "n7"' in table.output and "watermark" in table.output
+    assert '"name": "[n7]"' in table.output and "watermark" in table.output
     assert "partition 0" in table.output and "partition 1" in table.output
 
 
@@ -205,6 +209,7 @@ def test_replay_writes_parquet_and_instantiates_function_classes(
         ("replay_functions:not_async", "is a regular function"),
         ("replay_functions:NOT_A_FUNCTION", "Expected an AsyncFunction"),
         ("just_a_name", "must look like module:attribute"),
+        ("replay_functions:returns_a_dict", "Return a list: [result] for one result"),
     ],
 )
 def test_replay_refuses_functions_it_cannot_use(checkpoints, functions, function, message) -> None:
@@ -244,7 +249,7 @@ def test_replay_refuses_an_output_path_that_exists(checkpoints, functions, tmp_p
     ],
 )
 def test_an_unknown_location_is_a_clear_error(tmp_path, command) -> None:
-    missing = str(tmp_path / "nowhere")
+    missing = str(tmp_path / "[/nowhere]")  # brackets: printed as they are, not as markup
     args = [missing if a == "{}" else a for a in command]
     if "{}" not in command:
         args.insert(2, missing)
