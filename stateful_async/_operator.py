@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import enum
 from functools import partial
 from threading import get_ident
@@ -179,10 +180,10 @@ class AsyncWaitOperator(Generic[IN, OUT]):
     completions, timers and emission keep running) when it is full, so memory is bounded
     by capacity, not by input size.
 
-    ``timeout`` (seconds) is per element, starts when the element enters the queue and
-    covers every retry. At the deadline ``fn.timeout(value)`` decides the element
-    (results, or failure); a result of the running attempt that arrives before the
-    handler returns wins instead. No retry starts at or after the deadline.
+    ``timeout`` (seconds, or a ``timedelta``) is per element, starts when the element
+    enters the queue and covers every retry. At the deadline ``fn.timeout(value)``
+    decides the element (results, or failure); a result of the running attempt that
+    arrives before the handler returns wins instead. No retry starts at or after the deadline.
 
     ``retry`` decides whether a failed attempt (or an unwanted result) is tried again,
     after a per-element backoff. The first outcome of an element wins — a result, the
@@ -205,7 +206,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         output: Output,
         mode: OutputMode | str = OutputMode.ORDERED,
         capacity: int = 100,
-        timeout: float | None = None,
+        timeout: float | datetime.timedelta | None = None,
         retry: RetryStrategy | None = None,
         *,
         clock: Clock | None = None,
@@ -221,10 +222,12 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             raise ConfigurationError(
                 f"capacity must be an integer >= 1 (queue entries in flight); got {capacity!r}."
             )
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
                 raise ConfigurationError(
-                    f"timeout must be a number of seconds or None; got {timeout!r}."
+                    f"timeout must be a number of seconds, a timedelta, or None; got {timeout!r}."
                 )
             if not timeout > 0:
                 raise ConfigurationError(
@@ -886,10 +889,15 @@ def _check_mode(mode: OutputMode | str) -> OutputMode:
         ) from None
 
 
-def check_capacity_and_timeout(capacity: int, timeout: float | None, retry: Any) -> None:
-    """Validate operator options without building one (the Spark adapter checks them on
-    the driver, before a job starts)."""
-    AsyncWaitOperator(_noop_function, _discard, OutputMode.ORDERED, capacity, timeout, retry)
+def check_capacity_and_timeout(
+    capacity: int, timeout: float | datetime.timedelta | None, retry: Any
+) -> float | None:
+    """Validate operator options without running an operator (the Spark adapter checks
+    them on the driver, before a job starts); return the timeout in seconds."""
+    operator = AsyncWaitOperator(
+        _noop_function, _discard, OutputMode.ORDERED, capacity, timeout, retry
+    )
+    return operator._timeout
 
 
 async def _noop_function(value: Any) -> Sequence[Any]:

@@ -522,6 +522,7 @@ async def _noop(value):
         ({"capacity": 2.5}, "capacity must be an integer >= 1"),
         ({"timeout": -1}, "timeout must be > 0 seconds"),
         ({"timeout": 0}, "Use timeout=None for no timeout"),
+        ({"timeout": "5"}, "timeout must be a number of seconds, a timedelta, or None"),
         ({"retry": RetryStrategy.fixed_delay(3, 0.1)}, "A retry strategy needs a timeout"),
         ({"mode": "sideways"}, "mode must be OutputMode.ORDERED or OutputMode.UNORDERED"),
         ({"retry": 3, "timeout": 1}, "retry must be a RetryStrategy"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 
 import pytest
 
@@ -56,10 +57,11 @@ class Timed(AsyncFunction):
 # -- timeouts ------------------------------------------------------------------------------
 
 
-async def test_default_timeout_fails_the_operator_naming_the_element() -> None:
+@pytest.mark.parametrize("timeout", [5, timedelta(seconds=5)])
+async def test_default_timeout_fails_the_operator_naming_the_element(timeout) -> None:
     clock = VirtualClock()
     fn = ControlledFunction()
-    out, op = make(fn, clock, timeout=5)
+    out, op = make(fn, clock, timeout=timeout)
     await op.open()
     await op.process_element(StreamRecord("slow"))
     await clock.advance(4.999)

@@ -25,7 +25,7 @@ def ordered_wait(
     schema: Schema,
     *,
     capacity: int = 100,
-    timeout: float | None = None,
+    timeout: float | dt.timedelta | None = None,
     retry: RetryStrategy | None = None,
     checkpoint: CheckpointConfig | None = None,
 ) -> Any:
@@ -43,8 +43,8 @@ def ordered_wait(
     earlier row's. Behind a slow call the queue fills with finished results, so against a
     service whose latency varies fewer calls are in flight than ``capacity``: set it well
     above the concurrency the service should see on average (README, "Ordering modes");
-    ``timeout`` (seconds, per row, covering retries) and ``retry`` are as in
-    ``AsyncWaitOperator``. With ``checkpoint``, each task checkpoints its progress to Delta
+    ``timeout`` (seconds or a ``timedelta``, per row, covering retries) and ``retry`` are as
+    in ``AsyncWaitOperator``. With ``checkpoint``, each task checkpoints its progress to Delta
     and a failed task or a killed job resumes instead of starting over (see
     ``CheckpointConfig``). Works on batch and streaming DataFrames.
     """
@@ -59,7 +59,7 @@ def unordered_wait(
     schema: Schema,
     *,
     capacity: int = 100,
-    timeout: float | None = None,
+    timeout: float | dt.timedelta | None = None,
     retry: RetryStrategy | None = None,
     checkpoint: CheckpointConfig | None = None,
     event_time: str | None = None,
@@ -96,7 +96,7 @@ def _async_wait(
     schema: Schema,
     mode: OutputMode,
     capacity: int,
-    timeout: float | None,
+    timeout: float | dt.timedelta | None,
     retry: RetryStrategy | None,
     checkpoint: CheckpointConfig | None,
     event_time: str | None,
@@ -109,7 +109,7 @@ def _async_wait(
             f"The first argument must be a pyspark DataFrame; got {type(df).__name__}."
         )
     function = as_async_function(fn)
-    check_capacity_and_timeout(capacity, timeout, retry)
+    seconds = check_capacity_and_timeout(capacity, timeout, retry)
     if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
         raise ConfigurationError(
             f"checkpoint must be a CheckpointConfig; got {type(checkpoint).__name__}."
@@ -132,7 +132,7 @@ def _async_wait(
         fn=function,
         mode=mode,
         capacity=capacity,
-        timeout=timeout,
+        timeout=seconds,
         retry=retry,
         input_schema=input_schema,
         output_schema=output_schema,
@@ -147,6 +147,23 @@ def _async_wait(
 
 
 def _output_struct(schema: Schema) -> Any:
+    struct = _parse_output_struct(schema)
+    names = [field.name for field in struct.fields]
+    if not names:
+        raise ConfigurationError(
+            f"The output schema {schema!r} has no fields: name the fields your function's "
+            "results have, e.g. 'id long, score double'."
+        )
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ConfigurationError(
+            f"The output schema {struct.simpleString()!r} names the field(s) {twice} more than "
+            "once; a result is a dict, so each field needs a name of its own."
+        )
+    return struct
+
+
+def _parse_output_struct(schema: Schema) -> Any:
     from pyspark.sql.types import StructType, _parse_datatype_string
 
     if isinstance(schema, StructType):

@@ -18,6 +18,7 @@ import pytest
 from pyspark import cloudpickle
 from pyspark.sql import Row
 from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
 
 from checkpoint import SnapshotStore
 from stateful_async import (
@@ -503,7 +504,11 @@ def test_a_timeout_without_fallback_fails_the_job_naming_the_row(spark, service)
     service.configure(hang_first={"3": 100})  # hangs on every attempt of every task retry
     with pytest.raises(Exception, match=r"did not complete within the 0.5 s timeout .*'id': 3"):
         ordered_wait(
-            source(spark, 10), ServiceEnrichment(service.url), SCHEMA, capacity=4, timeout=0.5
+            source(spark, 10),
+            ServiceEnrichment(service.url),
+            SCHEMA,
+            capacity=4,
+            timeout=timedelta(seconds=0.5),
         ).collect()
 
 
@@ -686,6 +691,9 @@ def test_an_unpicklable_function_fails_before_the_job_starts(spark) -> None:
     ("kwargs", "message"),
     [
         ({"schema": "not a schema ("}, "is not a valid DDL string"),
+        ({"schema": ""}, "has no fields"),
+        ({"schema": StructType([])}, "has no fields"),
+        ({"schema": "id long, id string"}, r"names the field\(s\) \['id'\] more than once"),
         ({"capacity": 0}, "capacity must be an integer >= 1"),
         ({"event_time": "missing"}, "event_time column 'missing' is not in the DataFrame"),
         ({"max_out_of_orderness": 5}, "max_out_of_orderness needs event_time"),
