@@ -281,11 +281,17 @@ def _check_checkpoint(
             )
         if config.restore_from != "latest":
             wanted = int(config.restore_from)
-            if not any(m.checkpoint_id <= wanted for m in metas):
-                ids = sorted({m.checkpoint_id for m in metas})
+            ids = sorted({m.checkpoint_id for m in metas})
+            if wanted < ids[0]:
                 raise ConfigurationError(
                     f"restore_from={wanted}, but job {config.job_id!r} has no checkpoint with "
                     f"id {wanted} or lower. Checkpoint ids that exist: {ids}."
+                )
+            if wanted > ids[-1]:  # a typo, most likely: no partition got that far
+                raise ConfigurationError(
+                    f"restore_from={wanted}, but no partition of job {config.job_id!r} reached "
+                    f"checkpoint {wanted}. Checkpoint ids that exist: {ids}; "
+                    "restore_from='latest' resumes from the newest."
                 )
     except CheckpointError as exc:
         if isinstance(exc, SchemaChangedError):

@@ -444,6 +444,13 @@ def test_a_partition_whose_restore_point_expired_fails_instead_of_starting_fresh
     assert sorted((r.id, r.twice) for r in rows) == [
         (i, 2 * i) for i in [*range(25), *range(100, 200)]
     ]
+    # an id no partition reached is refused on the driver, not taken as "latest"
+    with pytest.raises(
+        ConfigurationError,
+        match=r"no partition of job 'expiring' reached checkpoint 12\. Checkpoint ids that "
+        r"exist: \[1, 2, 3, 9, 10, 11\]",
+    ):
+        ordered_wait(df, double, schema, capacity=4, checkpoint=config(12))
 
 
 # -- timeouts, retries, errors ---------------------------------------------------------------
