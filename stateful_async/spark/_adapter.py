@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+from pathlib import Path
 from typing import Any, Union
 
 import pyarrow as pa
@@ -261,6 +262,7 @@ def _check_checkpoint(
     """What the driver can check before any task runs."""
     from checkpoint import CheckpointError, SchemaChangedError, SnapshotStore
 
+    _check_local_location(config.location)
     store = SnapshotStore(config.location, config.storage_options)
     try:
         jobs = store.jobs() if _exists(store) else []
@@ -299,6 +301,24 @@ def _check_checkpoint(
         raise ConfigurationError(
             f"Cannot use checkpoint location {config.location}: {exc}"
         ) from exc
+
+
+def _check_local_location(location: str) -> None:
+    """A local location must be a directory, or creatable as one (checked on the driver;
+    on a cluster it is a shared filesystem every executor mounts at the same path)."""
+    from checkpoint._layout import is_local
+
+    if not is_local(location):
+        return
+    path = Path(location)
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            if not candidate.is_dir():
+                raise ConfigurationError(
+                    f"The checkpoint location {location} cannot be a directory: {candidate} is "
+                    "a file. Choose a directory path (it is created if missing)."
+                )
+            return
 
 
 def _exists(store: Any) -> bool:

@@ -19,7 +19,10 @@ class CheckpointConfig:
     """Checkpointing of ``ordered_wait`` / ``unordered_wait``.
 
     ``location`` is a directory (local path or object-store URI; ``storage_options`` are
-    passed to deltalake) that every executor can reach. ``job_id`` names the enrichment
+    passed to deltalake) that every executor can reach: on a cluster, an object store or a
+    shared filesystem mounted at the same path everywhere. A relative local path is made
+    absolute here, against the working directory of the process that builds the config
+    (the driver), so every task uses the same directory. ``job_id`` names the enrichment
     there; ``operator_id`` tells two enrichments of one job apart.
 
     Each task checkpoints every ``interval_records`` input records (and, if set, every

@@ -398,6 +398,24 @@ def test_restore_from_without_checkpoints_is_refused_up_front(spark, tmp_path) -
         ordered_wait(spark.range(3), f, "id long", checkpoint=config)
 
 
+def test_a_checkpoint_location_under_a_file_is_refused_up_front(spark, tmp_path) -> None:
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [row]
+
+    (tmp_path / "a-file").write_text("not a directory")
+    for location in (tmp_path / "a-file", tmp_path / "a-file" / "checkpoints"):
+        config = CheckpointConfig(str(location), "job")
+        with pytest.raises(ConfigurationError, match=r"a-file is a file\. Choose a directory"):
+            ordered_wait(spark.range(3), f, "id long", checkpoint=config)
+
+
+def test_a_relative_checkpoint_location_is_taken_from_the_driver_directory(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert CheckpointConfig("checkpoints", "job").location == str(tmp_path / "checkpoints")
+
+
 def test_restore_from_on_a_streaming_dataframe_is_refused_up_front(spark, tmp_path) -> None:
     async def f(row):  # type: ignore[no-untyped-def]
         return [row]
