@@ -197,7 +197,41 @@ def _store(location: str) -> Any:
 
     if not location_exists(normalize(location)):
         raise Fail(f"The checkpoint location {location} does not exist.")
-    return SnapshotStore(location)
+    store = SnapshotStore(location)
+    _check_layout(store.location)
+    return store
+
+
+def _check_layout(location: str) -> None:
+    """Refuse, with the right path, a directory inside or beside a checkpoint location
+    (which holds <job_id>/<operator_id>/subtask=<n> tables)."""
+    from checkpoint._layout import list_dirs, subtask_numbers
+
+    def up(levels: int) -> str:
+        return location.rsplit("/", levels)[0] or "/"
+
+    top = list_dirs(location)
+    if "_delta_log" in top and subtask_numbers([location.rsplit("/", 1)[-1]]):
+        raise Fail(
+            f"{location} is one partition's checkpoint table; pass the checkpoint location, "
+            f"three levels up: {up(3)}"
+        )
+    if "_delta_log" in top:
+        raise Fail(
+            f"{location} is a Delta table, not a checkpoint location. Pass the directory given "
+            "to CheckpointConfig as location (it holds <job_id>/<operator_id>/subtask=<n> "
+            "tables)."
+        )
+    if subtask_numbers(top):
+        raise Fail(
+            f"{location} is one operator's directory of a checkpoint location; pass the "
+            f"location itself, two levels up: {up(2)}"
+        )
+    if any(subtask_numbers(list_dirs(location, name)) for name in top):
+        raise Fail(
+            f"{location} is one job's directory of a checkpoint location; pass the location "
+            f"itself, one level up: {up(1)}"
+        )
 
 
 def _job(store: Any, job: str | None) -> str:
@@ -234,8 +268,6 @@ def list_checkpoints(
     with _user_errors():
         store = _store(location)
         jobs = [_job(store, job)] if job else store.jobs()
-        if not jobs:
-            raise Fail(f"{store.location} holds no checkpoints.")
         groups: dict[tuple[str, str, str, int], dict[str, Any]] = {}
         for name in jobs:
             for operator in store.operators(name):
@@ -265,6 +297,8 @@ def list_checkpoints(
                         g["size"] += sizes.get(meta.ref, 0)
                         g["final"] += meta.final
                         g["expired"] += meta.expired
+        if not groups:  # e.g. all deleted by `checkpoints expire --retain 0`
+            raise Fail(f"{store.location} holds no checkpoints.")
         runs: dict[tuple[str, str, str], list[tuple[int, dict[str, Any]]]] = {}
         for (name, operator, run, ckpt), g in groups.items():
             runs.setdefault((name, operator, run), []).append((ckpt, g))

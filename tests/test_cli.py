@@ -165,6 +165,45 @@ def test_expire_keeps_the_newest_and_reports(checkpoints) -> None:
     assert "Checkpoint ids that exist: 2" in shown.output
 
 
+def test_list_after_everything_expired_says_so(checkpoints) -> None:
+    location, _ = checkpoints
+    assert invoke("checkpoints", "expire", str(location), "--retain", "0").exit_code == 0
+    for args in ([], ["--all"]):
+        result = invoke("checkpoints", "list", str(location), *args)
+        assert result.exit_code == 2
+        assert f"{location} holds no checkpoints." in result.output
+
+
+def test_a_directory_inside_a_location_or_a_delta_table_is_refused_with_the_right_path(
+    checkpoints, tmp_path
+) -> None:
+    from deltalake import write_deltalake
+
+    location, _ = checkpoints
+    (partition,) = [p for p in (location / "job" / "enrich").iterdir() if p.name.endswith("0")]
+    write_deltalake(str(tmp_path / "output"), pa.table({"id": [1]}))
+    cases = [
+        (
+            location / "job",
+            f"one job's directory of a checkpoint location; pass the location "
+            f"itself, one level up: {location}",
+        ),
+        (location / "job" / "enrich", f"two levels up: {location}"),
+        (
+            partition,
+            f"one partition's checkpoint table; pass the checkpoint location, three "
+            f"levels up: {location}",
+        ),
+        (tmp_path / "output", "is a Delta table, not a checkpoint location"),
+    ]
+    for directory, message in cases:
+        for command, *rest in (["list"], ["show", "1"], ["expire", "--retain", "1"]):
+            result = invoke("checkpoints", command, str(directory), *rest)
+            assert result.exit_code == 2, (command, directory, result.output)
+            assert message in " ".join(result.output.split()), (command, result.output)
+    assert invoke("checkpoints", "list", str(location)).exit_code == 0  # nothing was changed
+
+
 # -- replay ----------------------------------------------------------------------------------
 
 
