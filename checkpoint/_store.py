@@ -194,6 +194,25 @@ class ExpireReport:
     files_removed: int = 0
 
 
+def _schema_differences(old: pa.Schema, new: pa.Schema) -> list[str]:
+    """What changed between two schemas, one phrase per field."""
+
+    def kind(field: pa.Field) -> str:
+        return f"{field.type}{'' if field.nullable else ' not null'}"
+
+    before = {f.name: f for f in old}
+    after = {f.name: f for f in new}
+    changes = [
+        f"{name!r} ({kind(field)}) is gone"
+        if name not in after
+        else f"{name!r} was {kind(field)}, is now {kind(after[name])}"
+        for name, field in before.items()
+        if name not in after or not field.equals(after[name])
+    ]
+    changes += [f"{name!r} ({kind(f)}) is new" for name, f in after.items() if name not in before]
+    return changes or [f"the field order changed from {old.names} to {new.names}"]
+
+
 class SubtaskLog:
     """The checkpoints of one (job, operator, subtask): one Delta table.
 
@@ -744,14 +763,15 @@ class SubtaskLog:
             ("output", stored[1], output_schema),
         ):
             if not old.equals(new):
+                location = self.uri.rsplit("/", 3)[0]
                 raise SchemaChangedError(
                     f"The {what} schema differs from the one the checkpoints of job "
                     f"{self.job_id!r} (operator {self.operator_id!r}) at {self.uri} were "
-                    "written with.\n"
-                    f"  stored: {old.to_string(show_schema_metadata=False)}\n"
-                    f"  now:    {new.to_string(show_schema_metadata=False)}\n"
-                    "Checkpoints cannot be resumed across schema changes: use a new job id, or "
-                    "remove the old checkpoints (stateful-async checkpoints expire --retain 0)."
+                    f"written with: {'; '.join(_schema_differences(old, new))}. Checkpoints "
+                    "cannot be resumed across schema changes: use a new job_id (or "
+                    "operator_id), or delete every checkpoint of this job, results included, "
+                    f"with: stateful-async checkpoints expire {location} --job {self.job_id} "
+                    "--retain 0"
                 )
 
     def _read(

@@ -318,7 +318,15 @@ def test_a_schema_change_between_runs_is_refused(tmp_path: Path) -> None:
     fresh = SnapshotStore(tmp_path).subtask("job", "op", 0)
     with pytest.raises(SchemaChangedError, match="The input schema differs") as info:
         fresh.commit("run2", 1, [], None, input_schema=changed, output_schema=OUT, position=0)
-    assert "use a new job id" in str(info.value)
+    assert "written with: 'label' was string, is now large_string. Checkpoints" in str(info.value)
+    assert "use a new job_id" in str(info.value)
+    assert f"checkpoints expire {tmp_path} --job job --retain 0" in str(info.value)
+    renamed = pa.schema([("id", pa.int64()), ("payload", pa.string())])
+    with pytest.raises(
+        SchemaChangedError,
+        match=r"'label' \(string\) is gone; 'payload' \(string\) is new\. Checkpoints",
+    ):
+        fresh.commit("run2", 1, [], None, input_schema=renamed, output_schema=OUT, position=0)
 
 
 @pytest.mark.parametrize(
