@@ -72,10 +72,14 @@ def unordered_wait(
     With ``event_time`` (a timestamp, date or integer column) each task generates
     watermarks from it with ``max_out_of_orderness`` (a timedelta or seconds for timestamp
     columns; a timedelta of whole days or days for date columns; the column's own units for
-    integer columns); results are then reordered only
-    between two watermarks, never across one. Without ``event_time`` a finished result
-    leaves at once, so ``capacity`` bounds the calls in flight alone; with it, results
-    after a watermark wait, in the queue, for every row before the watermark.
+    integer columns; default 0, for input in event-time order); results are then
+    reordered only between two watermarks, never across one. A watermark is the largest
+    event time read so far minus ``max_out_of_orderness`` (just below it), advanced every
+    1,024 rows or fewer. A row whose event time is null does not move it; a row older than
+    the last watermark is not dropped: like any row, it stays between the watermarks it
+    was read between. Without ``event_time`` a finished result leaves at once, so
+    ``capacity`` bounds the calls in flight alone; with it, results after a watermark
+    wait, in the queue, for every row before the watermark.
     """
     return _async_wait(
         df,
