@@ -250,6 +250,16 @@ def _job(store: Any, job: str | None) -> str:
     return str(jobs[0])
 
 
+def _print_table(table: Table) -> None:
+    """A terminal gets the table at its width; a pipe or file gets every column whole
+    (rich would otherwise cut cells to 80 columns)."""
+    if out.is_terminal:
+        out.print(table)
+        return
+    needed = out.measure(table, options=out.options.update_width(10_000)).maximum
+    Console(width=max(out.width, needed)).print(table)
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -340,11 +350,11 @@ def list_checkpoints(
                     f"{g['in_flight']:,}",
                     f"{g['results']:,}",
                     f"{g['position']:,}",
-                    g["created"].strftime("%m-%d %H:%M:%S"),
+                    g["created"].strftime("%Y-%m-%d %H:%M:%S"),
                     _size(g["size"]),
                     state,
                 )
-            out.print(table)
+            _print_table(table)
 
 
 @checkpoints_app.command("show")
@@ -404,7 +414,7 @@ def show_checkpoint(
                     "" if e.timestamp is None else str(e.timestamp),
                     Text("" if _is_watermark(e) else json.dumps(e.value, default=_json_default)),
                 )
-            out.print(table)
+            _print_table(table)
 
 
 @checkpoints_app.command("expire")
@@ -418,10 +428,12 @@ def expire_checkpoints(
         store = _store(location)
         name = _job(store, job)
         report = store.expire(name, retain)
+        # counted as `list` shows them (one per id), and per partition
         out.print(
-            f"Job {escape(name)}: {len(report.expired)} checkpoint(s) expired (state dropped, "
-            f"results kept for later checkpoints), {len(report.deleted)} deleted, "
-            f"{report.files_removed} file(s) removed from storage."
+            f"Job {escape(name)}: {len(set(report.expired))} checkpoint(s) expired "
+            f"({len(report.expired)} partition snapshot(s); state dropped, results kept for "
+            f"later checkpoints), {len(set(report.deleted))} deleted ({len(report.deleted)} "
+            f"partition snapshot(s)), {report.files_removed} file(s) removed from storage."
         )
 
 

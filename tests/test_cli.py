@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -136,6 +137,10 @@ def test_list_shows_each_checkpoint_summed_over_partitions(checkpoints) -> None:
     assert rows[0][:5] == ["1", "2", "6", "2", "8"]
     assert rows[1][:5] == ["2", "2", "14", "2", "16"]
     assert "run" in result.output and "KiB" in result.output
+    # piped at 80 columns, the table keeps every column whole (a terminal wraps it itself)
+    narrow = runner.invoke(app, ["checkpoints", "list", str(location)], terminal_width=80)
+    assert re.search(r"created \(UTC\) +size +state", narrow.output), narrow.output
+    assert len(re.findall(r" 20\d\d-\d\d-\d\d \d\d:\d\d:\d\d +\d", narrow.output)) == 2
 
 
 def test_show_lists_in_flight_records_and_watermarks(checkpoints) -> None:
@@ -159,7 +164,7 @@ def test_expire_keeps_the_newest_and_reports(checkpoints) -> None:
     location, _ = checkpoints
     result = invoke("checkpoints", "expire", str(location), "--retain", "1")
     assert result.exit_code == 0, result.output
-    assert "2 checkpoint(s) expired" in result.output
+    assert "1 checkpoint(s) expired (2 partition snapshot(s);" in result.output
     shown = invoke("checkpoints", "show", str(location), "1")
     assert shown.exit_code == 2
     assert "Checkpoint ids that exist: 2" in shown.output
