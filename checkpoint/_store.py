@@ -194,6 +194,16 @@ class ExpireReport:
     files_removed: int = 0
 
 
+def _app_id(run_id: str) -> str:
+    """The Delta app transaction whose version is a run's newest checkpoint id."""
+    return f"stateful-async:{run_id}"
+
+
+def _claim_app_id(run_id: str) -> str:
+    """The Delta app transaction whose version is the newest claim on a run (``claim``)."""
+    return f"stateful-async-claim:{run_id}"
+
+
 def _schema_differences(old: pa.Schema, new: pa.Schema) -> list[str]:
     """What changed between two schemas, one phrase per field."""
 
@@ -239,6 +249,8 @@ class SubtaskLog:
         # scans every row of the table (whose results grow with the input), so it is read
         # once, then kept current by this log's own commits and expiries.
         self._metadata: tuple[int, list[CheckpointMetadata]] | None = None
+        # run id -> this attempt's claim on the run (see ``claim``); 0 if it never claimed
+        self._claims: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"SubtaskLog({self.uri!r})"
@@ -536,9 +548,14 @@ class SubtaskLog:
         data = _checkpoint_rows(
             meta, elements, input_seqs, result_table, result_timestamps, input_schema, output_schema
         )
-        app_id = f"stateful-async:{run_id}"
+        app_id, claim_app, claim = (
+            _app_id(run_id),
+            _claim_app_id(run_id),
+            self._claims.get(run_id, 0),
+        )
         properties_for_commit = CommitProperties(
-            app_transactions=[Transaction(app_id, checkpoint_id)],
+            # the claim's app id too: a claim racing with this commit makes one of them fail
+            app_transactions=[Transaction(app_id, checkpoint_id), Transaction(claim_app, claim)],
             max_commit_retries=_COMMIT_RETRIES,
             custom_metadata={"stateful_async.checkpoint": str(meta.ref)},
         )
@@ -551,6 +568,14 @@ class SubtaskLog:
             table = self._open(refresh=True)  # another attempt created it first
             assert table is not None
         self.check_schemas(input_schema, output_schema)
+        claimed = table.transaction_version(claim_app)
+        if claimed is not None and claimed > claim:
+            raise CheckpointConflictError(
+                f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} was "
+                f"refused: a later attempt of that run has taken it over (claim {claimed}; this "
+                f"attempt's is {claim}). This is a zombie or speculative attempt committing "
+                "late; its snapshot is discarded."
+            )
         committed = table.transaction_version(app_id)
         if committed is not None and committed >= checkpoint_id:
             raise CheckpointConflictError(
@@ -578,6 +603,61 @@ class SubtaskLog:
         if cached is not None and table.version() == cached[0] + 1:
             self._metadata = (cached[0] + 1, [*cached[1], meta])  # nobody else committed
         return meta
+
+    def claim(self, run_id: str) -> int | None:
+        """Take ``run_id`` over from the attempts before this one, which may still be
+        running (a cancelled task's Python worker lives on for a while; a speculative copy
+        runs beside the original): from now on their commits of this run are refused, so a
+        zombie that is ahead cannot make this attempt's next checkpoint look late.
+
+        Call it before reading the run's restore point: a commit that lands before the claim
+        is seen by that read, one after it is refused. One empty Delta commit, made only if
+        the run has committed something (otherwise there is nothing to take over); returns
+        the claim, or None.
+        """
+        app_id, claim_app = _app_id(run_id), _claim_app_id(run_id)
+        for _ in range(_COMMIT_RETRIES):
+            table = self._open(refresh=True)
+            if table is None:
+                return None
+            current = table.transaction_version(claim_app)
+            if current is None and table.transaction_version(app_id) is None:
+                return None
+            claim = (current or 0) + 1
+            read_version = table.version()
+            try:
+                write_deltalake(
+                    table,
+                    _layout.delta_dataset(table).schema.empty_table(),
+                    mode="append",
+                    commit_properties=CommitProperties(
+                        app_transactions=[Transaction(claim_app, claim)],
+                        custom_metadata={"stateful_async.claim": f"{run_id}#{claim}"},
+                    ),
+                )
+            except CommitFailedError as exc:
+                if "Concurrent transaction" in str(exc):
+                    continue  # a commit of this run landed meanwhile: claim after it
+                raise CheckpointError(
+                    f"Claiming run {run_id!r} in {self.uri} failed: {exc}"
+                ) from exc
+            except (OSError, ValueError, TypeError) as exc:
+                raise CheckpointError(
+                    f"Claiming run {run_id!r} in {self.uri} failed: {exc}"
+                ) from exc
+            self._claims[run_id] = claim
+            cached = self._metadata
+            if (
+                cached is not None
+                and cached[0] == read_version
+                and table.version() == read_version + 1
+            ):
+                self._metadata = (read_version + 1, cached[1])  # the claim adds no rows
+            return claim
+        raise CheckpointConflictError(
+            f"Could not take over run {run_id!r} of subtask {self.subtask}: another attempt "
+            f"committed to it each of {_COMMIT_RETRIES} times this attempt tried."
+        )
 
     def expire(self, retain: int, vacuum: bool = True) -> ExpireReport:
         """Keep the ``retain`` newest checkpoints of this subtask restorable; drop the rest.

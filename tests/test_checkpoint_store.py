@@ -288,6 +288,35 @@ def test_an_equal_or_older_checkpoint_id_is_refused_without_duplicates(tmp_path:
     ]
 
 
+def test_a_zombie_ahead_of_the_attempt_that_took_its_run_over_is_refused(tmp_path: Path) -> None:
+    def attempt():  # type: ignore[no-untyped-def]
+        return SnapshotStore(tmp_path).subtask("job", "op", 0)
+
+    zombie, nothing_yet = attempt(), attempt()
+    assert nothing_yet.claim("run") is None  # nothing of the run committed: nothing to fence
+    assert not DeltaTable.is_deltatable(zombie.uri)
+    first = commit(zombie, "run", 1)
+    second = commit(zombie, "run", 2, parent=first.ref)
+    # A new attempt takes the run over, then reads where it stands: checkpoint 2.
+    successor = attempt()
+    assert successor.claim("run") == 1
+    assert successor.latest(run_id="run") == second
+    # The zombie, still running, is now refused although it is ahead ...
+    with pytest.raises(
+        CheckpointConflictError, match=r"taken it over \(claim 1; this attempt's is 0\)"
+    ):
+        commit(zombie, "run", 3, parent=second.ref)
+    # ... so the successor's next checkpoint is not mistaken for a late one.
+    third = commit(successor, "run", 3, parent=second.ref)
+    assert [m.checkpoint_id for m in attempt().checkpoints()] == [1, 2, 3]
+    # A third attempt fences the second in turn; other runs are not affected.
+    assert attempt().claim("run") == 2
+    with pytest.raises(CheckpointConflictError, match=r"claim 2; this attempt's is 1"):
+        commit(successor, "run", 4, parent=third.ref)
+    commit(zombie, "other-run", 1)
+    assert attempt().load(3, "run").metadata == third
+
+
 def test_unknown_checkpoint_id_lists_the_ids_that_exist(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     log = store.subtask("job", "op", 0)

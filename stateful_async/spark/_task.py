@@ -466,6 +466,9 @@ class _TaskRun:
 
     def _find_restore_point(self, config: CheckpointConfig) -> Any:
         log = self.log
+        # An earlier attempt of this run may still be running and committing (a cancelled
+        # task's worker lives on for a while): fence it off first, then read what it left.
+        self.stats["claim"] = log.claim(self.identity.run_id)
         meta = log.latest(run_id=self.identity.run_id)  # a retried attempt of this run
         if meta is None and config.restore_from is not None:  # a new run that asks to resume
             max_id = None if config.restore_from == "latest" else int(config.restore_from)
@@ -578,6 +581,10 @@ class _TaskRun:
         ]
         if self.checkpointing:
             parts.append(f"{self.stats['checkpoints']} checkpoints")
+            if self.stats.get("claim"):
+                parts.append(
+                    f"took the run over from earlier attempts (claim {self.stats['claim']})"
+                )
             if self.stats["restored_from"]:
                 parts.append(
                     f"restored from {self.stats['restored_from']} ("
