@@ -546,7 +546,8 @@ def test_6_service_5xx_bursts_latency_spikes_and_hangs(chaos: Chaos, reference: 
 @pytest.mark.cluster
 def test_7_zombie_attempt_commits_late_and_is_refused(chaos: Chaos, reference: Reference) -> None:
     # Attempt 0 of partition 0 holds its commit of checkpoint 2; speculation starts attempt
-    # 1, which resumes checkpoint 1 and commits 2; then the zombie's commit of 2 goes ahead.
+    # 1, which claims the run, resumes checkpoint 1 and commits 2; then the zombie's commit
+    # of 2 goes ahead, and is refused: the run is no longer its own.
     options = chaos.options(
         "zombie",
         speculation=True,
@@ -558,7 +559,7 @@ def test_7_zombie_attempt_commits_late_and_is_refused(chaos: Chaos, reference: R
     copy = next(t for t in report.tasks if t.partition == 0 and t.speculative)
     assert zombie.status == "FAILED" and copy.status == "SUCCESS" and copy.attempt == 1
     assert "CheckpointConflictError" in (zombie.error or "")
-    assert "was refused: checkpoint" in (zombie.error or "")
+    assert "was refused: a later attempt of that run has taken it over" in (zombie.error or "")
     assert zombie.host != copy.host
 
     counts = request_counts(chaos)
