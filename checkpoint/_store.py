@@ -25,6 +25,9 @@ Guarantees:
   the checkpoint id. The committed version is read from, and the rows written against, the
   same table snapshot, so an equal or older id (a zombie or speculative attempt
   committing late) is refused, and of two attempts racing on one id exactly one lands.
+* **Fenced**: an attempt that resumes a run first claims it (a second app transaction,
+  version = the number of takeovers): commits and expiries of attempts with an older claim
+  are refused or skipped, even when they are ahead of it.
 """
 
 from __future__ import annotations
@@ -591,8 +594,9 @@ class SubtaskLog:
             if "Concurrent transaction" in str(exc):
                 raise CheckpointConflictError(
                     f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} lost "
-                    "a race with another attempt committing the same checkpoint; that attempt's "
-                    "commit stands and this one wrote nothing."
+                    "a race with another attempt of that run (committing the same checkpoint, "
+                    "or taking the run over); that attempt's commit stands and this one wrote "
+                    "nothing."
                 ) from exc
             raise CheckpointError(f"Committing checkpoint {meta.ref} failed: {exc}") from exc
         except (OSError, ValueError, TypeError) as exc:
@@ -659,12 +663,28 @@ class SubtaskLog:
             f"committed to it each of {_COMMIT_RETRIES} times this attempt tried."
         )
 
-    def expire(self, retain: int, vacuum: bool = True) -> ExpireReport:
+    def take_over(self, run_id: str) -> tuple[int | None, CheckpointMetadata | None]:
+        """Claim ``run_id`` (see ``claim``) and return the claim and the run's newest
+        restorable checkpoint, which no earlier attempt can supersede any more. If the run
+        had nothing to claim but a checkpoint of it lands before the read (an earlier
+        attempt's first commit), claim again and read again."""
+        claim = self.claim(run_id)
+        latest = self.latest(run_id=run_id)
+        while claim is None and latest is not None:
+            claim = self.claim(run_id)
+            latest = self.latest(run_id=run_id)
+        return claim, latest
+
+    def expire(self, retain: int, vacuum: bool = True, run_id: str | None = None) -> ExpireReport:
         """Keep the ``retain`` newest checkpoints of this subtask restorable; drop the rest.
 
         The state of older checkpoints is removed; their results are kept as long as a
         retained checkpoint's chain needs them; everything else is deleted. One Delta
         commit; then, with ``vacuum``, the files it removed are deleted from storage.
+
+        An attempt of a run passes ``run_id``: once a later attempt has taken the run over
+        (``claim``), or while it does, this attempt expires nothing (the other one now
+        keeps the table), so it cannot delete files the other is restoring from.
         """
         if not isinstance(retain, int) or retain < 0:
             raise CheckpointError(f"retain must be an integer >= 0; got {retain!r}.")
@@ -686,6 +706,17 @@ class SubtaskLog:
             return report
         table = self._open(refresh=True)
         assert table is not None
+        properties = CommitProperties(max_commit_retries=_COMMIT_RETRIES)
+        if run_id is not None:
+            claim_app, claim = _claim_app_id(run_id), self._claims.get(run_id, 0)
+            claimed = table.transaction_version(claim_app)
+            if claimed is not None and claimed > claim:
+                return report  # taken over: expiry is the new attempt's to do
+            # the claim's app id: a claim racing with this expiry makes one of them fail
+            properties = CommitProperties(
+                app_transactions=[Transaction(claim_app, claim)],
+                max_commit_retries=_COMMIT_RETRIES,
+            )
         predicate = _refs_predicate(to_expire + to_delete)
         try:
             if to_expire:
@@ -698,10 +729,10 @@ class SubtaskLog:
                     self._expired_rows(table, to_expire),
                     mode="overwrite",
                     predicate=predicate,
-                    commit_properties=CommitProperties(max_commit_retries=_COMMIT_RETRIES),
+                    commit_properties=properties,
                 )
             else:
-                table.delete(predicate)
+                table.delete(predicate, commit_properties=properties)
             rewritten = table.version()
             if vacuum:
                 removed = table.vacuum(
@@ -710,6 +741,13 @@ class SubtaskLog:
                 report.files_removed = len(removed)
         except CheckpointError:
             raise
+        except CommitFailedError as exc:
+            if run_id is not None and "Concurrent transaction" in str(exc):
+                return ExpireReport()  # another attempt is taking the run over: leave it be
+            raise CheckpointError(
+                f"Expiring checkpoints in {self.uri} failed: {exc}. The table is unchanged; "
+                "expiring again is safe."
+            ) from exc
         except Exception as exc:  # the rewrite's stream raises whatever its scan raises
             raise CheckpointError(
                 f"Expiring checkpoints in {self.uri} failed: {exc}. The table is unchanged "

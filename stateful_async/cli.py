@@ -210,6 +210,14 @@ def _check_layout(location: str) -> None:
     def up(levels: int) -> str:
         return location.rsplit("/", levels)[0] or "/"
 
+    def tables(*parts: str) -> list[str]:  # the subtask tables directly under location/parts
+        names = list_dirs(location, *parts)
+        return [
+            n
+            for n in names
+            if subtask_numbers([n]) and "_delta_log" in list_dirs(location, *parts, n)
+        ]
+
     top = list_dirs(location)
     if "_delta_log" in top and subtask_numbers([location.rsplit("/", 1)[-1]]):
         raise Fail(
@@ -222,12 +230,12 @@ def _check_layout(location: str) -> None:
             "to CheckpointConfig as location (it holds <job_id>/<operator_id>/subtask=<n> "
             "tables)."
         )
-    if subtask_numbers(top):
+    if tables():
         raise Fail(
             f"{location} is one operator's directory of a checkpoint location; pass the "
             f"location itself, two levels up: {up(2)}"
         )
-    if any(subtask_numbers(list_dirs(location, name)) for name in top):
+    if any(tables(name) for name in top):
         raise Fail(
             f"{location} is one job's directory of a checkpoint location; pass the location "
             f"itself, one level up: {up(1)}"
@@ -427,13 +435,21 @@ def expire_checkpoints(
     with _user_errors():
         store = _store(location)
         name = _job(store, job)
-        report = store.expire(name, retain)
-        # counted as `list` shows them (one per id), and per partition
+        # counted as `list` shows them (one per operator, run and id), and per partition
+        expired, deleted, snapshots, files = 0, 0, [0, 0], 0
+        for operator in store.operators(name):
+            report = store.expire(name, retain, operator_id=operator)
+            expired, deleted = (
+                expired + len(set(report.expired)),
+                deleted + len(set(report.deleted)),
+            )
+            snapshots = [snapshots[0] + len(report.expired), snapshots[1] + len(report.deleted)]
+            files += report.files_removed
         out.print(
-            f"Job {escape(name)}: {len(set(report.expired))} checkpoint(s) expired "
-            f"({len(report.expired)} partition snapshot(s); state dropped, results kept for "
-            f"later checkpoints), {len(set(report.deleted))} deleted ({len(report.deleted)} "
-            f"partition snapshot(s)), {report.files_removed} file(s) removed from storage."
+            f"Job {escape(name)}: {expired} checkpoint(s) expired ({snapshots[0]} partition "
+            f"snapshot(s); state dropped, results kept for later checkpoints), {deleted} "
+            f"deleted ({snapshots[1]} partition snapshot(s)), {files} file(s) removed from "
+            "storage."
         )
 
 

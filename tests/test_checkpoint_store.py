@@ -317,6 +317,47 @@ def test_a_zombie_ahead_of_the_attempt_that_took_its_run_over_is_refused(tmp_pat
     assert attempt().load(3, "run").metadata == third
 
 
+def test_taking_over_claims_again_if_the_run_got_its_first_commit_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def attempt():  # type: ignore[no-untyped-def]
+        return SnapshotStore(tmp_path).subtask("job", "op", 0)
+
+    zombie, successor = attempt(), attempt()
+    commit(zombie, "earlier-run", 1)  # the table exists; the run has nothing yet
+    landed = []
+    read = successor.latest
+
+    def zombie_commits_first(**kwargs):  # type: ignore[no-untyped-def]
+        if not landed:  # the zombie's first commit lands between the claim and the read
+            landed.append(commit(zombie, "run", 1))
+        return read(**kwargs)
+
+    monkeypatch.setattr(successor, "latest", zombie_commits_first)
+    assert successor.take_over("run") == (1, landed[0])
+    with pytest.raises(CheckpointConflictError, match="taken it over"):
+        commit(zombie, "run", 2, parent=landed[0].ref)
+    commit(successor, "run", 2, parent=landed[0].ref)
+
+
+def test_an_attempt_whose_run_was_taken_over_expires_nothing(tmp_path: Path) -> None:
+    def attempt():  # type: ignore[no-untyped-def]
+        return SnapshotStore(tmp_path).subtask("job", "op", 0)
+
+    zombie = attempt()
+    parent = None
+    for checkpoint_id in (1, 2, 3):
+        parent = commit(zombie, "run", checkpoint_id, parent=parent and parent.ref)
+    successor = attempt()
+    assert successor.take_over("run")[0] == 1
+    version = DeltaTable(zombie.uri).version()
+    report = zombie.expire(1, run_id="run")  # would expire 1 and 2 under the successor
+    assert (report.expired, report.deleted) == ([], [])
+    assert DeltaTable(zombie.uri).version() == version
+    assert [m.expired for m in attempt().checkpoints()] == [False, False, False]
+    assert len(successor.expire(1, run_id="run").expired) == 2
+
+
 def test_unknown_checkpoint_id_lists_the_ids_that_exist(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     log = store.subtask("job", "op", 0)

@@ -209,6 +209,39 @@ def test_a_directory_inside_a_location_or_a_delta_table_is_refused_with_the_righ
     assert invoke("checkpoints", "list", str(location)).exit_code == 0  # nothing was changed
 
 
+def test_ids_that_look_like_layout_names_and_two_operators_are_listed_and_counted(
+    tmp_path,
+) -> None:
+    location, store = tmp_path / "ckpt", SnapshotStore(tmp_path / "ckpt")
+    for operator in ("subtask=00001", "second"):  # legal ids, however odd
+        log = store.subtask("subtask=00000", operator, 0)
+        first = log.commit(
+            "run",
+            1,
+            [],
+            [{"id": 1, "greeting": "a"}],
+            input_schema=INPUT,
+            output_schema=OUTPUT,
+            position=1,
+        )
+        log.commit(
+            "run",
+            2,
+            [],
+            [{"id": 2, "greeting": "b"}],
+            input_schema=INPUT,
+            output_schema=OUTPUT,
+            position=2,
+            parent=first.ref,
+        )
+    listed = invoke("checkpoints", "list", str(location))
+    assert listed.exit_code == 0, listed.output
+    assert "operator subtask=00001" in listed.output and "operator second" in listed.output
+    expired = invoke("checkpoints", "expire", str(location), "--retain", "1")
+    assert expired.exit_code == 0, expired.output
+    assert "2 checkpoint(s) expired (2 partition snapshot(s);" in expired.output  # one per operator
+
+
 # -- replay ----------------------------------------------------------------------------------
 
 

@@ -229,9 +229,11 @@ _NOT_NULL = "the output schema declares it NOT NULL (return a value, or declare 
 
 
 def _requires(field: pa.Field) -> bool:
-    """Whether ``field``, or a field anywhere inside it, is NOT NULL."""
-    children = _children(field.type)
-    return not field.nullable or any(_requires(child) for child in children)
+    """Whether ``field``, or a field anywhere inside it, is NOT NULL (a map's keys and
+    entries always are, and pyarrow refuses a null key itself: only its values count)."""
+    if pa.types.is_map(field.type):
+        return not field.nullable or _requires(field.type.item_field)
+    return not field.nullable or any(_requires(child) for child in _children(field.type))
 
 
 def _children(arrow_type: pa.DataType) -> list[pa.Field]:

@@ -307,7 +307,8 @@ class _TaskRun:
             self._flush()
             if self.checkpointing:
                 await self._checkpoint(final=True)
-                await self._in_io(self.log.expire, spec.checkpoint.retain)  # type: ignore[union-attr]
+                retain = spec.checkpoint.retain  # type: ignore[union-attr]
+                await self._in_io(self.log.expire, retain, run_id=self.identity.run_id)
         finally:
             self.tick.cancel()
             await self.op.close()
@@ -468,8 +469,7 @@ class _TaskRun:
         log = self.log
         # An earlier attempt of this run may still be running and committing (a cancelled
         # task's worker lives on for a while): fence it off first, then read what it left.
-        self.stats["claim"] = log.claim(self.identity.run_id)
-        meta = log.latest(run_id=self.identity.run_id)  # a retried attempt of this run
+        self.stats["claim"], meta = log.take_over(self.identity.run_id)  # a retried attempt
         if meta is None and config.restore_from is not None:  # a new run that asks to resume
             max_id = None if config.restore_from == "latest" else int(config.restore_from)
             meta = log.latest(max_id=max_id)
@@ -564,7 +564,7 @@ class _TaskRun:
         self.last_checkpoint = time.monotonic()
         self.stats["checkpoints"] += 1
         if not final and self.stats["checkpoints"] % _EXPIRE_EVERY == 0:
-            await self._in_io(self.log.expire, config.retain)
+            await self._in_io(self.log.expire, config.retain, run_id=self.identity.run_id)
 
     def _log_summary(self, seconds: float) -> None:
         if os.environ.get("STATEFUL_ASYNC_TASK_LOG", "1") == "0":

@@ -687,6 +687,15 @@ def test_a_null_in_a_not_null_field_is_refused_naming_the_field_and_the_row(valu
             to_batch(rows, sources, NOT_NULL_SCHEMA)
 
 
+def test_only_schemas_with_not_null_fields_pay_for_the_null_check() -> None:
+    from stateful_async.spark._results import _required_fields
+
+    # Spark's maps have NOT NULL keys (pyarrow refuses a null key itself): no scan for them
+    plain = pa.schema([("m", pa.map_(pa.string(), pa.int64())), ("l", pa.list_(pa.int64()))])
+    assert _required_fields(plain) == ()
+    assert [i for i, _ in _required_fields(NOT_NULL_SCHEMA)] == [0, 1, 2, 3, 4]
+
+
 def test_a_null_in_a_not_null_output_column_fails_with_the_message_not_a_jvm_trace(
     spark,
 ) -> None:
