@@ -29,6 +29,9 @@ which is also a ``StatefulAsyncError``.
 
 from __future__ import annotations
 
+import os
+import sysconfig
+import traceback
 from typing import Any
 
 from ._elements import describe
@@ -88,6 +91,28 @@ class InputMismatchError(StatefulAsyncError):
     input it is reading now."""
 
 
+# the Python installation, its packages, and this package (whose frames call the user's)
+_LIBRARIES = tuple(
+    sorted(
+        {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+        | {os.path.dirname(os.path.abspath(__file__)) + os.sep}
+    )
+)
+
+
+def raised_at(error: BaseException) -> str:
+    """Where ``error`` was raised, for a message: the deepest frame outside the Python
+    installation, its packages and this package (the user's line, also when a library
+    raised below it), else the deepest frame. The message keeps it where the traceback is
+    lost: PySpark drops a task error's chained cause, and shows its own frames at the wrong
+    lines."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    frame = next((f for f in reversed(frames) if not f.filename.startswith(_LIBRARIES)), frames[-1])
+    return f" (raised at {frame.filename}:{frame.lineno}, in {frame.name})"
+
+
 def element_error(
     kind: type[ElementFailedError],
     what: str,
@@ -103,7 +128,7 @@ def element_error(
     plural = "attempt" if attempts == 1 else "attempts"
     message = f"{what} for element {describe(element)} after {attempts} {plural}"
     if cause is not None:
-        message += f": {type(cause).__name__}: {cause}"
+        message += f": {type(cause).__name__}: {cause}{raised_at(cause)}"
     message += f". {advice}"
     error = kind(message, element=element, attempts=attempts)
     if cause is not None:

@@ -7,6 +7,9 @@ The test decides when and in which order each call completes; the exact emitted 
 from __future__ import annotations
 
 import asyncio
+import json
+import linecache
+import re
 
 import pytest
 
@@ -372,6 +375,27 @@ async def test_a_failure_names_the_element_and_keeps_what_was_emitted(mode: Outp
         op.snapshot_state(5)
     await op.close()
     assert fn.closed == 1
+
+
+async def test_a_failure_says_which_line_of_the_function_raised() -> None:
+    async def parse(value):
+        payload = {"id": value}
+        return [payload["score"]]  # raises KeyError here
+
+    async def decode(value):
+        return [json.loads(value)]  # json raises deep inside the standard library
+
+    for fn, line in ((parse, 'payload["score"]'), (decode, "json.loads(value)")):
+        op = AsyncWaitOperator(fn, lambda e: None, capacity=2)
+        await op.open()
+        await op.process_element(StreamRecord("not json"))
+        with pytest.raises(AsyncFunctionError) as info:
+            await op.finish()
+        await op.close()
+        where = re.search(r"\(raised at (.+):(\d+), in (\w+)\)\. Fix the cause", str(info.value))
+        assert where, str(info.value)
+        assert where[1] == __file__ and where[3] == fn.__name__
+        assert line in linecache.getline(__file__, int(where[2]))
 
 
 async def test_a_failure_wakes_a_call_waiting_for_capacity() -> None:
