@@ -1890,6 +1890,10 @@ def main() -> None:
         "--from-json", metavar="PATH", help="write the report from a saved run; run nothing"
     )
     args = parser.parse_args()
+    # where the figures go exists before a run of many minutes, not after it
+    for path in (args.out, args.json):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:
