@@ -32,7 +32,12 @@ from typing import Any
 import pyarrow as pa
 
 from .._elements import StreamElement, StreamRecord, Watermark, describe
-from .._exceptions import InputMismatchError, InvalidResultError, ResultSchemaError
+from .._exceptions import (
+    ElementFailedError,
+    InputMismatchError,
+    InvalidResultError,
+    ResultSchemaError,
+)
 from .._function import AsyncFunction, CoroutineFunction, has_timeout_handler
 from .._operator import AsyncWaitOperator, OutputMode
 from .._retry import RetryStrategy
@@ -262,7 +267,7 @@ class _TaskRun:
         try:
             asyncio.run(self._main())
         except BaseException as exc:
-            self.out.put(("error", self.error or exc))
+            self.out.put(("error", _naming_the_row(self.error or exc, self.identity.partition)))
         else:
             self.out.put(("done", None))
 
@@ -593,6 +598,26 @@ class _TaskRun:
                     f"{self.stats['skipped']} inputs skipped)"
                 )
         print("stateful-async: " + ", ".join(parts), file=sys.stderr, flush=True)
+
+
+def _naming_the_row(error: BaseException, partition: int) -> BaseException:
+    """The operator names a failed element as this task wraps it, ``StreamRecord((seq,
+    row))``: name the input row and its place in the partition instead."""
+    if not isinstance(error, ElementFailedError) or not isinstance(error.element, StreamRecord):
+        return error
+    value = error.element.value
+    if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict)):
+        return error
+    seq, row = value
+    wrapped = f"for element {describe(error.element)}"
+    plain = f"for input row {describe(row)} (record {seq} of partition {partition})"
+    if wrapped not in str(error):
+        return error
+    renamed = type(error)(
+        str(error).replace(wrapped, plain, 1), element=row, attempts=error.attempts
+    )
+    renamed.__cause__ = error.__cause__
+    return renamed
 
 
 def _timestamps(chunk: pa.RecordBatch, column: str) -> list[int | None]:

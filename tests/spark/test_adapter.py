@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -552,6 +553,24 @@ def test_a_timeout_without_fallback_fails_the_job_naming_the_row(spark, service)
             capacity=4,
             timeout=timedelta(seconds=0.5),
         ).collect()
+
+
+def test_a_failing_function_is_reported_with_the_input_row_and_the_line_that_raised(
+    spark,
+) -> None:
+    async def enrich(row):  # type: ignore[no-untyped-def]
+        scores = {0: 1.0, 1: 2.0, 2: 3.0, 4: 5.0}
+        return [{"id": row["id"], "score": scores[row["id"]]}]
+
+    with pytest.raises(Exception) as info:
+        ordered_wait(spark.range(0, 5, numPartitions=1), enrich, "id long, score double").collect()
+    message = str(info.value)
+    assert re.search(
+        r"The async function failed for input row \{'id': 3\} \(record 3 of partition 0\) "
+        r"after 1 attempt: KeyError: 3 \(raised at .*test_adapter\.py:\d+, in enrich\)\.",
+        message,
+    ), message
+    assert "StreamRecord" not in message
 
 
 def test_a_result_missing_a_field_names_it_and_the_input_row(spark) -> None:
