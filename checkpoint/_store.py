@@ -551,14 +551,9 @@ class SubtaskLog:
         data = _checkpoint_rows(
             meta, elements, input_seqs, result_table, result_timestamps, input_schema, output_schema
         )
-        app_id, claim_app, claim = (
-            _app_id(run_id),
-            _claim_app_id(run_id),
-            self._claims.get(run_id, 0),
-        )
+        app_id = _app_id(run_id)
         properties_for_commit = CommitProperties(
-            # the claim's app id too: a claim racing with this commit makes one of them fail
-            app_transactions=[Transaction(app_id, checkpoint_id), Transaction(claim_app, claim)],
+            app_transactions=[Transaction(app_id, checkpoint_id), self._claim_transaction(run_id)],
             max_commit_retries=_COMMIT_RETRIES,
             custom_metadata={"stateful_async.checkpoint": str(meta.ref)},
         )
@@ -571,13 +566,12 @@ class SubtaskLog:
             table = self._open(refresh=True)  # another attempt created it first
             assert table is not None
         self.check_schemas(input_schema, output_schema)
-        claimed = table.transaction_version(claim_app)
-        if claimed is not None and claimed > claim:
+        if (claimed := self._taken_over(table, run_id)) is not None:
             raise CheckpointConflictError(
                 f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} was "
                 f"refused: a later attempt of that run has taken it over (claim {claimed}; this "
-                f"attempt's is {claim}). This is a zombie or speculative attempt committing "
-                "late; its snapshot is discarded."
+                f"attempt's is {self._claims.get(run_id, 0)}). This is a zombie or speculative "
+                "attempt committing late; its snapshot is discarded."
             )
         committed = table.transaction_version(app_id)
         if committed is not None and committed >= checkpoint_id:
@@ -639,13 +633,9 @@ class SubtaskLog:
                         custom_metadata={"stateful_async.claim": f"{run_id}#{claim}"},
                     ),
                 )
-            except CommitFailedError as exc:
-                if "Concurrent transaction" in str(exc):
+            except (CommitFailedError, OSError, ValueError, TypeError) as exc:
+                if isinstance(exc, CommitFailedError) and "Concurrent transaction" in str(exc):
                     continue  # a commit of this run landed meanwhile: claim after it
-                raise CheckpointError(
-                    f"Claiming run {run_id!r} in {self.uri} failed: {exc}"
-                ) from exc
-            except (OSError, ValueError, TypeError) as exc:
                 raise CheckpointError(
                     f"Claiming run {run_id!r} in {self.uri} failed: {exc}"
                 ) from exc
@@ -662,6 +652,16 @@ class SubtaskLog:
             f"Could not take over run {run_id!r} of subtask {self.subtask}: another attempt "
             f"committed to it each of {_COMMIT_RETRIES} times this attempt tried."
         )
+
+    def _claim_transaction(self, run_id: str) -> Transaction:
+        """What every write of this attempt to ``run_id`` carries: its claim (0 if it never
+        claimed), so that a claim racing with the write makes one of the two fail."""
+        return Transaction(_claim_app_id(run_id), self._claims.get(run_id, 0))
+
+    def _taken_over(self, table: DeltaTable, run_id: str) -> int | None:
+        """The later claim that took ``run_id`` over from this attempt, if one did."""
+        claimed = table.transaction_version(_claim_app_id(run_id))
+        return claimed if claimed is not None and claimed > self._claims.get(run_id, 0) else None
 
     def take_over(self, run_id: str) -> tuple[int | None, CheckpointMetadata | None]:
         """Claim ``run_id`` (see ``claim``) and return the claim and the run's newest
@@ -706,17 +706,12 @@ class SubtaskLog:
             return report
         table = self._open(refresh=True)
         assert table is not None
-        properties = CommitProperties(max_commit_retries=_COMMIT_RETRIES)
-        if run_id is not None:
-            claim_app, claim = _claim_app_id(run_id), self._claims.get(run_id, 0)
-            claimed = table.transaction_version(claim_app)
-            if claimed is not None and claimed > claim:
-                return report  # taken over: expiry is the new attempt's to do
-            # the claim's app id: a claim racing with this expiry makes one of them fail
-            properties = CommitProperties(
-                app_transactions=[Transaction(claim_app, claim)],
-                max_commit_retries=_COMMIT_RETRIES,
-            )
+        if run_id is not None and self._taken_over(table, run_id) is not None:
+            return report  # taken over: expiry is the new attempt's to do
+        properties = CommitProperties(
+            app_transactions=[self._claim_transaction(run_id)] if run_id is not None else None,
+            max_commit_retries=_COMMIT_RETRIES,
+        )
         predicate = _refs_predicate(to_expire + to_delete)
         try:
             if to_expire:

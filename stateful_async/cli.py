@@ -435,21 +435,16 @@ def expire_checkpoints(
     with _user_errors():
         store = _store(location)
         name = _job(store, job)
-        # counted as `list` shows them (one per operator, run and id), and per partition
-        expired, deleted, snapshots, files = 0, 0, [0, 0], 0
-        for operator in store.operators(name):
-            report = store.expire(name, retain, operator_id=operator)
-            expired, deleted = (
-                expired + len(set(report.expired)),
-                deleted + len(set(report.deleted)),
-            )
-            snapshots = [snapshots[0] + len(report.expired), snapshots[1] + len(report.deleted)]
-            files += report.files_removed
+        # per operator, so checkpoints are counted as `list` shows them: one per run and id
+        reports = [store.expire(name, retain, operator_id=op) for op in store.operators(name)]
+        expired = [r.expired for r in reports]
+        deleted = [r.deleted for r in reports]
         out.print(
-            f"Job {escape(name)}: {expired} checkpoint(s) expired ({snapshots[0]} partition "
-            f"snapshot(s); state dropped, results kept for later checkpoints), {deleted} "
-            f"deleted ({snapshots[1]} partition snapshot(s)), {files} file(s) removed from "
-            "storage."
+            f"Job {escape(name)}: {sum(len(set(e)) for e in expired)} checkpoint(s) expired "
+            f"({sum(map(len, expired))} partition snapshot(s); state dropped, results kept for "
+            f"later checkpoints), {sum(len(set(d)) for d in deleted)} deleted "
+            f"({sum(map(len, deleted))} partition snapshot(s)), "
+            f"{sum(r.files_removed for r in reports)} file(s) removed from storage."
         )
 
 

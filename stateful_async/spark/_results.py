@@ -11,7 +11,7 @@ from __future__ import annotations
 import decimal
 import functools
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,13 +21,16 @@ import pyarrow as pa
 from .._elements import describe
 from .._exceptions import ResultSchemaError
 
+# what pyarrow raises for a value it cannot convert to a type
+_CONVERSION_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError)
+
 
 def to_batch(
     rows: list[dict[str, Any]], sources: list[dict[str, Any]], schema: pa.Schema
 ) -> pa.RecordBatch:
     try:
         batch = pa.RecordBatch.from_pylist(rows, schema=schema)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
+    except _CONVERSION_ERRORS:
         pass
     else:
         # pyarrow converts some values it cannot hold by dropping data (1.5 into a long
@@ -51,13 +54,7 @@ def to_batch(
             value = row.get(field.name)
             try:
                 pa.array([value], type=field.type)
-            except (
-                pa.ArrowInvalid,
-                pa.ArrowTypeError,
-                OverflowError,
-                TypeError,
-                ValueError,
-            ) as exc:
+            except _CONVERSION_ERRORS as exc:
                 raise ResultSchemaError(
                     f"The result field {field.name!r} ({field.type}) cannot hold {describe(value)} "
                     f"({type(value).__name__}), returned for input row {describe(source)}: {exc}. "
@@ -87,7 +84,7 @@ def _first_failing_prefix(values: list[Any], arrow_type: pa.DataType) -> int | N
     def converts(count: int) -> bool:
         try:
             pa.array(values[:count], type=arrow_type)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError):
+        except _CONVERSION_ERRORS:
             return False
         return True
 
@@ -209,10 +206,7 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
             return None
 
         def check_map(value: Any) -> _Loss | None:
-            pairs = value.items() if isinstance(value, dict) else value
-            for pair in pairs:
-                # a (key, value) pair, or a {"key": ..., "value": ...} dict as pyarrow takes
-                k, v = (pair.get("key"), pair.get("value")) if isinstance(pair, dict) else pair
+            for k, v in _map_entries(value):
                 if key is not None and k is not None and (loss := key(k)):
                     return loss.under(" key")
                 if item is not None and v is not None and (loss := item(v)):
@@ -223,11 +217,19 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
     return None
 
 
+def _map_entries(value: Any) -> Iterator[tuple[Any, Any]]:
+    """A map value's (key, value) pairs, in each form pyarrow takes: a dict, or a list of
+    (key, value) pairs or of {"key": ..., "value": ...} dicts."""
+    for entry in value.items() if isinstance(value, dict) else value:
+        yield (entry.get("key"), entry.get("value")) if isinstance(entry, dict) else entry
+
+
 # -- NOT NULL fields ----------------------------------------------------------------------
 
 _NOT_NULL = "the output schema declares it NOT NULL (return a value, or declare it nullable)"
 
 
+@functools.lru_cache(maxsize=256)
 def _requires(field: pa.Field) -> bool:
     """Whether ``field``, or a field anywhere inside it, is NOT NULL (a map's keys and
     entries always are, and pyarrow refuses a null key itself: only its values count)."""
@@ -316,9 +318,7 @@ def _null_loss(value: Any, field: pa.Field) -> _Loss | None:
             if (loss := _null_loss(item, child)) is not None:
                 return loss.under(f".{child.name}")
     elif pa.types.is_map(arrow_type):
-        entries = value.items() if isinstance(value, dict) else value
-        for entry in entries:
-            k, v = (entry.get("key"), entry.get("value")) if isinstance(entry, dict) else entry
+        for k, v in _map_entries(value):
             if (loss := _null_loss(v, arrow_type.item_field)) is not None:
                 return loss.under(f"[{k!r}]")
     elif _children(arrow_type):
