@@ -27,7 +27,9 @@ class AsyncFunction(Generic[IN, OUT]):
     """
 
     async def open(self) -> None:
-        """Acquire clients. Called once before the first element."""
+        """Acquire clients. Called once before the first element. If it raises, the
+        operator takes no input and ``close`` is not called (as with ``async with``):
+        release what was acquired before raising."""
 
     async def close(self) -> None:
         """Release clients. Called once when the operator closes."""
@@ -77,7 +79,18 @@ def as_async_function(fn: Any) -> AsyncFunction[Any, Any]:
                 f"{type(fn).__name__} subclasses AsyncFunction but does not implement "
                 "'async def async_invoke(self, value)'."
             )
+        if not isinstance(fn, CoroutineFunction):
+            for name in ("async_invoke", "timeout", "open", "close"):
+                _check_async_method(fn, name)
         return fn
+    if inspect.isasyncgenfunction(fn) or (
+        callable(fn) and inspect.isasyncgenfunction(type(fn).__call__)
+    ):
+        raise ConfigurationError(
+            f"{getattr(fn, '__qualname__', fn)!r} is an async generator (it yields), but the "
+            "operator awaits one list of results per value: write 'async def' that returns "
+            "a list ([] to emit nothing)."
+        )
     if inspect.iscoroutinefunction(fn) or (
         callable(fn) and inspect.iscoroutinefunction(type(fn).__call__)
     ):
@@ -90,6 +103,26 @@ def as_async_function(fn: Any) -> AsyncFunction[Any, Any]:
         )
     raise ConfigurationError(
         f"Expected an AsyncFunction or an async def function; got {type(fn).__name__}."
+    )
+
+
+def _check_async_method(fn: AsyncFunction[Any, Any], name: str) -> None:
+    """A method the operator awaits must be an ``async def`` (a plain ``def`` fails every
+    call with "can't be used in 'await' expression", which would be retried as a service
+    error; an async generator never returns a list)."""
+    method = getattr(type(fn), name)
+    if getattr(AsyncFunction, name) is method or not inspect.isfunction(method):
+        return  # inherited, or not a plain function (a callable object): trusted
+    if inspect.isasyncgenfunction(method):
+        problem = "is an async generator (it yields)"
+    elif not inspect.iscoroutinefunction(method):
+        problem = "is a plain 'def'"
+    else:
+        return
+    raise ConfigurationError(
+        f"{type(fn).__name__}.{name} {problem}, but the operator awaits it: declare it "
+        f"'async def {name}(self{', value' if name in ('async_invoke', 'timeout') else ''})'"
+        + (" returning a list of results." if name in ("async_invoke", "timeout") else ".")
     )
 
 
@@ -146,10 +179,10 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
         future: asyncio.Future[Iterable[OUT]] = loop.create_future()
 
         def run() -> None:
-            results: list[OUT] | None = None
+            results: Any = None
             error: BaseException | None = None
             try:
-                results = list(self.invoke(value))
+                results = _listed(self.invoke(value))
             except BaseException as exc:  # delivered to the loop, never lost in the pool
                 error = exc
             try:
@@ -157,13 +190,31 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
             except RuntimeError:
                 pass  # the loop has closed: the operator is gone and nobody awaits this
 
-        pool.submit(run)
-        return await future
+        call = pool.submit(run)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # The element was decided (its timeout, another attempt) or the operator closed:
+            # a call still waiting in the pool's queue is not made at all.
+            call.cancel()
+            raise
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_pool"] = None
         return state
+
+
+def _listed(results: Any) -> Any:
+    """A synchronous call's results as a list, made on the pool thread (a generator of
+    results may block). A value that is not an iterable of results (None, a str, a dict,
+    a number) is passed on as it is, for the operator to refuse with the same error as an
+    async function's, instead of being split into characters or keys."""
+    if type(results) is list or results is None or isinstance(results, (str, bytes, dict)):
+        return results
+    if not isinstance(results, Iterable):
+        return results
+    return list(results)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

@@ -142,14 +142,15 @@ class _TimedElement(_Element):
         self.last_error = None
 
 
-def _as_results(results: Any, element: StreamElement, attempts: int) -> list[Any]:
+def _as_results(
+    results: Any, element: StreamElement, attempts: int, source: str = "The async function"
+) -> list[Any]:
     if type(results) is list:
         return results
     if results is None or isinstance(results, (str, bytes, dict)):
         raise element_error(
             InvalidResultError,
-            f"The async function returned {type(results).__name__} instead of an iterable "
-            "of results",
+            f"{source} returned {type(results).__name__} instead of an iterable of results",
             element,
             attempts,
             "Return a list: [result] for one result, [] to emit nothing.",
@@ -159,7 +160,7 @@ def _as_results(results: Any, element: StreamElement, attempts: int) -> list[Any
     except TypeError as exc:
         raise element_error(
             InvalidResultError,
-            f"The async function returned {type(results).__name__}, which is not iterable",
+            f"{source} returned {type(results).__name__}, which is not iterable",
             element,
             attempts,
             "Return a list: [result] for one result, [] to emit nothing.",
@@ -352,7 +353,13 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             else loop.create_task
         )
         self._set_state(_State.OPEN)
-        await self._fn.open()
+        try:
+            await self._fn.open()
+        except BaseException:
+            # The function is not open: no input, no snapshot, and close() does not close
+            # it (like an ``async with`` whose __aenter__ raised; see AsyncFunction.open).
+            self._set_state(_State.FAILED)
+            raise
         self._fn_opened = True
         self._restoring = True
         try:
@@ -393,6 +400,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                     else ""
                 )
             )
+        if self._capacity_waiter is not None:
+            raise self._overtaking()  # woken but not resumed yet: its room is not ours
         entry = self._try_put(record)
         if entry is None:
             return self._put_when_room(record)
@@ -453,6 +462,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             raise ConfigurationError(
                 f"process_watermark() takes a Watermark; got {type(watermark).__name__}."
             )
+        if self._capacity_waiter is not None:
+            raise self._overtaking()
         while self._queue.try_put(watermark) is None:
             await self._wait_for_capacity()
         self.metrics.watermarks_in += 1
@@ -572,8 +583,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._on_attempt_result(handler, results)
 
     def _on_attempt_raised(self, handler: _Element, attempt: int, exc: BaseException) -> None:
-        if not isinstance(exc, (Exception, asyncio.CancelledError)):
-            raise exc  # KeyboardInterrupt, SystemExit: not an outcome of the element
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise exc  # not an outcome of the element: they stop the loop
         if handler.decided or attempt != handler.attempts:
             return  # decided elsewhere (which cancels its other attempts), or superseded
         if isinstance(exc, asyncio.CancelledError):
@@ -594,14 +605,15 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         if handler.timed_out:
             return  # the timeout handler decides this element
         retry = self._retry
-        if (
-            retry is not None
-            and self._may_retry()
-            and retry.can_retry(handler.attempts)
-            and retry.should_retry_exception(error)
-        ):
-            self._schedule_retry(cast(_TimedElement, handler))  # retry implies a timeout
-            return
+        if retry is not None and self._may_retry() and retry.can_retry(handler.attempts):
+            try:
+                again = retry.should_retry_exception(error)
+            except Exception as exc:
+                self._decide_failure(handler, self._predicate_error(handler, "exception", exc))
+                return
+            if again:
+                self._schedule_retry(cast(_TimedElement, handler))  # retry implies a timeout
+                return
         self._decide_failure(
             handler,
             element_error(
@@ -630,11 +642,31 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             and not handler.timed_out
             and self._may_retry()
             and retry.can_retry(handler.attempts)
-            and retry.should_retry_result(results)
         ):
-            self._schedule_retry(cast(_TimedElement, handler))  # retry implies a timeout
-            return
+            try:
+                again = retry.should_retry_result(results)
+            except Exception as exc:
+                self._decide_failure(handler, self._predicate_error(handler, "result", exc))
+                return
+            if again:
+                self._schedule_retry(cast(_TimedElement, handler))  # retry implies a timeout
+                return
         self._decide(handler, results)
+
+    def _predicate_error(
+        self, handler: _Element, outcome: str, error: Exception
+    ) -> ElementFailedError:
+        """A retry predicate raised: a bug in it, never retried, so the element fails now
+        (rather than waiting for its deadline with the error lost in the attempt's task)."""
+        return element_error(
+            ElementFailedError,
+            f"The retry predicate retry_on_{outcome} raised on the attempt's {outcome}",
+            handler.element,
+            handler.attempts,
+            f"Fix the predicate: it must return True or False for every {outcome} the "
+            "function can produce.",
+            cause=error,
+        )
 
     def _schedule_retry(self, handler: _TimedElement) -> None:
         assert self._retry is not None
@@ -686,7 +718,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         )
         if error is None:
             try:
-                results = _as_results(task.result(), handler.element, handler.attempts)
+                results = _as_results(
+                    task.result(), handler.element, handler.attempts, "The timeout handler"
+                )
             except InvalidResultError as exc:
                 self._decide_failure(handler, exc)
                 return
@@ -828,12 +862,18 @@ class AsyncWaitOperator(Generic[IN, OUT]):
 
     # -- helpers ------------------------------------------------------------------------
 
+    @staticmethod
+    def _overtaking() -> OperatorStateError:
+        """A call made while an earlier one still waits for room: refused, since it would
+        take the room first and reorder the input."""
+        return OperatorStateError(
+            "process_element()/process_watermark() was called while another call was "
+            "still waiting for queue capacity; await each call before the next."
+        )
+
     async def _wait_for_capacity(self) -> None:
         if self._capacity_waiter is not None:
-            raise OperatorStateError(
-                "process_element()/process_watermark() was called while another call was "
-                "still waiting for queue capacity; await each call before the next."
-            )
+            raise self._overtaking()
         assert self._loop is not None
         waiter = self._capacity_waiter = self._loop.create_future()
         try:
@@ -871,6 +911,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 _State.FINISHING: "finish() has been called; no more input is accepted",
                 _State.FINISHED: "finish() has been called; no more input is accepted",
                 _State.CLOSED: "it was closed",
+                _State.FAILED: "its function's open() raised",
             }.get(self._state, "")
             raise OperatorStateError(
                 f"{what} was called on an operator that is {self._state.value}: {hint}."

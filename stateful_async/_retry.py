@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
@@ -16,6 +17,20 @@ ResultPredicate = Callable[[Sequence[Any]], bool]
 
 def _never(_: Sequence[Any]) -> bool:
     return False
+
+
+def _check_number(name: str, value: Any, minimum: float, unit: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigurationError(
+            f"RetryStrategy {name} must be a finite number{' of ' + unit if unit else ''}; "
+            f"got {value!r}."
+        )
+    if value < minimum:
+        raise ConfigurationError(f"RetryStrategy {name} must be >= {minimum}; got {value!r}.")
+
+
+def _is_exception_type(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, BaseException)
 
 
 @dataclass(frozen=True)
@@ -49,33 +64,40 @@ class RetryStrategy:
     retry_on_result: ResultPredicate = field(default=_never)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+        if (
+            isinstance(self.max_attempts, bool)
+            or not isinstance(self.max_attempts, int)
+            or self.max_attempts < 1
+        ):
             raise ConfigurationError(
                 f"RetryStrategy max_attempts must be an integer >= 1 (total attempts, the first "
                 f"included); got {self.max_attempts!r}."
             )
-        if self.initial_delay < 0:
-            raise ConfigurationError(
-                f"RetryStrategy delay must be >= 0 seconds; got {self.initial_delay!r}."
-            )
-        if self.multiplier < 1:
-            raise ConfigurationError(
-                f"RetryStrategy multiplier must be >= 1; got {self.multiplier!r}."
-            )
-        if self.max_delay is not None and self.max_delay < self.initial_delay:
-            raise ConfigurationError(
-                f"RetryStrategy max_delay ({self.max_delay!r}) must be >= the initial delay "
-                f"({self.initial_delay!r})."
-            )
-        if not 0 <= self.jitter <= 1:
+        _check_number("delay", self.initial_delay, 0, "seconds")
+        _check_number("multiplier", self.multiplier, 1)
+        if self.max_delay is not None:
+            _check_number("max_delay", self.max_delay, 0, "seconds")
+            if self.max_delay < self.initial_delay:
+                raise ConfigurationError(
+                    f"RetryStrategy max_delay ({self.max_delay!r}) must be >= the initial delay "
+                    f"({self.initial_delay!r})."
+                )
+        _check_number("jitter", self.jitter, 0)
+        if self.jitter > 1:
             raise ConfigurationError(
                 f"RetryStrategy jitter must be between 0 and 1; got {self.jitter!r}."
             )
         predicate = self.retry_on_exception
-        if not callable(predicate) and not isinstance(predicate, tuple):
+        if isinstance(predicate, tuple):
+            valid = all(_is_exception_type(t) for t in predicate)
+        elif isinstance(predicate, type):
+            valid = _is_exception_type(predicate)
+        else:
+            valid = callable(predicate)
+        if not valid:
             raise ConfigurationError(
-                "RetryStrategy retry_on_exception must be exception types or a predicate; got "
-                f"{predicate!r}."
+                "RetryStrategy retry_on_exception must be an exception type, a tuple of them, "
+                f"or a predicate over the exception; got {predicate!r}."
             )
         if not callable(self.retry_on_result):
             raise ConfigurationError(
@@ -130,7 +152,10 @@ class RetryStrategy:
 
     def backoff(self, attempts: int) -> float:
         """Seconds to wait after attempt number ``attempts`` (1-based) before the next."""
-        delay = self.initial_delay * self.multiplier ** (attempts - 1)
+        try:
+            delay = self.initial_delay * self.multiplier ** (attempts - 1)
+        except OverflowError:  # many attempts at a large multiplier: the cap (or never)
+            delay = math.inf
         if self.max_delay is not None:
             delay = min(delay, self.max_delay)
         if self.jitter:

@@ -25,7 +25,7 @@ from stateful_async import (
     StreamRecord,
     Watermark,
 )
-from stateful_async.testing import ControlledFunction, settle
+from stateful_async.testing import ControlledFunction, VirtualClock, settle
 
 MODES = [OutputMode.ORDERED, OutputMode.UNORDERED]
 
@@ -454,8 +454,7 @@ async def test_a_second_caller_waiting_for_room_is_refused_even_right_after_a_wa
         await op.process_element(StreamRecord("b"))  # waits for room
 
     async def second():
-        await op.process_element(StreamRecord("c"))  # takes the room "a" leaves
-        await op.process_element(StreamRecord("d"))  # would wait too
+        await op.process_element(StreamRecord("c"))  # would take the room "a" leaves
 
     one = asyncio.ensure_future(first())
     await settle()
@@ -464,13 +463,31 @@ async def test_a_second_caller_waiting_for_room_is_refused_even_right_after_a_wa
     await settle()
     assert two.done()
     with pytest.raises(OperatorStateError, match="another call was still waiting"):
-        two.result()
-    for value in ("c", "b"):
-        await settle()
-        fn.complete(value, [value.upper()])
+        two.result()  # refused, not let past "b" into the room "b" was woken for
     await asyncio.wait_for(one, 5.0)
+    fn.complete("b", ["B"])
     await op.finish()
-    assert values(out) == ["A", "C", "B"]
+    assert values(out) == ["A", "B"]
+    assert fn.calls == ["a", "b"]
+    await op.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_watermark_cannot_overtake_a_call_waiting_for_room(mode: OutputMode) -> None:
+    fn, out, op = make(mode, capacity=1)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    waiting = asyncio.ensure_future(op.process_element(StreamRecord("b")))
+    await settle()
+    fn.complete("a", ["A"])  # emits A and wakes the waiting call...
+    watermark = asyncio.ensure_future(op.process_watermark(Watermark(5)))  # ...not resumed
+    await settle()
+    with pytest.raises(OperatorStateError, match="another call was still waiting"):
+        watermark.result()
+    await waiting
+    fn.complete("b", ["B"])
+    await op.finish()
+    assert values(out) == ["A", "B"]
     await op.close()
 
 
@@ -608,4 +625,99 @@ async def test_a_snapshot_during_restore_is_refused() -> None:
     await settle()
     assert opening.done()
     assert op.snapshot_state(1) == [StreamRecord("b")]
+    await op.close()
+
+
+async def test_a_function_whose_open_raises_leaves_the_operator_refusing_work() -> None:
+    class Unreachable(ControlledFunction):
+        async def open(self):
+            raise ConnectionError("no database")
+
+    fn = Unreachable()
+    op = AsyncWaitOperator(fn, lambda e: None)
+    with pytest.raises(ConnectionError, match="no database"):
+        await op.open()
+    with pytest.raises(OperatorStateError, match="its function's open\\(\\) raised"):
+        await op.process_element(StreamRecord(1))
+    with pytest.raises(OperatorStateError, match="the operator is failed"):
+        op.snapshot_state(1)
+    with pytest.raises(OperatorStateError, match="open\\(\\) raised"):
+        await op.finish()
+    await op.close()
+    assert (fn.calls, fn.closed) == ([], 0)  # never invoked; close() is open()'s to undo
+
+
+class _PlainInvoke(AsyncFunction):
+    def async_invoke(self, value):
+        return [value]
+
+
+class _GeneratorInvoke(AsyncFunction):
+    async def async_invoke(self, value):
+        yield value
+
+
+class _PlainTimeout(AsyncFunction):
+    async def async_invoke(self, value):
+        return [value]
+
+    def timeout(self, value):
+        return []
+
+
+class _PlainOpen(AsyncFunction):
+    async def async_invoke(self, value):
+        return [value]
+
+    def open(self):
+        pass
+
+
+async def _generator(value):
+    yield value
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (_PlainInvoke(), "_PlainInvoke.async_invoke is a plain 'def'.*'async def async_invoke"),
+        (_GeneratorInvoke(), "_GeneratorInvoke.async_invoke is an async generator"),
+        (_PlainTimeout(), "_PlainTimeout.timeout is a plain 'def'"),
+        (_PlainOpen(), "_PlainOpen.open is a plain 'def'.*'async def open\\(self\\)'"),
+        (_generator, "is an async generator \\(it yields\\).*returns a list"),
+    ],
+)
+def test_functions_the_operator_cannot_await_are_refused_at_construction(fn, message) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        AsyncWaitOperator(fn, lambda e: None)
+
+
+class _Abort(BaseException):
+    """Like gevent's Timeout or pytest's outcomes: a BaseException that is not an Exception."""
+
+
+async def test_a_base_exception_from_the_function_fails_the_element_instead_of_hanging() -> None:
+    async def aborts(value):
+        raise _Abort("stop")
+
+    op = AsyncWaitOperator(aborts, lambda e: None)
+    await op.open()
+    await op.process_element(StreamRecord("x"))
+    with pytest.raises(AsyncFunctionError, match="StreamRecord\\('x'\\).*_Abort: stop"):
+        await asyncio.wait_for(op.finish(), 5.0)
+    await op.close()
+
+
+async def test_a_timeout_handler_of_the_wrong_shape_is_named_as_the_handler() -> None:
+    class Fallback(ControlledFunction):
+        async def timeout(self, value):
+            return {"value": value}
+
+    clock = VirtualClock()
+    op = AsyncWaitOperator(Fallback(), lambda e: None, timeout=1, clock=clock)
+    await op.open()
+    await op.process_element(StreamRecord("x"))
+    await clock.advance(1)
+    with pytest.raises(InvalidResultError, match="The timeout handler returned dict"):
+        await asyncio.wait_for(op.finish(), 5.0)
     await op.close()

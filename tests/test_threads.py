@@ -12,8 +12,10 @@ import pytest
 from stateful_async import (
     AsyncWaitOperator,
     ConfigurationError,
+    InvalidResultError,
     OperatorStateError,
     OutputMode,
+    RetryStrategy,
     StreamRecord,
     ThreadPoolAsyncFunction,
 )
@@ -130,3 +132,89 @@ async def test_operator_methods_refuse_foreign_threads() -> None:
     assert isinstance(errors[0], OperatorStateError)
     assert "belongs to its event-loop thread" in str(errors[0])
     await op.close()
+
+
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        ("abc", "returned str instead of an iterable of results"),
+        ({"k": 1}, "returned dict instead of an iterable of results"),
+        (None, "returned NoneType instead of an iterable of results"),
+        (7, "returned int, which is not iterable"),
+    ],
+)
+async def test_thread_pool_results_of_the_wrong_shape_are_refused_like_async_ones(
+    returned, message
+) -> None:
+    # Not split into characters or keys on the pool thread, and None is not a "failure"
+    # that is retried: the same InvalidResultError an async def gets.
+    calls = []
+
+    def lookup(value):
+        calls.append(value)
+        return returned
+
+    out: list = []
+    op = AsyncWaitOperator(
+        ThreadPoolAsyncFunction(lookup, max_workers=2),
+        out.append,
+        timeout=10,
+        retry=RetryStrategy.fixed_delay(3, 0),
+    )
+    await op.open()
+    await op.process_element(StreamRecord("x"))
+    with pytest.raises(InvalidResultError, match=message):
+        await asyncio.wait_for(op.finish(), 5.0)
+    assert out == [] and calls == ["x"]
+    await op.close()
+
+
+async def test_thread_pool_results_may_be_any_iterable_made_on_the_pool_thread() -> None:
+    threads = []
+
+    def lookup(value):
+        def results():
+            threads.append(threading.get_ident())
+            yield value
+            yield value * 2
+
+        return results()
+
+    out: list = []
+    async with AsyncWaitOperator(ThreadPoolAsyncFunction(lookup, max_workers=1), out.append) as op:
+        await op.process_element(StreamRecord(3))
+        await op.finish()
+    assert [e.value for e in out] == [3, 6]
+    assert threads and threads[0] != threading.get_ident()
+
+
+async def test_thread_pool_calls_of_decided_elements_are_not_made() -> None:
+    # One worker, held by a slow call: the elements queued behind it reach their deadline
+    # and take their fallback. Their calls, still in the pool's queue, must not be made later
+    # (a request nobody waits for, and a worker held from live elements).
+    release = threading.Event()
+    made: list[str] = []
+
+    class Lookup(ThreadPoolAsyncFunction):
+        def invoke(self, value):
+            made.append(value)
+            if value == "slow":
+                release.wait(10)
+            return [value]
+
+        async def timeout(self, value):
+            return [f"fallback {value}"]
+
+    out: list = []
+    op = AsyncWaitOperator(Lookup(max_workers=1), out.append, OutputMode.UNORDERED, timeout=0.3)
+    await op.open()
+    for value in ("slow", "q1", "q2"):
+        await op.process_element(StreamRecord(value))
+    await asyncio.sleep(0.6)  # every deadline passed: all three decided by the fallback
+    assert sorted(e.value for e in out) == ["fallback q1", "fallback q2", "fallback slow"]
+    release.set()
+    await op.process_element(StreamRecord("live"))
+    await op.finish()
+    await op.close()
+    assert "live" in [e.value for e in out]
+    assert made == ["slow", "live"]

@@ -12,6 +12,7 @@ from stateful_async import (
     AsyncFunctionError,
     AsyncTimeoutError,
     AsyncWaitOperator,
+    ElementFailedError,
     OperatorStateError,
     OutputMode,
     RetryStrategy,
@@ -468,6 +469,17 @@ async def test_a_late_result_of_a_superseded_attempt_is_dropped() -> None:
         ({"max_attempts": 2, "initial_delay": 1, "multiplier": 0.5}, "multiplier must be >= 1"),
         ({"max_attempts": 2, "initial_delay": 1, "jitter": 2}, "jitter must be between 0 and 1"),
         ({"max_attempts": 2, "initial_delay": 5, "max_delay": 1}, "max_delay"),
+        ({"max_attempts": True, "initial_delay": 1}, "max_attempts must be an integer"),
+        ({"max_attempts": 2, "initial_delay": float("nan")}, "delay must be a finite number"),
+        ({"max_attempts": 2, "initial_delay": "1"}, "delay must be a finite number of seconds"),
+        ({"max_attempts": 2, "initial_delay": 1, "multiplier": float("nan")}, "multiplier"),
+        ({"max_attempts": 2, "initial_delay": 1, "max_delay": float("nan")}, "max_delay must"),
+        ({"max_attempts": 2, "initial_delay": 1, "jitter": float("nan")}, "jitter must"),
+        (
+            {"max_attempts": 2, "initial_delay": 1, "retry_on_exception": (ValueError, "x")},
+            "an exception type, a tuple of them",
+        ),
+        ({"max_attempts": 2, "initial_delay": 1, "retry_on_exception": int}, "exception type"),
     ],
 )
 def test_invalid_retry_strategies_fail_at_construction(kwargs: dict, message: str) -> None:
@@ -481,3 +493,43 @@ def test_retry_strategy_docstring_says_max_attempts_counts_total_attempts() -> N
     doc = RetryStrategy.__doc__ or ""
     assert "counts **total attempts**" in doc
     assert "Flink's ``maxAttempts`` counts retries" in doc
+
+
+@pytest.mark.parametrize("with_handler", [False, True])
+@pytest.mark.parametrize("outcome", ["exception", "result"])
+async def test_a_retry_predicate_that_raises_fails_the_element_at_once(
+    outcome: str, with_handler: bool
+) -> None:
+    # Not hidden in the attempt's task until the deadline, then reported as a timeout (or
+    # silently replaced by the fallback).
+    def predicate(value):
+        return value.response.status == 503  # wrong for what the function gives it
+
+    clock = VirtualClock()
+    fn = ControlledTimeoutFunction() if with_handler else ControlledFunction()
+    retry = RetryStrategy.fixed_delay(3, 1.0, **{f"retry_on_{outcome}": predicate})
+    out, op = make(fn, clock, timeout=60, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    if outcome == "exception":
+        fn.fail("a", Flaky("boom"))
+    else:
+        fn.complete("a", ["A"])
+    await settle()
+    assert op.failure is not None  # now, not at the 60 s deadline
+    with pytest.raises(ElementFailedError) as info:
+        await op.finish()
+    message = str(info.value)
+    assert f"The retry predicate retry_on_{outcome} raised" in message
+    assert "StreamRecord('a')" in message
+    assert "AttributeError" in message
+    assert isinstance(info.value.__cause__, AttributeError)
+    assert out == [] and fn.calls == ["a"]
+    await op.close()
+
+
+def test_backoff_of_many_attempts_is_capped_instead_of_overflowing() -> None:
+    retry = RetryStrategy.exponential_backoff(5000, 0.1, 2.0, multiplier=10)
+    assert retry.backoff(1100) == 2.0
+    assert RetryStrategy(5000, 0.1, multiplier=10).backoff(1100) == float("inf")

@@ -79,14 +79,16 @@ class _RowFunction(AsyncFunction[Any, Any]):
 class _RowFunctionWithTimeout(_RowFunction):
     async def timeout(self, value: tuple[int, dict[str, Any]]) -> list[Any]:
         row = value[1]
-        return _pair(await self.fn.timeout(row), row, self.names)
+        return _pair(await self.fn.timeout(row), row, self.names, "The timeout handler")
 
 
-def _pair(results: Any, row: dict[str, Any], names: frozenset[str]) -> list[Any]:
+def _pair(
+    results: Any, row: dict[str, Any], names: frozenset[str], source: str = "The async function"
+) -> list[Any]:
     if type(results) is not list:
         if results is None or isinstance(results, (dict, str, bytes)):
             raise InvalidResultError(
-                f"The async function returned {type(results).__name__} for input row "
+                f"{source} returned {type(results).__name__} for input row "
                 f"{describe(row)}; it must return a list of result rows (dicts): [row] for one "
                 "result, [] for none.",
                 element=row,
@@ -95,7 +97,7 @@ def _pair(results: Any, row: dict[str, Any], names: frozenset[str]) -> list[Any]
             results = list(results)
         except TypeError:
             raise InvalidResultError(
-                f"The async function returned {type(results).__name__}, which is not iterable, "
+                f"{source} returned {type(results).__name__}, which is not iterable, "
                 f"for input row {describe(row)}; return a list of result rows (dicts).",
                 element=row,
             ) from None
@@ -108,7 +110,7 @@ def _pair(results: Any, row: dict[str, Any], names: frozenset[str]) -> list[Any]
                 result = dict(result)
             else:
                 raise ResultSchemaError(
-                    f"The async function returned a {type(result).__name__} result for input "
+                    f"{source} returned a {type(result).__name__} result for input "
                     f"row {describe(row)}; each result must be a dict with the fields "
                     f"{sorted(names)}."
                 )
