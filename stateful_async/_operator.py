@@ -404,7 +404,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             raise self._overtaking()  # woken but not resumed yet: its room is not ours
         entry = self._try_put(record)
         if entry is None:
-            return self._put_when_room(record)
+            # The waiter is registered now, not when the coroutine first runs: if the caller
+            # forgets to await it, the next call is refused instead of this record being lost.
+            return self._put_when_room(record, self._register_capacity_waiter())
         if self._timeout is None:  # _start without a timeout, inlined: the hot path
             self.metrics.records_in += 1
             entry.task = self._new_task(self._attempt_once(entry))  # type: ignore[arg-type, attr-defined]
@@ -412,11 +414,10 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             self._start(entry)  # type: ignore[arg-type]
         return self._done  # no coroutine per element on the fast path
 
-    async def _put_when_room(self, record: StreamRecord[IN]) -> None:
-        entry = None
-        while entry is None:
+    async def _put_when_room(self, record: StreamRecord[IN], waiter: asyncio.Future[None]) -> None:
+        await self._await_capacity(waiter)
+        while (entry := self._queue.try_put(record)) is None:
             await self._wait_for_capacity()
-            entry = self._queue.try_put(record)
         self._start(entry)  # type: ignore[arg-type]
 
     def _reuse_entry(self, element: StreamElement, done: bool) -> _Element:
@@ -868,19 +869,26 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         take the room first and reorder the input."""
         return OperatorStateError(
             "process_element()/process_watermark() was called while another call was "
-            "still waiting for queue capacity; await each call before the next."
+            "still waiting for queue capacity (or was never awaited); await each call "
+            "before the next."
         )
 
-    async def _wait_for_capacity(self) -> None:
+    def _register_capacity_waiter(self) -> asyncio.Future[None]:
         if self._capacity_waiter is not None:
             raise self._overtaking()
         assert self._loop is not None
         waiter = self._capacity_waiter = self._loop.create_future()
+        return waiter
+
+    async def _await_capacity(self, waiter: asyncio.Future[None]) -> None:
         try:
             await waiter
         finally:
             self._capacity_waiter = None
         self._check_accepting("process_element()")
+
+    async def _wait_for_capacity(self) -> None:
+        await self._await_capacity(self._register_capacity_waiter())
 
     def _wake_waiters(self, error: BaseException) -> None:
         for waiter in (self._capacity_waiter, self._drain_waiter):

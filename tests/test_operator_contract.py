@@ -472,6 +472,19 @@ async def test_a_second_caller_waiting_for_room_is_refused_even_right_after_a_wa
     await op.close()
 
 
+async def test_a_call_that_was_not_awaited_is_not_lost_silently() -> None:
+    # The queue is full, so process_element returns a coroutine that would wait for room;
+    # forgetting to await it must not drop the record without a word.
+    fn, out, op = make(OutputMode.ORDERED, capacity=1)
+    await op.open()
+    op.process_element(StreamRecord("a"))  # room: added at once
+    forgotten = op.process_element(StreamRecord("b"))  # full: this must be awaited
+    with pytest.raises(OperatorStateError, match="or was never awaited"):
+        op.process_element(StreamRecord("c"))
+    forgotten.close()  # type: ignore[attr-defined]
+    await op.close()
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_watermark_cannot_overtake_a_call_waiting_for_room(mode: OutputMode) -> None:
     fn, out, op = make(mode, capacity=1)
