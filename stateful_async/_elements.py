@@ -34,9 +34,10 @@ class StreamRecord(Generic[T]):
         return hash((StreamRecord, _hashable(self.value), self.timestamp))
 
     def __repr__(self) -> str:
+        value = _safe_repr(self.value)
         if self.timestamp is None:
-            return f"StreamRecord({self.value!r})"
-        return f"StreamRecord({self.value!r}, timestamp={self.timestamp!r})"
+            return f"StreamRecord({value})"
+        return f"StreamRecord({value}, timestamp={self.timestamp!r})"
 
 
 class Watermark:
@@ -68,9 +69,18 @@ def _hashable(value: Any) -> Any:
     return value
 
 
+def _safe_repr(value: object) -> str:
+    try:
+        return repr(value)
+    except Exception as exc:
+        return f"<{type(value).__name__} object; its repr raised {type(exc).__name__}>"
+
+
 def describe(element: object, limit: int = 200) -> str:
-    """A bounded repr of an element for error messages (inputs can be large rows)."""
-    text = repr(element)
+    """A bounded repr of an element for error messages (inputs can be large rows). Never
+    raises: a user type whose ``__repr__`` fails must not turn an error report (made in a
+    timer or a completion callback) into a second error."""
+    text = _safe_repr(element)
     if len(text) > limit:
         text = text[: limit - 3] + "..."
     return text

@@ -113,6 +113,13 @@ def raised_at(error: BaseException) -> str:
     return f" (raised at {frame.filename}:{frame.lineno}, in {frame.name})"
 
 
+def _text(error: BaseException) -> str:
+    try:
+        return str(error)
+    except Exception as exc:
+        return f"<its str() raised {type(exc).__name__}>"
+
+
 def element_error(
     kind: type[ElementFailedError],
     what: str,
@@ -128,7 +135,7 @@ def element_error(
     plural = "attempt" if attempts == 1 else "attempts"
     message = f"{what} for element {describe(element)} after {attempts} {plural}"
     if cause is not None:
-        message += f": {type(cause).__name__}: {cause}{raised_at(cause)}"
+        message += f": {type(cause).__name__}: {_text(cause)}{raised_at(cause)}"
     message += f". {advice}"
     error = kind(message, element=element, attempts=attempts)
     if cause is not None:

@@ -533,3 +533,35 @@ def test_backoff_of_many_attempts_is_capped_instead_of_overflowing() -> None:
     retry = RetryStrategy.exponential_backoff(5000, 0.1, 2.0, multiplier=10)
     assert retry.backoff(1100) == 2.0
     assert RetryStrategy(5000, 0.1, multiplier=10).backoff(1100) == float("inf")
+
+
+class _Unprintable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+class _UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str")
+
+
+async def test_a_value_or_error_that_cannot_be_printed_still_gets_its_error() -> None:
+    # The error is built in a timer callback: a repr that raises must not stop the timers
+    # (the element would stay undecided and finish() would hang).
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    out, op = make(fn, clock, timeout=5, retry=RetryStrategy.fixed_delay(2, 1.0))
+    await op.open()
+    value = _Unprintable()
+    await op.process_element(StreamRecord(value))
+    await settle()
+    fn.fail(value, _UnprintableError())
+    await clock.advance(1)
+    fn.fail(value, _UnprintableError())
+    await settle()
+    with pytest.raises(AsyncFunctionError) as info:
+        await asyncio.wait_for(op.finish(), 5)
+    message = str(info.value)
+    assert "<_Unprintable object; its repr raised RuntimeError>" in message
+    assert "_UnprintableError: <its str() raised RuntimeError>" in message
+    await op.close()
