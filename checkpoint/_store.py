@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
-from deltalake.exceptions import CommitFailedError, TableNotFoundError
+from deltalake.exceptions import CommitFailedError, SchemaMismatchError, TableNotFoundError
 
 from stateful_async import StreamElement, StreamRecord, Watermark
 from stateful_async import __version__ as library_version
@@ -99,6 +99,7 @@ _META_COLUMNS = [f.name for f in _KEY_FIELDS] + [f.name for f in _META_FIELDS]
 # delta-rs retries a commit that lost to a concurrent append on another app id; a subtask's
 # table has one committer at a time, so this only matters for zombies and maintenance.
 _COMMIT_RETRIES = 100
+_EXPIRE_TRIES = 10  # an expiry reads every checkpoint again on each try
 _RESTORE_GROUP_ROWS = 100_000  # results a resuming task reads (and holds) at a time
 
 # Rows per batch of the stream that ``expire`` rewrites.
@@ -200,6 +201,44 @@ class ExpireReport:
 def _app_id(run_id: str) -> str:
     """The Delta app transaction whose version is a run's newest checkpoint id."""
     return f"stateful-async:{run_id}"
+
+
+def _stale_read(error: CommitFailedError) -> bool:
+    """delta-rs refused a commit because another one changed the files it read (an expiry
+    that rewrote or deleted some, or an append under an expiry): nothing was written, and
+    the same change made from a fresh snapshot may land."""
+    return "a concurrent transaction" in str(error)
+
+
+def _description(input_schema: pa.Schema, output_schema: pa.Schema) -> str:
+    """The table description: where the Arrow schemas of a subtask's checkpoints live."""
+    return json.dumps(
+        {
+            _DESCRIPTION_KEY: {
+                "layout": _LAYOUT_VERSION,
+                "input_schema": _schema_to_text(input_schema),
+                "output_schema": _schema_to_text(output_schema),
+            }
+        }
+    )
+
+
+def _same_schemas(
+    stored: tuple[pa.Schema, pa.Schema] | None, input_schema: pa.Schema, output_schema: pa.Schema
+) -> bool:
+    return stored is None or (stored[0].equals(input_schema) and stored[1].equals(output_schema))
+
+
+class _StaleSnapshot(Exception):
+    """An expiry worked from a table snapshot that another writer has since changed."""
+
+
+def _vacuumed_under_us(error: Exception) -> bool:
+    """A read of a snapshot whose files another expiry has just vacuumed."""
+    text = str(error)
+    return isinstance(error, FileNotFoundError) or (
+        "Failed to fetch metadata for file" in text or "No such file or directory" in text
+    )
 
 
 def _claim_app_id(run_id: str) -> str:
@@ -558,49 +597,68 @@ class SubtaskLog:
             custom_metadata={"stateful_async.checkpoint": str(meta.ref)},
         )
         _faults.fire("before_delta_commit", log=self, meta=meta, data=data)
-        table = self._open(refresh=True)
-        if table is None:
-            if self._create(data, input_schema, output_schema, properties_for_commit):
-                self._metadata = (0, [meta])  # version 0 holds this checkpoint and nothing else
-                return meta
-            table = self._open(refresh=True)  # another attempt created it first
-            assert table is not None
-        self.check_schemas(input_schema, output_schema)
-        if (claimed := self._taken_over(table, run_id)) is not None:
-            raise CheckpointConflictError(
-                f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} was "
-                f"refused: a later attempt of that run has taken it over (claim {claimed}; this "
-                f"attempt's is {self._claims.get(run_id, 0)}). This is a zombie or speculative "
-                "attempt committing late; its snapshot is discarded."
-            )
-        committed = table.transaction_version(app_id)
-        if committed is not None and committed >= checkpoint_id:
-            raise CheckpointConflictError(
-                f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} was "
-                f"refused: checkpoint {committed} of that run is already committed. This is a "
-                "zombie or speculative attempt committing late; its snapshot is discarded."
-            )
-        try:
-            # The same table object that answered transaction_version(): a racing commit of
-            # the same app id makes this one fail instead of landing twice.
-            write_deltalake(table, data, mode="append", commit_properties=properties_for_commit)
-        except CommitFailedError as exc:
-            if "Concurrent transaction" in str(exc):
+        reset = False  # rewrite an emptied table for other schemas instead of appending
+        for tries_left in reversed(range(_COMMIT_RETRIES)):
+            table = self._open(refresh=True)
+            if table is None:
+                if self._create(data, input_schema, output_schema, properties_for_commit):
+                    self._metadata = (0, [meta])  # version 0 holds this checkpoint alone
+                    return meta
+                table = self._open(refresh=True)  # another attempt created it first
+                assert table is not None
+            self.check_schemas(input_schema, output_schema)
+            if (claimed := self._taken_over(table, run_id)) is not None:
                 raise CheckpointConflictError(
-                    f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} lost "
-                    "a race with another attempt of that run (committing the same checkpoint, "
-                    "or taking the run over); that attempt's commit stands and this one wrote "
-                    "nothing."
+                    f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} was "
+                    f"refused: a later attempt of that run has taken it over (claim {claimed}; "
+                    f"this attempt's is {self._claims.get(run_id, 0)}). This is a zombie or "
+                    "speculative attempt committing late; its snapshot is discarded."
+                )
+            committed = table.transaction_version(app_id)
+            if committed is not None and committed >= checkpoint_id:
+                raise CheckpointConflictError(
+                    f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} was "
+                    f"refused: checkpoint {committed} of that run is already committed. This "
+                    "is a zombie or speculative attempt committing late; its snapshot is "
+                    "discarded."
+                )
+            reset = reset or not _same_schemas(self.schemas(), input_schema, output_schema)
+            try:
+                # The same table object that answered transaction_version(): a racing commit
+                # of the same app id makes this one fail instead of landing twice.
+                if reset:
+                    self._reset(table, data, input_schema, output_schema, properties_for_commit)
+                else:
+                    write_deltalake(
+                        table, data, mode="append", commit_properties=properties_for_commit
+                    )
+            except SchemaMismatchError as exc:
+                if reset or self.checkpoints():
+                    raise CheckpointError(
+                        f"Committing checkpoint {meta.ref} to {self.uri} failed: {exc}"
+                    ) from exc
+                reset = True  # a reset stopped between its two commits: finish it
+                continue
+            except CommitFailedError as exc:
+                if "Concurrent transaction" in str(exc):
+                    raise CheckpointConflictError(
+                        f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} "
+                        "lost a race with another attempt of that run (committing the same "
+                        "checkpoint, or taking the run over); that attempt's commit stands "
+                        "and this one wrote nothing."
+                    ) from exc
+                if _stale_read(exc) and tries_left:
+                    continue  # an expiry landed since the refresh: check again and retry
+                raise CheckpointError(f"Committing checkpoint {meta.ref} failed: {exc}") from exc
+            except (OSError, ValueError, TypeError) as exc:
+                raise CheckpointError(
+                    f"Committing checkpoint {meta.ref} to {self.uri} failed: {exc}"
                 ) from exc
-            raise CheckpointError(f"Committing checkpoint {meta.ref} failed: {exc}") from exc
-        except (OSError, ValueError, TypeError) as exc:
-            raise CheckpointError(
-                f"Committing checkpoint {meta.ref} to {self.uri} failed: {exc}"
-            ) from exc
-        cached = self._metadata
-        if cached is not None and table.version() == cached[0] + 1:
-            self._metadata = (cached[0] + 1, [*cached[1], meta])  # nobody else committed
-        return meta
+            cached = self._metadata
+            if cached is not None and table.version() == cached[0] + 1:
+                self._metadata = (cached[0] + 1, [*cached[1], meta])  # nobody else committed
+            return meta
+        raise AssertionError("unreachable: the last try returns or raises")
 
     def claim(self, run_id: str) -> int | None:
         """Take ``run_id`` over from the attempts before this one, which may still be
@@ -634,8 +692,10 @@ class SubtaskLog:
                     ),
                 )
             except (CommitFailedError, OSError, ValueError, TypeError) as exc:
-                if isinstance(exc, CommitFailedError) and "Concurrent transaction" in str(exc):
-                    continue  # a commit of this run landed meanwhile: claim after it
+                if isinstance(exc, CommitFailedError) and (
+                    "Concurrent transaction" in str(exc) or _stale_read(exc)
+                ):
+                    continue  # a commit of this run (or an expiry) landed: claim after it
                 raise CheckpointError(
                     f"Claiming run {run_id!r} in {self.uri} failed: {exc}"
                 ) from exc
@@ -688,6 +748,20 @@ class SubtaskLog:
         """
         if not isinstance(retain, int) or retain < 0:
             raise CheckpointError(f"retain must be an integer >= 0; got {retain!r}.")
+        for tries_left in reversed(range(_EXPIRE_TRIES)):
+            try:
+                return self._expire(retain, vacuum, run_id)
+            except _StaleSnapshot as stale:
+                if not tries_left:
+                    raise CheckpointError(
+                        f"Expiring checkpoints in {self.uri} failed: {stale.__cause__}. Each of "
+                        f"{_EXPIRE_TRIES} tries lost to another writer of the table (a running "
+                        "task of this job, or another expiry). The table is unchanged; expire "
+                        "again when the job is idle."
+                    ) from stale.__cause__
+        raise AssertionError("unreachable")
+
+    def _expire(self, retain: int, vacuum: bool, run_id: str | None) -> ExpireReport:
         report = ExpireReport()
         metas = self.checkpoints()
         if not metas:
@@ -739,11 +813,15 @@ class SubtaskLog:
         except CommitFailedError as exc:
             if run_id is not None and "Concurrent transaction" in str(exc):
                 return ExpireReport()  # another attempt is taking the run over: leave it be
+            if _stale_read(exc):
+                raise _StaleSnapshot() from exc  # a checkpoint landed meanwhile: read again
             raise CheckpointError(
                 f"Expiring checkpoints in {self.uri} failed: {exc}. The table is unchanged; "
                 "expiring again is safe."
             ) from exc
         except Exception as exc:  # the rewrite's stream raises whatever its scan raises
+            if _vacuumed_under_us(exc):
+                raise _StaleSnapshot() from exc  # another expiry's vacuum: read again
             raise CheckpointError(
                 f"Expiring checkpoints in {self.uri} failed: {exc}. The table is unchanged "
                 "unless a Delta commit was logged; expiring again is safe."
@@ -837,21 +915,12 @@ class SubtaskLog:
     ) -> bool:
         """Create the table with the first checkpoint in its first commit; False if another
         attempt created it meanwhile."""
-        description = json.dumps(
-            {
-                _DESCRIPTION_KEY: {
-                    "layout": _LAYOUT_VERSION,
-                    "input_schema": _schema_to_text(input_schema),
-                    "output_schema": _schema_to_text(output_schema),
-                }
-            }
-        )
         try:
             write_deltalake(
                 self.uri,
                 data,
                 mode="error",
-                description=description,
+                description=_description(input_schema, output_schema),
                 storage_options=self._storage_options,
                 commit_properties=commit_properties,
                 name=f"{self.job_id}/{self.operator_id}/subtask={self.subtask:05d}",
@@ -865,12 +934,39 @@ class SubtaskLog:
         self._table = None
         return True
 
+    def _reset(
+        self,
+        table: DeltaTable,
+        data: pa.Table,
+        input_schema: pa.Schema,
+        output_schema: pa.Schema,
+        commit_properties: CommitProperties,
+    ) -> None:
+        """Give a table whose checkpoints were all deleted other schemas, with ``data`` as
+        its only rows. Two commits, description first: a crash between them leaves a table
+        with no checkpoints, the new description and the old columns, which the next commit
+        finds (its append fails on the columns) and resets again."""
+        description = _description(input_schema, output_schema)
+        if table.metadata().description != description:
+            table.alter.set_table_description(description)
+            table.update_incremental()
+        self._schemas = None
+        write_deltalake(
+            table,
+            data,
+            mode="overwrite",
+            schema_mode="overwrite",
+            commit_properties=commit_properties,
+        )
+
     def check_schemas(self, input_schema: pa.Schema, output_schema: pa.Schema) -> None:
         """Raise ``SchemaChangedError`` if this subtask's checkpoints were written with other
-        schemas; a subtask without checkpoints accepts any."""
+        schemas; a subtask without checkpoints (none yet, or all deleted) accepts any."""
         stored = self.schemas()
-        if stored is None:
+        if stored is None or _same_schemas(stored, input_schema, output_schema):
             return
+        if not self.checkpoints():
+            return  # emptied (expire --retain 0): its next commit resets it to these schemas
         for what, old, new in (
             ("input", stored[0], input_schema),
             ("output", stored[1], output_schema),
@@ -881,7 +977,8 @@ class SubtaskLog:
                     f"The {what} schema differs from the one the checkpoints of job "
                     f"{self.job_id!r} (operator {self.operator_id!r}) at {self.uri} were "
                     f"written with: {'; '.join(_schema_differences(old, new))}. Checkpoints "
-                    "cannot be resumed across schema changes: use a new job_id (or "
+                    "of one job keep the schemas they were written with (a retried task or "
+                    "restore_from resumes them): use a new job_id (or "
                     "operator_id), or delete every checkpoint of this job, results included, "
                     f"with: stateful-async checkpoints expire {location} --job {self.job_id} "
                     "--retain 0"

@@ -358,6 +358,46 @@ def test_an_attempt_whose_run_was_taken_over_expires_nothing(tmp_path: Path) -> 
     assert len(successor.expire(1, run_id="run").expired) == 2
 
 
+@pytest.mark.parametrize("write", ["claim", "commit"])
+def test_a_write_that_loses_to_another_writer_of_the_table_tries_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write: str
+) -> None:
+    # Between this write's read of the table and its commit, an expiry (the CLI's, or an
+    # earlier attempt's) rewrites files it read. delta-rs refuses the commit; the write reads
+    # again and lands instead of failing the task.
+    from checkpoint import _store
+
+    def attempt():  # type: ignore[no-untyped-def]
+        return SnapshotStore(tmp_path).subtask("job", "op", 0)
+
+    parent = None
+    for checkpoint_id in (1, 2, 3, 4):
+        parent = commit(attempt(), "run", checkpoint_id, parent=parent and parent.ref)
+    log = attempt()
+    log.checkpoints()
+    real_write = _store.write_deltalake
+    interfered = []
+
+    def other_writer_first(table, data, **kwargs):  # type: ignore[no-untyped-def]
+        if not interfered and not isinstance(table, str):
+            interfered.append(write)  # before the other writer's own write comes through here
+            attempt().expire(2)
+        return real_write(table, data, **kwargs)
+
+    monkeypatch.setattr(_store, "write_deltalake", other_writer_first)
+    if write == "claim":
+        assert log.claim("run") == 1
+    else:
+        commit(log, "run", 5, parent=parent.ref)
+    monkeypatch.undo()
+    assert interfered
+    metas = attempt().checkpoints()
+    live = [m.ref for m in metas if not m.expired]
+    expected = {"claim": ["run:3", "run:4"], "commit": ["run:3", "run:4", "run:5"]}[write]
+    assert [str(ref) for ref in live] == expected
+    assert len(metas) == len(expected) + 2  # 1 and 2 expired, their results kept
+
+
 def test_unknown_checkpoint_id_lists_the_ids_that_exist(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     log = store.subtask("job", "op", 0)
@@ -397,6 +437,43 @@ def test_a_schema_change_between_runs_is_refused(tmp_path: Path) -> None:
         match=r"'label' \(string\) is gone; 'payload' \(string\) is new\. Checkpoints",
     ):
         fresh.commit("run2", 1, [], None, input_schema=renamed, output_schema=OUT, position=0)
+
+
+@pytest.mark.parametrize("interrupted", [False, True])
+def test_after_deleting_every_checkpoint_the_job_runs_with_the_changed_schema(
+    tmp_path: Path, interrupted: bool
+) -> None:
+    # What SchemaChangedError advises (expire --retain 0) must let the job run again.
+    store = SnapshotStore(tmp_path)
+    commit(store.subtask("job", "op", 0), "run", 1)
+    changed = pa.schema([("id", pa.int64()), ("label", pa.string()), ("score", pa.float64())])
+    with pytest.raises(SchemaChangedError):
+        store.subtask("job", "op", 0).check_schemas(changed, changed)
+    assert len(store.expire("job", retain=0).deleted) == 1
+    log = store.subtask("job", "op", 0)
+    if interrupted:  # a reset that stopped between its description and its data commits
+        from checkpoint._store import _description
+
+        DeltaTable(log.uri).alter.set_table_description(_description(changed, changed))
+    log.check_schemas(changed, changed)  # accepted: nothing is left to resume
+    row = {"id": 1, "label": "a", "score": 0.5}
+    meta = log.commit(
+        "run2",
+        1,
+        [StreamRecord(row)],
+        [row],
+        input_schema=changed,
+        output_schema=changed,
+        position=1,
+    )
+    fresh = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    assert fresh.schemas() == (changed, changed)
+    assert [m.ref for m in fresh.checkpoints()] == [meta.ref]
+    restored = fresh.load(1, "run2")
+    assert restored.elements == [StreamRecord(row)]
+    assert [t.to_pylist() for t, _ in fresh.chain_results(meta)] == [[row]]
+    with pytest.raises(SchemaChangedError):  # and the new schema is now the one kept
+        fresh.check_schemas(OUT, OUT)
 
 
 @pytest.mark.parametrize(

@@ -289,9 +289,23 @@ def _check_checkpoint(
             wanted = int(config.restore_from)
             ids = sorted({m.checkpoint_id for m in metas})
             if wanted < ids[0]:
+                expired = sorted(
+                    m.checkpoint_id
+                    for m in store.checkpoints(
+                        config.job_id, config.operator_id, include_expired=True
+                    )
+                    if m.expired and m.checkpoint_id <= wanted
+                )
                 raise ConfigurationError(
-                    f"restore_from={wanted}, but job {config.job_id!r} has no checkpoint with "
-                    f"id {wanted} or lower. Checkpoint ids that exist: {ids}."
+                    f"restore_from={wanted}, but job {config.job_id!r} has no restorable "
+                    f"checkpoint with id {wanted} or lower"
+                    + (
+                        f" (checkpoints {_id_ranges(expired)} have expired: `retain` keeps "
+                        "only the newest of each partition)"
+                        if expired
+                        else ""
+                    )
+                    + f". Restorable checkpoint ids: {ids}."
                 )
             if wanted > ids[-1]:  # a typo, most likely: no partition got that far
                 raise ConfigurationError(
@@ -305,6 +319,17 @@ def _check_checkpoint(
         raise ConfigurationError(
             f"Cannot use checkpoint location {config.location}: {exc}"
         ) from exc
+
+
+def _id_ranges(ids: list[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5'."""
+    ranges: list[list[int]] = []
+    for i in sorted(set(ids)):
+        if ranges and i == ranges[-1][1] + 1:
+            ranges[-1][1] = i
+        else:
+            ranges.append([i, i])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in ranges)
 
 
 def _check_local_location(location: str) -> None:

@@ -487,6 +487,15 @@ def test_a_partition_whose_restore_point_expired_fails_instead_of_starting_fresh
         r"exist: \[1, 2, 3, 9, 10, 11\]",
     ):
         ordered_wait(df, double, schema, capacity=4, checkpoint=config(12))
+    # an id below every restorable one says they expired, not that they never existed
+    store.expire("expiring", retain=1)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"no restorable checkpoint with id 2 or lower \(checkpoints 1-2 have expired: "
+        r"`retain` keeps only the newest of each partition\)\. Restorable checkpoint ids: "
+        r"\[3, 11\]",
+    ):
+        ordered_wait(df, double, schema, capacity=4, checkpoint=config(2))
 
 
 # -- timeouts, retries, errors ---------------------------------------------------------------
