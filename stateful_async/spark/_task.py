@@ -205,6 +205,14 @@ def _task_identity(app_id: str) -> TaskIdentity:
     return TaskIdentity(context.partitionId(), context.attemptNumber(), run_id, properties)
 
 
+def _function_name(fn: Any) -> str:
+    """The user's function as module.qualname: the same in every attempt and restart of a
+    run, different for two different enrichments."""
+    target = fn.fn if isinstance(fn, CoroutineFunction) else type(fn)
+    module = getattr(target, "__module__", None) or "?"
+    return f"{module}.{getattr(target, '__qualname__', type(target).__qualname__)}"
+
+
 class _Abort(Exception):
     """Raised inside the loop thread to stop the task with a stored error."""
 
@@ -216,6 +224,8 @@ class _TaskRun:
         self.spec = spec
         self.batches = batches
         self.identity = identity
+        # recorded on every checkpoint: who wrote it (see _check_same_enrichment)
+        self.properties = {**identity.properties, "function": _function_name(spec.fn)}
         self.out: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.error: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -498,7 +508,44 @@ class _TaskRun:
                     )
         if meta is None:
             return None
+        log.check_schemas(self.spec.input_schema, self.spec.output_schema)
+        if meta.run_id == self.identity.run_id:
+            self._check_same_enrichment(meta)
         return log.load(meta.checkpoint_id, meta.run_id, results=False)  # see chain_results
+
+    def _check_same_enrichment(self, meta: Any) -> None:
+        """A checkpoint of this task's own run, written by another enrichment or another
+        stage of the same execution, is not this task's to resume. That happens in streaming,
+        where a run is a micro-batch: two enrichments with one job_id and operator_id in a
+        query (a stream-stream join), or in foreachBatch, where every action of a micro-batch
+        shares its run. Resuming would re-emit the other's results as this one's."""
+        theirs, ours = meta.properties, self.properties
+        other_function = theirs.get("function", ours["function"]) != ours["function"]
+        other_stage = (
+            theirs.get("job_group") == ours.get("job_group")
+            and theirs.get("app_id") == ours.get("app_id")
+            and theirs.get("stage", ours.get("stage")) != ours.get("stage")
+        )
+        if not other_function and not (other_stage and "batch_id" in ours):
+            return
+        from checkpoint import CheckpointConflictError
+
+        config = self.spec.checkpoint
+        assert config is not None
+        writer = (
+            f"function {theirs.get('function')}"
+            if other_function
+            else f"stage {theirs.get('stage')} of this same micro-batch execution"
+        )
+        raise CheckpointConflictError(
+            f"Partition {self.identity.partition} of run {self.identity.run_id!r} found "
+            f"checkpoint {meta.ref} of job {config.job_id!r}, operator {config.operator_id!r} "
+            f"written by {writer}; this task runs "
+            + (f"function {ours['function']}" if other_function else f"stage {ours.get('stage')}")
+            + ". Two enrichments in one micro-batch share a checkpoint: give each its own "
+            "operator_id (CheckpointConfig(..., operator_id=...)), and persist() an enriched "
+            "DataFrame that foreachBatch uses more than once."
+        )
 
     async def _skip_consumed(self, position: int, fingerprint: str, ref: str) -> None:
         while self.position < position:
@@ -562,7 +609,7 @@ class _TaskRun:
             parent=self.parent,
             input_seqs=seqs,
             final=final,
-            properties=self.identity.properties,
+            properties=self.properties,
         )
         from checkpoint import CheckpointRef
 

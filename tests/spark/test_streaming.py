@@ -128,3 +128,51 @@ def test_a_query_interrupted_mid_batch_resumes_and_writes_every_result_once(
         assert 0 < written_before < FILES * ROWS_PER_FILE
 
         restart_and_check(spark, args, service, interrupted, interrupted_at)
+
+
+def test_two_enrichments_sharing_a_checkpoint_in_one_micro_batch_fail_instead_of_mixing(
+    spark, tmp_path: Path
+) -> None:
+    # In foreachBatch every action of a micro-batch shares its run: a second enrichment with
+    # the same job_id and operator_id found the first one's final checkpoint and re-emitted
+    # its results as its own (299 of 300 rows wrong, no error). It now fails, saying what to
+    # change; with distinct operator_ids both are right.
+    from stateful_async.spark import CheckpointConfig, ordered_wait
+
+    async def double(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"], "value": 2.0 * row["id"]}]
+
+    async def negate(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"], "value": -1.0 * row["id"]}]
+
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "part-0.json").write_text("".join(f'{{"id": {i}}}\n' for i in range(50)))
+    stream = spark.readStream.schema("id long").json(str(source))
+    outputs: dict[str, list] = {}
+
+    def run(name: str, operator_ids: tuple[str, str]) -> None:
+        def each_batch(batch, batch_id):  # type: ignore[no-untyped-def]
+            for fn, operator_id in zip((double, negate), operator_ids, strict=True):
+                config = CheckpointConfig(
+                    str(tmp_path / name), "nightly", operator_id=operator_id, interval_records=20
+                )
+                rows = ordered_wait(batch, fn, "id long, value double", checkpoint=config)
+                outputs[fn.__name__] = sorted((r.id, r.value) for r in rows.collect())
+
+        query = (
+            stream.writeStream.foreachBatch(each_batch)
+            .option("checkpointLocation", str(tmp_path / f"{name}-query"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(240)
+
+    with pytest.raises(Exception, match="written by function .*double; this task runs function"):
+        run("shared", ("enrich", "enrich"))
+    outputs.clear()
+    run("distinct", ("double", "negate"))
+    assert outputs == {
+        "double": [(i, 2.0 * i) for i in range(50)],
+        "negate": [(i, -1.0 * i) for i in range(50)],
+    }
