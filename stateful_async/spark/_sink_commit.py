@@ -449,10 +449,16 @@ def find_orphans(storage: TableStorage, older_than_seconds: float) -> list[str]:
     cutoff_ms = (time.time() - older_than_seconds) * 1000
     # List the files before reading the log: a file committed in between is then in the
     # log we read, so it cannot be mistaken for an orphan.
+    files = storage.list_files()
+    # A directory under the table that holds a Delta log is another table (a checkpoint
+    # location kept inside the table, say): its files are its own, never this one's orphans.
+    nested = {rel.split("/_delta_log/")[0] + "/" for rel, _ in files if "/_delta_log/" in rel}
     candidates = [
         (rel, mtime)
-        for rel, mtime in storage.list_files()
-        if rel.endswith(".parquet") and not _is_hidden(rel)
+        for rel, mtime in files
+        if rel.endswith(".parquet")
+        and not _is_hidden(rel)
+        and not any(rel.startswith(root) for root in nested)
     ]
     referenced = referenced_paths(storage)
     return sorted(rel for rel, mtime in candidates if rel not in referenced and mtime < cutoff_ms)

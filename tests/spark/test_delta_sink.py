@@ -815,3 +815,20 @@ def test_clean_orphan_files_keeps_every_file_a_retained_version_names(tmp_path: 
     assert hidden.exists()  # hidden directories are never touched
     assert _table_files(table) == kept
     assert _ids(table) == list(range(100, 105)) + list(range(200, 205))
+
+
+def test_clean_orphan_files_leaves_a_delta_table_nested_inside_the_table(tmp_path: Path) -> None:
+    # A checkpoint location kept under the output table is a set of Delta tables of its own:
+    # their Parquet files are not the outer table's orphans.
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    table = tmp_path / "table"
+    write_deltalake(str(table), pa.table({"id": [1, 2]}))
+    nested = table / "checkpoints" / "job" / "op" / "subtask=00000"
+    write_deltalake(str(nested), pa.table({"kind": ["checkpoint"]}))
+    (table / "stray.parquet").write_bytes(b"an orphan of the outer table")
+    removed = clean_orphan_files(str(table), older_than=dt.timedelta(0))
+    assert removed == ["stray.parquet"]
+    assert DeltaTable(str(nested)).to_pyarrow_table().num_rows == 1
+    assert DeltaTable(str(table)).to_pyarrow_table().num_rows == 2
