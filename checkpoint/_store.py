@@ -203,6 +203,12 @@ def _app_id(run_id: str) -> str:
     return f"stateful-async:{run_id}"
 
 
+def _lost_race(error: CommitFailedError) -> bool:
+    """delta-rs refused a commit because another one wrote the same app transaction first
+    (the same checkpoint id, or a claim on the run)."""
+    return "Concurrent transaction" in str(error)
+
+
 def _stale_read(error: CommitFailedError) -> bool:
     """delta-rs refused a commit because another one changed the files it read (an expiry
     that rewrote or deleted some, or an append under an expiry): nothing was written, and
@@ -221,12 +227,6 @@ def _description(input_schema: pa.Schema, output_schema: pa.Schema) -> str:
             }
         }
     )
-
-
-def _same_schemas(
-    stored: tuple[pa.Schema, pa.Schema] | None, input_schema: pa.Schema, output_schema: pa.Schema
-) -> bool:
-    return stored is None or (stored[0].equals(input_schema) and stored[1].equals(output_schema))
 
 
 class _StaleSnapshot(Exception):
@@ -606,7 +606,7 @@ class SubtaskLog:
                     return meta
                 table = self._open(refresh=True)  # another attempt created it first
                 assert table is not None
-            self.check_schemas(input_schema, output_schema)
+            reset = self._check_schemas(input_schema, output_schema) or reset
             if (claimed := self._taken_over(table, run_id)) is not None:
                 raise CheckpointConflictError(
                     f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} was "
@@ -622,7 +622,6 @@ class SubtaskLog:
                     "is a zombie or speculative attempt committing late; its snapshot is "
                     "discarded."
                 )
-            reset = reset or not _same_schemas(self.schemas(), input_schema, output_schema)
             try:
                 # The same table object that answered transaction_version(): a racing commit
                 # of the same app id makes this one fail instead of landing twice.
@@ -640,7 +639,7 @@ class SubtaskLog:
                 reset = True  # a reset stopped between its two commits: finish it
                 continue
             except CommitFailedError as exc:
-                if "Concurrent transaction" in str(exc):
+                if _lost_race(exc):
                     raise CheckpointConflictError(
                         f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} "
                         "lost a race with another attempt of that run (committing the same "
@@ -692,9 +691,7 @@ class SubtaskLog:
                     ),
                 )
             except (CommitFailedError, OSError, ValueError, TypeError) as exc:
-                if isinstance(exc, CommitFailedError) and (
-                    "Concurrent transaction" in str(exc) or _stale_read(exc)
-                ):
+                if isinstance(exc, CommitFailedError) and (_lost_race(exc) or _stale_read(exc)):
                     continue  # a commit of this run (or an expiry) landed: claim after it
                 raise CheckpointError(
                     f"Claiming run {run_id!r} in {self.uri} failed: {exc}"
@@ -811,7 +808,7 @@ class SubtaskLog:
         except CheckpointError:
             raise
         except CommitFailedError as exc:
-            if run_id is not None and "Concurrent transaction" in str(exc):
+            if run_id is not None and _lost_race(exc):
                 return ExpireReport()  # another attempt is taking the run over: leave it be
             if _stale_read(exc):
                 raise _StaleSnapshot() from exc  # a checkpoint landed meanwhile: read again
@@ -962,27 +959,31 @@ class SubtaskLog:
     def check_schemas(self, input_schema: pa.Schema, output_schema: pa.Schema) -> None:
         """Raise ``SchemaChangedError`` if this subtask's checkpoints were written with other
         schemas; a subtask without checkpoints (none yet, or all deleted) accepts any."""
+        self._check_schemas(input_schema, output_schema)
+
+    def _check_schemas(self, input_schema: pa.Schema, output_schema: pa.Schema) -> bool:
+        """``check_schemas``; True if the table holds other schemas but no checkpoints
+        (emptied by ``expire --retain 0``), so its next commit must reset it."""
         stored = self.schemas()
-        if stored is None or _same_schemas(stored, input_schema, output_schema):
-            return
+        if stored is None or (stored[0].equals(input_schema) and stored[1].equals(output_schema)):
+            return False
         if not self.checkpoints():
-            return  # emptied (expire --retain 0): its next commit resets it to these schemas
-        for what, old, new in (
-            ("input", stored[0], input_schema),
-            ("output", stored[1], output_schema),
-        ):
-            if not old.equals(new):
-                location = self.uri.rsplit("/", 3)[0]
-                raise SchemaChangedError(
-                    f"The {what} schema differs from the one the checkpoints of job "
-                    f"{self.job_id!r} (operator {self.operator_id!r}) at {self.uri} were "
-                    f"written with: {'; '.join(_schema_differences(old, new))}. Checkpoints "
-                    "of one job keep the schemas they were written with (a retried task or "
-                    "restore_from resumes them): use a new job_id (or "
-                    "operator_id), or delete every checkpoint of this job, results included, "
-                    f"with: stateful-async checkpoints expire {location} --job {self.job_id} "
-                    "--retain 0"
-                )
+            return True
+        what, old, new = (
+            ("input", stored[0], input_schema)
+            if not stored[0].equals(input_schema)
+            else ("output", stored[1], output_schema)
+        )
+        location = self.uri.rsplit("/", 3)[0]
+        raise SchemaChangedError(
+            f"The {what} schema differs from the one the checkpoints of job "
+            f"{self.job_id!r} (operator {self.operator_id!r}) at {self.uri} were "
+            f"written with: {'; '.join(_schema_differences(old, new))}. Checkpoints "
+            "of one job keep the schemas they were written with (a retried task or "
+            "restore_from resumes them): use a new job_id (or operator_id), or delete every "
+            "checkpoint of this job, results included, with: stateful-async checkpoints "
+            f"expire {location} --job {self.job_id} --retain 0"
+        )
 
     def _read(
         self,

@@ -205,14 +205,18 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
         return state
 
 
+def not_a_result_list(results: Any) -> bool:
+    """Whether a function's return value is one that ``list()`` would take but that is not
+    a collection of results (None, a str split into characters, a dict into its keys)."""
+    return results is None or isinstance(results, (str, bytes, dict))
+
+
 def _listed(results: Any) -> Any:
     """A synchronous call's results as a list, made on the pool thread (a generator of
     results may block). A value that is not an iterable of results (None, a str, a dict,
     a number) is passed on as it is, for the operator to refuse with the same error as an
     async function's, instead of being split into characters or keys."""
-    if type(results) is list or results is None or isinstance(results, (str, bytes, dict)):
-        return results
-    if not isinstance(results, Iterable):
+    if type(results) is list or not_a_result_list(results) or not isinstance(results, Iterable):
         return results
     return list(results)
 

@@ -28,6 +28,7 @@ from ._function import (
     _DefaultTimeout,
     as_async_function,
     has_timeout_handler,
+    not_a_result_list,
 )
 from ._mailbox import Mailbox
 from ._queue import ElementQueue, OrderedQueue, QueueEntry, UnorderedQueue
@@ -147,7 +148,7 @@ def _as_results(
 ) -> list[Any]:
     if type(results) is list:
         return results
-    if results is None or isinstance(results, (str, bytes, dict)):
+    if not_a_result_list(results):
         raise element_error(
             InvalidResultError,
             f"{source} returned {type(results).__name__} instead of an iterable of results",
@@ -606,15 +607,13 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         if handler.timed_out:
             return  # the timeout handler decides this element
         retry = self._retry
-        if retry is not None and self._may_retry() and retry.can_retry(handler.attempts):
-            try:
-                again = retry.should_retry_exception(error)
-            except Exception as exc:
-                self._decide_failure(handler, self._predicate_error(handler, "exception", exc))
-                return
-            if again:
-                self._schedule_retry(cast(_TimedElement, handler))  # retry implies a timeout
-                return
+        if (
+            retry is not None
+            and self._may_retry()
+            and retry.can_retry(handler.attempts)
+            and self._retried(handler, "exception", error)
+        ):
+            return
         self._decide_failure(
             handler,
             element_error(
@@ -643,31 +642,41 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             and not handler.timed_out
             and self._may_retry()
             and retry.can_retry(handler.attempts)
+            and self._retried(handler, "result", results)
         ):
-            try:
-                again = retry.should_retry_result(results)
-            except Exception as exc:
-                self._decide_failure(handler, self._predicate_error(handler, "result", exc))
-                return
-            if again:
-                self._schedule_retry(cast(_TimedElement, handler))  # retry implies a timeout
-                return
+            return
         self._decide(handler, results)
 
-    def _predicate_error(
-        self, handler: _Element, outcome: str, error: Exception
-    ) -> ElementFailedError:
-        """A retry predicate raised: a bug in it, never retried, so the element fails now
-        (rather than waiting for its deadline with the error lost in the attempt's task)."""
-        return element_error(
-            ElementFailedError,
-            f"The retry predicate retry_on_{outcome} raised on the attempt's {outcome}",
-            handler.element,
-            handler.attempts,
-            f"Fix the predicate: it must return True or False for every {outcome} the "
-            "function can produce.",
-            cause=error,
-        )
+    def _retried(self, handler: _Element, outcome: str, value: Any) -> bool:
+        """Ask the retry strategy's predicate on the attempt's ``outcome`` ("exception" or
+        "result") and schedule the retry it wants; True if the element was dealt with here.
+        A predicate that raises is a bug in it, never retried: the element fails now, rather
+        than waiting for its deadline with the error lost in the attempt's task."""
+        retry = self._retry
+        assert retry is not None
+        try:
+            again = (
+                retry.should_retry_exception(value)
+                if outcome == "exception"
+                else retry.should_retry_result(value)
+            )
+        except Exception as exc:
+            self._decide_failure(
+                handler,
+                element_error(
+                    ElementFailedError,
+                    f"The retry predicate retry_on_{outcome} raised on the attempt's {outcome}",
+                    handler.element,
+                    handler.attempts,
+                    f"Fix the predicate: it must return True or False for every {outcome} the "
+                    "function can produce.",
+                    cause=exc,
+                ),
+            )
+            return True
+        if again:
+            self._schedule_retry(cast(_TimedElement, handler))  # retry implies a timeout
+        return bool(again)
 
     def _schedule_retry(self, handler: _TimedElement) -> None:
         assert self._retry is not None

@@ -38,7 +38,12 @@ from .._exceptions import (
     InvalidResultError,
     ResultSchemaError,
 )
-from .._function import AsyncFunction, CoroutineFunction, has_timeout_handler
+from .._function import (
+    AsyncFunction,
+    CoroutineFunction,
+    has_timeout_handler,
+    not_a_result_list,
+)
 from .._operator import AsyncWaitOperator, OutputMode
 from .._retry import RetryStrategy
 from ._config import CheckpointConfig
@@ -86,7 +91,7 @@ def _pair(
     results: Any, row: dict[str, Any], names: frozenset[str], source: str = "The async function"
 ) -> list[Any]:
     if type(results) is not list:
-        if results is None or isinstance(results, (dict, str, bytes)):
+        if not_a_result_list(results):
             raise InvalidResultError(
                 f"{source} returned {type(results).__name__} for input row "
                 f"{describe(row)}; it must return a list of result rows (dicts): [row] for one "
@@ -532,19 +537,15 @@ class _TaskRun:
 
         config = self.spec.checkpoint
         assert config is not None
-        writer = (
-            f"function {theirs.get('function')}"
-            if other_function
-            else f"stage {theirs.get('stage')} of this same micro-batch execution"
-        )
+        what = "function" if other_function else "stage"
+        same = "" if other_function else " of this same micro-batch execution"
         raise CheckpointConflictError(
             f"Partition {self.identity.partition} of run {self.identity.run_id!r} found "
             f"checkpoint {meta.ref} of job {config.job_id!r}, operator {config.operator_id!r} "
-            f"written by {writer}; this task runs "
-            + (f"function {ours['function']}" if other_function else f"stage {ours.get('stage')}")
-            + ". Two enrichments in one micro-batch share a checkpoint: give each its own "
-            "operator_id (CheckpointConfig(..., operator_id=...)), and persist() an enriched "
-            "DataFrame that foreachBatch uses more than once."
+            f"written by {what} {theirs.get(what)}{same}; this task runs {what} "
+            f"{ours.get(what)}. Two enrichments in one micro-batch share a checkpoint: give "
+            "each its own operator_id (CheckpointConfig(..., operator_id=...)), and persist() "
+            "an enriched DataFrame that foreachBatch uses more than once."
         )
 
     async def _skip_consumed(self, position: int, fingerprint: str, ref: str) -> None:
