@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -18,8 +19,13 @@ def local_session(
 
     ``local[N,F]`` runs N task slots and retries a failed task up to F times in all, which
     checkpointed resume needs (plain ``local[N]`` never retries). Python workers use this
-    interpreter (so they import this package) and Unix domain sockets; the UI is off and
-    everything binds to 127.0.0.1.
+    interpreter (so they import this package) and Unix domain sockets; the UI is off,
+    everything binds to 127.0.0.1 and the session time zone is UTC.
+
+    If this process already runs a SparkSession, that session is returned as it is: with
+    the same ``master``, and with each setting in ``conf`` applied to it, or a
+    ``ConfigurationError`` if it runs another master or a setting cannot change while it
+    runs. Its other settings (its time zone, for one) are left alone.
     """
     try:
         from pyspark.sql import SparkSession
@@ -30,6 +36,9 @@ def local_session(
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # only loopback, never a public address
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    running = _running_session(SparkSession)
+    if running is not None:
+        return _reuse(running, master, conf or {})
     settings: dict[str, Any] = {
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
@@ -46,4 +55,41 @@ def local_session(
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
+    return session
+
+
+def _running_session(session_class: Any) -> Any:
+    """The SparkSession this process runs (from any thread), or None."""
+    session = session_class.getActiveSession() or session_class._instantiatedSession
+    if session is None or session.sparkContext._jsc is None:  # stopped
+        return None
+    return session
+
+
+def _reuse(session: Any, master: str, conf: dict[str, Any]) -> Any:
+    running = session.sparkContext.master
+    if running != master:
+        raise ConfigurationError(
+            f"local_session(master={master!r}): this process already runs a SparkSession "
+            f"with master {running!r} (a process runs one SparkContext). Stop it first "
+            f"(spark.stop()), or pass master={running!r} to use it as it is."
+            + (
+                f" Note that {running!r} never retries a failed task, so a checkpointed "
+                "task cannot resume within the job: local[N,F] retries it."
+                if re.fullmatch(r"local(\[[^,\]]*\])?", running)
+                else ""
+            )
+        )
+    for key, value in conf.items():
+        if session.conf.get(key, None) == str(value):
+            continue
+        try:
+            session.conf.set(key, value)
+        except Exception as exc:  # pyspark's AnalysisException: a static or core setting
+            raise ConfigurationError(
+                f"local_session(conf={{{key!r}: {value!r}}}): the SparkSession already "
+                f"running in this process cannot change {key!r} while it runs "
+                f"({type(exc).__name__}). Stop it first (spark.stop()), or leave "
+                f"{key!r} out."
+            ) from exc
     return session
