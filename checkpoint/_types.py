@@ -22,7 +22,8 @@ large_list, fixed_size_binary      itself; restored by the cast back)
 
 The original Arrow schema is kept with the table, and loading casts every column back to
 it. Interval and extension types have no lossless form and are refused with
-``UnsupportedTypeError`` naming the column.
+``UnsupportedTypeError`` naming the column, as are fields of one struct whose names differ
+only in case (Delta's column names are case-insensitive).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def storage_type(data_type: pa.DataType, path: str = "") -> pa.DataType:
         # Stored fields are all nullable: a snapshot row that is not a record has a null
         # ``input`` struct, whose NOT NULL children would then hold nulls (which Parquet
         # writers other than delta-rs refuse). The original schema restores the flags.
+        _check_case_distinct(t, path)
         return pa.struct([pa.field(f.name, storage_type(f.type, _join(path, f.name))) for f in t])
     if pt.is_map(t):
         return pa.map_(
@@ -74,6 +76,20 @@ def storage_type(data_type: pa.DataType, path: str = "") -> pa.DataType:
             "a string or an integer) before enriching."
         )
     return t
+
+
+def _check_case_distinct(struct: pa.StructType, path: str) -> None:
+    """Delta column names are case-insensitive: two fields differing only in case collide."""
+    seen: dict[str, str] = {}
+    for field in struct:
+        other = seen.setdefault(field.name.lower(), field.name)
+        if other != field.name:
+            raise UnsupportedTypeError(
+                f"{path or '<value>'!r} has fields {other!r} and {field.name!r}, whose names "
+                "differ only in case; a Delta table (which checkpoints are) treats them as one "
+                "column. Rename one of them before enriching (an input column with "
+                "DataFrame.withColumnRenamed, a result field in the output schema)."
+            )
 
 
 def storage_schema(schema: pa.Schema) -> pa.Schema:

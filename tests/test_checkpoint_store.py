@@ -205,6 +205,41 @@ def test_interval_types_are_refused_with_the_column_name(tmp_path: Path) -> None
     assert not log.exists()
 
 
+def test_field_names_differing_only_in_case_are_refused_naming_both(tmp_path: Path) -> None:
+    # Delta's column names are case-insensitive: delta-rs fails with "Duplicate field name".
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    nested = pa.struct([("Key", pa.int64()), ("key", pa.int64())])
+    cases = [
+        (
+            pa.schema([("id", pa.int64()), ("ID", pa.int64())]),
+            OUT,
+            "'input' has fields 'id' and 'ID'",
+        ),
+        (
+            pa.schema([("id", pa.int64()), ("s", nested)]),
+            OUT,
+            "'input.s' has fields 'Key' and 'key'",
+        ),
+        (
+            pa.schema([("id", pa.int64())]),
+            pa.schema([("a", pa.int8()), ("A", pa.int8())]),
+            "'result' has fields 'a' and 'A'",
+        ),
+    ]
+    for input_schema, output_schema, problem in cases:
+        with pytest.raises(UnsupportedTypeError, match=problem):
+            log.commit(
+                "run",
+                1,
+                [],
+                None,
+                input_schema=input_schema,
+                output_schema=output_schema,
+                position=0,
+            )
+    assert not log.exists()
+
+
 def test_a_record_that_does_not_fit_the_input_schema_is_refused(tmp_path: Path) -> None:
     log = SnapshotStore(tmp_path).subtask("job", "op", 0)
     schema = pa.schema([("n", pa.int8())])

@@ -265,7 +265,10 @@ def _check_checkpoint(
 ) -> None:
     """What the driver can check before any task runs."""
     from checkpoint import CheckpointError, SchemaChangedError, SnapshotStore
+    from checkpoint._types import storage_type
 
+    for column, schema in (("input", input_schema), ("result", output_schema)):
+        storage_type(pa.struct(list(schema)), column)  # what the store cannot hold, named
     _check_local_location(config.location)
     store = SnapshotStore(config.location, config.storage_options)
     try:

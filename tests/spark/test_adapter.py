@@ -22,7 +22,7 @@ from pyspark.sql import Row
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
-from checkpoint import SnapshotStore
+from checkpoint import SnapshotStore, UnsupportedTypeError
 from stateful_async import (
     ConfigurationError,
     FunctionNotSerializableError,
@@ -425,6 +425,36 @@ def test_a_checkpoint_location_under_a_file_is_refused_up_front(spark, tmp_path)
         config = CheckpointConfig(str(location), "job")
         with pytest.raises(ConfigurationError, match=r"a-file is a file\. Choose a directory"):
             ordered_wait(spark.range(3), f, "id long", checkpoint=config)
+
+
+def test_names_differing_only_in_case_are_refused_up_front_with_checkpoints(
+    spark, tmp_path
+) -> None:
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [{"x": row["id"], "X": row["ID"]}]
+
+    spark.conf.set("spark.sql.caseSensitive", "true")  # Spark then allows `id` beside `ID`
+    try:
+        df = spark.createDataFrame([(1, 10), (2, 20)], "id long, ID long")
+        # Without checkpoints nothing is stored in Delta, and the names are fine.
+        assert ordered_wait(df, f, "x long, X long").collect() == [(1, 10), (2, 20)]
+        location = tmp_path / "ckpt"
+        config = CheckpointConfig(str(location), "job")
+        cases = [
+            (df, "x long, y long", r"'input' has fields 'id' and 'ID'"),
+            (df.drop("ID"), "x long, X long", r"'result' has fields 'x' and 'X'"),
+            (
+                df.selectExpr("id", "named_struct('a', 1, 'A', 2) AS s"),
+                "x long",
+                r"'input\.s' has fields 'a' and 'A'",
+            ),
+        ]
+        for frame, schema, problem in cases:
+            with pytest.raises(UnsupportedTypeError, match=problem + ".*differ only in case"):
+                ordered_wait(frame, f, schema, checkpoint=config)  # before any task runs
+        assert not location.exists()
+    finally:
+        spark.conf.set("spark.sql.caseSensitive", "false")
 
 
 def test_a_relative_checkpoint_location_is_taken_from_the_driver_directory(
