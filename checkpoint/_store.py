@@ -328,6 +328,7 @@ class SubtaskLog:
         table = self._open(refresh=True)
         if table is None:
             return []
+        self.schemas()  # a Delta table that is not a checkpoint table is named as such
         version = table.version()
         if self._metadata is None or self._metadata[0] != version:
             # Every row of the table is scanned for one row per checkpoint.

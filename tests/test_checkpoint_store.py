@@ -12,13 +12,14 @@ import duckdb
 import polars as pl
 import pyarrow as pa
 import pytest
-from deltalake import DeltaTable
+from deltalake import DeltaTable, write_deltalake
 
 from checkpoint import (
     CheckpointConflictError,
     CheckpointLocationError,
     CheckpointNotFoundError,
     CheckpointRef,
+    CorruptCheckpointError,
     InputFingerprint,
     SchemaChangedError,
     SnapshotStore,
@@ -238,6 +239,17 @@ def test_field_names_differing_only_in_case_are_refused_naming_both(tmp_path: Pa
                 position=0,
             )
     assert not log.exists()
+
+
+def test_a_foreign_delta_table_in_the_layout_is_named_not_read(tmp_path: Path) -> None:
+    write_deltalake(str(tmp_path / "job" / "op" / "subtask=00000"), pa.table({"a": [1, 2]}))
+    store = SnapshotStore(tmp_path)
+    log = store.subtask("job", "op", 0)
+    for read in (log.checkpoints, log.latest, lambda: store.checkpoints("job", "op")):
+        with pytest.raises(
+            CorruptCheckpointError, match="is a Delta table but not a stateful-async checkpoint"
+        ):
+            read()  # before: Arrow's "No match for FieldRef.Name(kind) in a: int64"
 
 
 def test_a_record_that_does_not_fit_the_input_schema_is_refused(tmp_path: Path) -> None:
