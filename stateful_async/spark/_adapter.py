@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Union
 
@@ -14,6 +15,7 @@ from .._function import as_async_function
 from .._operator import OutputMode, check_capacity_and_timeout
 from .._retry import RetryStrategy
 from ._config import CheckpointConfig
+from ._session import task_attempts
 from ._task import PartitionTask, TaskSpec
 
 Schema = Union[str, Any]  # a DDL string or a pyspark StructType
@@ -133,6 +135,7 @@ def _async_wait(
                 "is a run of its own, so it would only find the previous batch's checkpoints)."
             )
         _check_checkpoint(checkpoint, input_schema, output_schema)
+        _warn_if_tasks_never_retry(df.sparkSession.sparkContext)
     spec = TaskSpec(
         fn=function,
         mode=mode,
@@ -322,6 +325,20 @@ def _check_checkpoint(
         raise ConfigurationError(
             f"Cannot use checkpoint location {config.location}: {exc}"
         ) from exc
+
+
+def _warn_if_tasks_never_retry(context: Any) -> None:
+    master = context.master
+    if task_attempts(master, context.getConf().get("spark.task.maxFailures")) > 1:
+        return
+    warnings.warn(
+        f"This SparkSession (master {master!r}) runs each task once: a task that fails fails "
+        "the job, and its checkpoints are resumed only by running the job again with "
+        "restore_from='latest'. For a failed task to resume within the job, let Spark retry "
+        "it: master 'local[N,F]' (F attempts) locally, spark.task.maxFailures on a cluster.",
+        UserWarning,
+        stacklevel=4,  # the call of ordered_wait / unordered_wait
+    )
 
 
 def _id_ranges(ids: list[int]) -> str:

@@ -76,7 +76,7 @@ def _reuse(session: Any, master: str, conf: dict[str, Any]) -> Any:
             + (
                 f" Note that {running!r} never retries a failed task, so a checkpointed "
                 "task cannot resume within the job: local[N,F] retries it."
-                if re.fullmatch(r"local(\[[^,\]]*\])?", running)
+                if task_attempts(running, None) == 1 and running.startswith("local")
                 else ""
             )
         )
@@ -93,3 +93,16 @@ def _reuse(session: Any, master: str, conf: dict[str, Any]) -> Any:
                 f"{key!r} out."
             ) from exc
     return session
+
+
+def task_attempts(master: str, max_failures: str | None) -> int:
+    """How many times Spark runs a task before failing its job: ``local[N,F]`` says F,
+    ``local`` and ``local[N]`` 1 (they ignore spark.task.maxFailures); a cluster takes
+    spark.task.maxFailures (default 4)."""
+    local = re.fullmatch(r"local(?:\[\s*([^,\]]*?)\s*(?:,\s*(\d+)\s*)?\])?", master)
+    if local is not None:
+        return int(local.group(2)) if local.group(2) else 1
+    try:
+        return int(max_failures) if max_failures is not None else 4
+    except ValueError:
+        return 4

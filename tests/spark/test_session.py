@@ -1,13 +1,18 @@
-"""``local_session`` when this process already runs a SparkSession (the shared one)."""
+"""``local_session`` when a SparkSession already runs, and sessions that never retry a task."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from stateful_async import ConfigurationError
-from stateful_async.spark import local_session
+from stateful_async.spark import CheckpointConfig, local_session, ordered_wait
+from stateful_async.spark._session import task_attempts
 
 
 def test_the_running_session_is_returned_with_its_own_settings(spark: Any) -> None:
@@ -36,3 +41,54 @@ def test_another_master_is_refused_not_ignored(spark: Any) -> None:
 def test_a_setting_the_running_session_cannot_change_is_refused(spark: Any) -> None:
     with pytest.raises(ConfigurationError, match="cannot change 'spark.task.maxFailures'"):
         local_session("local[2,3]", conf={"spark.task.maxFailures": "9"})
+
+
+@pytest.mark.parametrize(
+    ("master", "max_failures", "attempts"),
+    [
+        ("local", None, 1),
+        ("local[2]", "8", 1),  # local[N] ignores spark.task.maxFailures
+        ("local[*]", None, 1),
+        ("local[2,3]", None, 3),
+        ("local[*, 4]", "1", 4),
+        ("spark://127.0.0.1:7077", None, 4),
+        ("spark://127.0.0.1:7077", "1", 1),
+    ],
+)
+def test_task_attempts_follow_the_master_and_max_failures(
+    master: str, max_failures: str | None, attempts: int
+) -> None:
+    assert task_attempts(master, max_failures) == attempts
+
+
+def test_checkpoints_on_a_session_that_never_retries_warn_and_otherwise_not(
+    spark: Any, tmp_path: Path
+) -> None:
+    async def f(row: dict) -> list[dict]:
+        return [row]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # local[2,3] retries: no warning
+        ordered_wait(spark.range(3), f, "id long", checkpoint=CheckpointConfig(str(tmp_path), "j"))
+    # One process runs one SparkContext, so a session without retries runs in a child.
+    script = f"""
+import warnings
+from stateful_async.spark import CheckpointConfig, local_session, ordered_wait
+spark = local_session("local[1]")
+async def f(row):
+    return [row]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ordered_wait(spark.range(3), f, "id long", checkpoint=CheckpointConfig({str(tmp_path)!r}, "j"))
+spark.stop()
+for w in caught:
+    print(w.category.__name__, w.filename.endswith("<string>"), w.message)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=180, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("UserWarning")]
+    assert len(lines) == 1, done.stdout
+    assert lines[0].startswith("UserWarning True This SparkSession (master 'local[1]') runs each")
+    assert "restore_from='latest'" in lines[0] and "local[N,F]" in lines[0]
