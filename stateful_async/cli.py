@@ -425,7 +425,15 @@ def show_checkpoint(
             _print_table(table)
 
 
-@checkpoints_app.command("expire")
+@checkpoints_app.command(
+    "expire",
+    help=(
+        "Keep the newest N checkpoints of every partition; drop and vacuum the rest.\n\n"
+        "Run it while the job is not running: against a running job it competes with the "
+        "tasks' commits, and its vacuum can delete files a task is still reading (that task "
+        "fails, and Spark retries it)."
+    ),
+)
 def expire_checkpoints(
     location: LocationArg,
     retain: Annotated[int, typer.Option(help="Checkpoints to keep per partition.", min=0)],
