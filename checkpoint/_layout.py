@@ -47,7 +47,8 @@ def is_local(location: str) -> bool:
 def normalize(location: str | os.PathLike[str]) -> str:
     text = os.fspath(location)
     if is_local(text):
-        path = urlparse(text).path if text.startswith("file://") else text
+        # file:/abs, file:///abs and file://localhost/abs are all local paths.
+        path = urlparse(text).path if urlparse(text).scheme == "file" else text
         return os.path.abspath(path)
     return text.rstrip("/")
 

@@ -464,6 +464,13 @@ def test_a_relative_checkpoint_location_is_taken_from_the_driver_directory(
     assert CheckpointConfig("checkpoints", "job").location == str(tmp_path / "checkpoints")
 
 
+def test_file_uris_of_every_spelling_are_the_local_path(tmp_path) -> None:
+    # Spark and Hadoop print local paths as file:/abs; that used to become ./file:/abs.
+    for uri in (f"file:{tmp_path}", f"file://{tmp_path}", f"file://localhost{tmp_path}"):
+        assert CheckpointConfig(uri, "job").location == str(tmp_path)
+        assert SnapshotStore(uri).location == str(tmp_path)
+
+
 def test_restore_from_on_a_streaming_dataframe_is_refused_up_front(spark, tmp_path) -> None:
     async def f(row):  # type: ignore[no-untyped-def]
         return [row]
