@@ -1,7 +1,12 @@
 """The whole benchmark suite in one run: writes docs/benchmarks.md and its plots.
 
-    python benchmarks/run_all.py            # everything, 20-25 minutes on 2 cores
-    python benchmarks/run_all.py --quick    # a smoke run of every part (~8 minutes)
+    ./dev bench                  # everything, 20-25 minutes on 2 cores
+    ./dev bench --quick --out /tmp/bench/benchmarks.md --plots /tmp/bench/plots
+                                 # a smoke run of every part (~8 minutes), docs left alone
+
+``./dev bench`` installs the ``bench`` extra (matplotlib draws the plots) into ``.venv``
+and runs this script with the arguments given. Without ``--out``/``--plots`` the run
+rewrites ``docs/benchmarks.md`` and ``docs/benchmarks/*.png``.
 
 Runs, in this order and in one go on this machine: the operator overhead benchmark
 (``operator_bench``, plus a capacity sweep 10..1000), the snapshot store benchmark
@@ -519,7 +524,7 @@ def render(results: dict[str, Any], plots: Path, doc_dir: Path) -> str:
 
     add("# Benchmarks\n")
     add(
-        "Written by `python benchmarks/run_all.py` (the numbers below are from one run of it; "
+        "Written by `benchmarks/run_all.py` (the numbers below are from one run of it; "
         "do not edit them by hand). Every figure was measured in the same run on the machine "
         "described below, and is quoted as a ratio against an anchor measured in that run: "
         "the machine is shared (other people's test suites run on the same two cores) and "
@@ -528,8 +533,10 @@ def render(results: dict[str, Any], plots: Path, doc_dir: Path) -> str:
         "load), and the text says so.\n"
     )
     add(
-        "```bash\n.venv/bin/python benchmarks/run_all.py          # the whole suite, 20-25 min\n"
-        ".venv/bin/python benchmarks/run_all.py --quick  # a smoke run of every part\n```\n"
+        "```bash\n./dev bench          # the whole suite, 20-25 min: rewrites this file and its "
+        "plots\n"
+        "./dev bench --quick --out /tmp/bench/benchmarks.md --plots /tmp/bench/plots"
+        "  # a smoke run\n```\n"
     )
     if results.get("quick"):
         add(
@@ -1883,13 +1890,28 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run of every part")
     parser.add_argument("--skip-pyflink", action="store_true")
     parser.add_argument("--skip-sink", action="store_true")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
-    parser.add_argument("--plots", default=str(ROOT / "docs" / "benchmarks"))
+    parser.add_argument(
+        "--out",
+        default=str(ROOT / "docs" / "benchmarks.md"),
+        help="the report to write (default: docs/benchmarks.md, rewritten)",
+    )
+    parser.add_argument(
+        "--plots",
+        default=str(ROOT / "docs" / "benchmarks"),
+        help="the directory of the PNG plots (default: docs/benchmarks)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also keep every figure as JSON")
     parser.add_argument(
         "--from-json", metavar="PATH", help="write the report from a saved run; run nothing"
     )
     args = parser.parse_args()
+    try:  # the plots are drawn at the end: find out now, not after a run of many minutes
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.exit(
+            "run_all: matplotlib is not installed; run the suite with ./dev bench, or "
+            "pip install -e '.[bench]'."
+        )
     # where the figures go exists before a run of many minutes, not after it
     for path in (args.out, args.json):
         if path:
