@@ -608,7 +608,12 @@ def test_cluster_command_line_reports_and_refuses(
     assert {w["pid"] for w in status["workers"].values()} == set(chaos.cluster.worker_pids())
 
     assert cluster_main(["--dir", str(tmp_path), "stop"]) == 1
-    assert "No cluster is recorded in" in capsys.readouterr().err
+    assert f"No cluster is recorded in {tmp_path} " in capsys.readouterr().err
+    # --dir after the command, as the messages write it (argparse refused it before)
+    assert cluster_main(["stop", "--dir", str(tmp_path)]) == 1
+    assert f"No cluster is recorded in {tmp_path} " in capsys.readouterr().err
+    with pytest.raises(ClusterError, match=r"Worker 7 is not running; running workers: \[0, 1\]"):
+        chaos.cluster.kill_worker(7)  # worker indices, not pids
     with pytest.raises(ClusterError, match="No executor to kill"):
         chaos.cluster.kill_executor("app-that-does-not-exist")
 

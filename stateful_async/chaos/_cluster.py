@@ -674,7 +674,8 @@ class LocalCluster:
         info = self.workers.get(index)
         process = info.record.process() if info else None
         if info is None or process is None:
-            raise ClusterError(f"Worker {index} is not running; running: {self.worker_pids()}.")
+            running = sorted(i for i, w in self.workers.items() if w.record.alive())
+            raise ClusterError(f"Worker {index} is not running; running workers: {running}.")
         tree = _tree(process)
         killed = _kill_all(tree)
         popen = self._popen.pop(info.pid, None)

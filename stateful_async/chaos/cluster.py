@@ -2,15 +2,16 @@
 
     python -m stateful_async.chaos.cluster start [--workers 2] [--dir DIR]
     python -m stateful_async.chaos.cluster status [--dir DIR]
-    python -m stateful_async.chaos.cluster kill-executor [--app APP_ID] [--worker N]
-    python -m stateful_async.chaos.cluster kill-worker N
-    python -m stateful_async.chaos.cluster start-worker N
+    python -m stateful_async.chaos.cluster kill-executor [--app APP_ID] [--worker N] [--dir DIR]
+    python -m stateful_async.chaos.cluster kill-worker N [--dir DIR]
+    python -m stateful_async.chaos.cluster start-worker N [--dir DIR]
     python -m stateful_async.chaos.cluster stop [--dir DIR]
 
 ``start`` launches a master and workers on free 127.0.0.1 ports, waits until they are
 alive, prints the master URL and returns; the daemons keep running. Their pids, ports and
-logs live in DIR (default: ``<tmp>/stateful-async-cluster-<uid>``), where the other
-commands find them. ``stop`` ends exactly the processes the cluster started, by pid.
+logs live in DIR (default: ``<tmp>/stateful-async-cluster-<uid>``; ``--dir`` may also come
+before the command), where the other commands find them. ``stop`` ends exactly the
+processes the cluster started, by pid.
 """
 
 from __future__ import annotations
@@ -61,20 +62,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dir", type=Path, default=default_dir(), help="where the cluster keeps its state"
     )
+    # --dir also after the command (``stop --dir DIR``), as the docs and messages write it
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument(
+        "--dir", type=Path, default=argparse.SUPPRESS, help="where the cluster keeps its state"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    start = commands.add_parser("start", help="start a master and workers, wait until alive")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help, parents=[where])
+
+    start = command("start", "start a master and workers, wait until alive")
     start.add_argument("--workers", type=int, default=2)
     start.add_argument("--cores", type=int, default=1, help="cores per worker")
     start.add_argument("--memory", default="2g", help="memory per worker")
     start.add_argument("--timeout", type=float, default=180.0)
-    commands.add_parser("status", help="print the cluster's processes and applications (JSON)")
-    commands.add_parser("stop", help="stop every process the cluster started")
-    kill_executor = commands.add_parser("kill-executor", help="SIGKILL one executor JVM")
+    command("status", "print the cluster's processes and applications (JSON)")
+    command("stop", "stop every process the cluster started")
+    kill_executor = command("kill-executor", "SIGKILL one executor JVM")
     kill_executor.add_argument("--app", default=None, help="an application id")
     kill_executor.add_argument("--worker", type=int, default=None, help="a worker index")
-    kill_worker = commands.add_parser("kill-worker", help="SIGKILL a worker and its executors")
+    kill_worker = command("kill-worker", "SIGKILL a worker and its executors")
     kill_worker.add_argument("index", type=int)
-    start_worker = commands.add_parser("start-worker", help="start a killed worker again")
+    start_worker = command("start-worker", "start a killed worker again")
     start_worker.add_argument("index", type=int)
     args = parser.parse_args(argv)
 
