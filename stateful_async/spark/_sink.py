@@ -28,7 +28,8 @@ Options (names are case-insensitive):
 ``partitionBy``             comma-separated partition columns (string, integer, boolean or
                             date) for a new table; must match an existing table's
                             partitioning if given, which is followed if not.
-                            (``DataFrameWriter.partitionBy`` does not reach Python sinks.)
+                            (``DataFrameWriter.partitionBy`` does not reach Python sinks:
+                            Spark refuses it in batch writes, ignores it in streaming.)
 ``mergeSchema``             ``true``: new columns in the data are added to the table.
                             Default ``false``: any difference in columns or types fails with
                             ``SinkSchemaMismatchError``.
