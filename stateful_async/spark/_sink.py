@@ -90,7 +90,7 @@ def register_delta_sink(spark: Any) -> None:
 def clean_orphan_files(
     path: str,
     *,
-    older_than: timedelta = timedelta(hours=1),
+    older_than: timedelta | float = timedelta(hours=1),
     dry_run: bool = False,
     storage_options: dict[str, str] | None = None,
 ) -> list[str]:
@@ -102,16 +102,17 @@ def clean_orphan_files(
     travel to any retained version keeps working; only ``*.parquet`` files outside hidden
     directories (``_delta_log``, ``_*``, ``.*``) are considered.
 
-    ``older_than`` is the grace period: a file modified more recently is kept, because a
+    ``older_than`` (a timedelta or seconds) is the grace period: a file modified more recently is kept, because a
     running write may not have committed it yet. Keep it longer than your slowest write
     (task start to commit). ``dry_run=True`` deletes nothing. Returns the orphans' paths,
     relative to the table root, sorted.
     """
-    seconds = older_than.total_seconds()
-    if seconds < 0:
+    seconds = older_than.total_seconds() if isinstance(older_than, timedelta) else older_than
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds:
         raise ConfigurationError(
-            f"older_than must not be negative (got {older_than}); give the grace period "
-            "during which fresh, not yet committed files are kept."
+            f"older_than must be a timedelta or a number of seconds, not negative; got "
+            f"{older_than!r}. It is the grace period during which fresh, not yet committed "
+            "files are kept."
         )
     table_uri = SinkOptions.parse({"path": path}, streaming=False).table_uri
     storage_options = dict(storage_options or {})

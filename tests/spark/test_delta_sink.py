@@ -333,6 +333,8 @@ def test_task_dying_after_writing_its_file_is_never_committed(
     assert fresh == []
     found = clean_orphan_files(str(table), older_than=dt.timedelta(0), dry_run=True)
     assert found == sorted(dead_files)
+    assert clean_orphan_files(str(table), older_than=0, dry_run=True) == found  # seconds
+    assert clean_orphan_files(str(table), older_than=3600.0, dry_run=True) == []
     assert set(dead_files) <= _table_files(table)
 
     # The cleanOrphans option does the same after a later commit (no grace period here).
@@ -706,8 +708,11 @@ def test_clean_orphan_files_refuses_a_path_without_a_table(tmp_path: Path) -> No
     with pytest.raises(DeltaSinkError, match="There is no Delta table at .*nothing was deleted"):
         clean_orphan_files(str(tmp_path), older_than=dt.timedelta(0))
     assert (tmp_path / "data.parquet").exists()
-    with pytest.raises(ConfigurationError, match="older_than must not be negative"):
-        clean_orphan_files(str(tmp_path), older_than=dt.timedelta(seconds=-1))
+    for bad in (dt.timedelta(seconds=-1), -1, "1h", True):
+        with pytest.raises(
+            ConfigurationError, match="older_than must be a timedelta or a number of seconds"
+        ):
+            clean_orphan_files(str(tmp_path), older_than=bad)
 
 
 def test_not_null_column_rejects_nulls_and_the_task_removes_its_files(tmp_path: Path) -> None:
