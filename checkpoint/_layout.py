@@ -114,3 +114,16 @@ def location_exists(location: str) -> bool:
         return fs.get_file_info(root).type != pafs.FileType.NotFound
     except Exception:
         return True  # cannot tell: let the read that follows report the real error
+
+
+def missing_location(location: str) -> str:
+    """Why ``location_exists`` is False, for an error message."""
+    if is_local(location) and os.path.exists(location):
+        return (
+            f"The checkpoint location {location} is a file, not a directory. Give the "
+            "directory the job's CheckpointConfig names."
+        )
+    return (
+        f"The checkpoint location {location} does not exist. Check the path (it is created "
+        "by the first checkpoint a job commits)."
+    )

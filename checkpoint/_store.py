@@ -1141,10 +1141,7 @@ class SnapshotStore:
 
     def _require_location(self) -> None:
         if not _layout.location_exists(self.location):
-            raise CheckpointLocationError(
-                f"The checkpoint location {self.location} does not exist. Check the path (it "
-                "is created by the first checkpoint a job commits)."
-            )
+            raise CheckpointLocationError(_layout.missing_location(self.location))
 
     def _require_job(self, job_id: str) -> None:
         _layout.check_name("job id", job_id)

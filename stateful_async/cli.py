@@ -193,10 +193,10 @@ def demo(
 
 def _store(location: str) -> Any:
     from checkpoint import SnapshotStore
-    from checkpoint._layout import location_exists, normalize
+    from checkpoint._layout import location_exists, missing_location, normalize
 
     if not location_exists(normalize(location)):
-        raise Fail(f"The checkpoint location {location} does not exist.")
+        raise Fail(missing_location(normalize(location)))
     store = SnapshotStore(location)
     _check_layout(store.location)
     return store

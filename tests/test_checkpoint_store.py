@@ -466,6 +466,9 @@ def test_a_missing_location_is_a_clear_error(tmp_path: Path) -> None:
         store.jobs()
     with pytest.raises(CheckpointLocationError):
         store.checkpoints("job")
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(CheckpointLocationError, match="a-file is a file, not a directory"):
+        SnapshotStore(tmp_path / "a-file").jobs()
 
 
 def test_a_schema_change_between_runs_is_refused(tmp_path: Path) -> None:

@@ -333,6 +333,12 @@ def test_an_unknown_location_is_a_clear_error(tmp_path, command) -> None:
     result = invoke(*args)
     assert result.exit_code == 2
     assert f"The checkpoint location {missing} does not exist." in result.output
+    # A file where the location should be is named as such, not as missing.
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    result = invoke(*[str(a_file) if a == missing else a for a in args])
+    assert result.exit_code == 2
+    assert f"The checkpoint location {a_file} is a file, not a directory." in result.output
 
 
 def test_an_unknown_id_lists_the_ids_that_exist(checkpoints) -> None:

@@ -102,10 +102,10 @@ def clean_orphan_files(
     travel to any retained version keeps working; only ``*.parquet`` files outside hidden
     directories (``_delta_log``, ``_*``, ``.*``) are considered.
 
-    ``older_than`` (a timedelta or seconds) is the grace period: a file modified more recently is kept, because a
-    running write may not have committed it yet. Keep it longer than your slowest write
-    (task start to commit). ``dry_run=True`` deletes nothing. Returns the orphans' paths,
-    relative to the table root, sorted.
+    ``older_than`` (a timedelta or seconds) is the grace period: a file modified more
+    recently is kept, because a running write may not have committed it yet. Keep it longer
+    than your slowest write (task start to commit). ``dry_run=True`` deletes nothing.
+    Returns the orphans' paths, relative to the table root, sorted.
     """
     seconds = older_than.total_seconds() if isinstance(older_than, timedelta) else older_than
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds:
