@@ -71,7 +71,7 @@ def unordered_wait(
     """Like ``ordered_wait``, but results leave each task as soon as they are ready
     (Flink's ``AsyncDataStream.unorderedWait``).
 
-    With ``event_time`` (a timestamp, date or integer column) each task generates
+    With ``event_time`` (a timestamp, date or integer column of any width) each task generates
     watermarks from it with ``max_out_of_orderness`` (a timedelta or seconds for timestamp
     columns; a timedelta of whole days or days for date columns; the column's own units for
     integer columns; default 0, for input in event-time order); results are then
@@ -205,9 +205,11 @@ def _arrow_schema(struct: Any, what: str) -> pa.Schema:
 
 def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
     from pyspark.sql.types import (
+        ByteType,
         DateType,
         IntegerType,
         LongType,
+        ShortType,
         TimestampNTZType,
         TimestampType,
     )
@@ -236,7 +238,7 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
                 f"whole number of days (a timedelta of days, or a number of days); got {ooo!r}."
             )
         ooo = days
-    elif isinstance(kind, (LongType, IntegerType)):
+    elif isinstance(kind, (LongType, IntegerType, ShortType, ByteType)):
         if isinstance(ooo, dt.timedelta):
             raise ConfigurationError(
                 f"event_time column {column!r} is an integer: give max_out_of_orderness in its "

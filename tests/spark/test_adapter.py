@@ -152,15 +152,20 @@ def test_unordered_wait_reorders_only_between_watermarks(spark, service) -> None
     assert reordered  # and inside segments, completion order really did reorder results
 
 
-def test_rows_with_null_or_late_event_times_stay_in_the_segment_they_were_read_in(spark) -> None:
+@pytest.mark.parametrize("ts_type", ["bigint", "smallint"])  # every integer type is taken
+def test_rows_with_null_or_late_event_times_stay_in_the_segment_they_were_read_in(
+    spark, ts_type
+) -> None:
     async def echo(row):  # type: ignore[no-untyped-def]
         await asyncio.sleep((row["id"] * 7919 % 10) / 1000)  # completion order != input order
         return [row]
 
     # event time = id, except: every 7th row has none, and every 500th is far behind (late)
     ts = F.when(F.col("id") % 7 == 3, F.lit(None)).when(F.col("id") % 500 == 499, F.lit(0))
-    df = spark.range(0, 4000, numPartitions=1).withColumn("ts", ts.otherwise(F.col("id")))
-    out = unordered_wait(df, echo, "id long, ts long", capacity=64, event_time="ts").collect()
+    ts = ts.otherwise(F.col("id")).cast(ts_type)
+    df = spark.range(0, 4000, numPartitions=1).withColumn("ts", ts)
+    schema = f"id long, ts {ts_type}"
+    out = unordered_wait(df, echo, schema, capacity=64, event_time="ts").collect()
     ids = [r.id for r in out]
     assert sorted(ids) == list(range(4000))  # none dropped, none twice
     segments = [i // 1024 for i in ids]  # a watermark follows every chunk of 1024 rows
