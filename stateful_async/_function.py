@@ -139,13 +139,22 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
     def __init__(
         self, fn: Callable[[IN], Iterable[OUT]] | None = None, *, max_workers: int = 16
     ) -> None:
-        if not isinstance(max_workers, int) or max_workers < 1:
+        if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
             raise ConfigurationError(
                 f"ThreadPoolAsyncFunction max_workers must be an integer >= 1; got {max_workers!r}."
             )
         if fn is not None and not callable(fn):
             raise ConfigurationError(
                 f"ThreadPoolAsyncFunction needs a callable; got {type(fn).__name__}."
+            )
+        if fn is not None and (
+            inspect.iscoroutinefunction(fn)
+            or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
+        ):
+            raise ConfigurationError(
+                f"ThreadPoolAsyncFunction runs blocking functions on threads; "
+                f"{getattr(fn, '__qualname__', type(fn).__name__)} is an async function: pass "
+                "it to the operator (or ordered_wait / unordered_wait) directly."
             )
         if fn is None and type(self).invoke is ThreadPoolAsyncFunction.invoke:
             raise ConfigurationError(

@@ -109,6 +109,22 @@ def test_thread_pool_function_needs_a_function() -> None:
         ThreadPoolAsyncFunction()
     with pytest.raises(ConfigurationError, match="max_workers must be an integer >= 1"):
         ThreadPoolAsyncFunction(len, max_workers=0)
+    with pytest.raises(ConfigurationError, match="max_workers must be an integer >= 1"):
+        ThreadPoolAsyncFunction(len, max_workers=True)
+
+
+def test_an_async_function_is_refused_and_told_to_go_to_the_operator() -> None:
+    async def lookup(value: int) -> list[int]:
+        return [value]
+
+    class Lookup:
+        async def __call__(self, value: int) -> list[int]:
+            return [value]
+
+    for fn in (lookup, Lookup()):
+        # It used to be accepted, then each call failed: a coroutine is not a result list.
+        with pytest.raises(ConfigurationError, match="is an async function: pass it to the"):
+            ThreadPoolAsyncFunction(fn)
 
 
 async def test_operator_methods_refuse_foreign_threads() -> None:
