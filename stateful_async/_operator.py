@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import enum
+import math
 from functools import partial
 from threading import get_ident
 from typing import Any, Awaitable, Callable, Generic, Iterable, Sequence, TypeVar, cast
@@ -231,10 +232,10 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 raise ConfigurationError(
                     f"timeout must be a number of seconds, a timedelta, or None; got {timeout!r}."
                 )
-            if not timeout > 0:
+            if not 0 < timeout < math.inf:
                 raise ConfigurationError(
-                    f"timeout must be > 0 seconds; got {timeout!r}. Use timeout=None for "
-                    "no timeout."
+                    f"timeout must be a finite number of seconds > 0; got {timeout!r}. Use "
+                    "timeout=None for no timeout."
                 )
         if retry is not None:
             if not isinstance(retry, RetryStrategy):
@@ -621,8 +622,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 "The async function failed",
                 handler.element,
                 handler.attempts,
-                "Fix the cause; or retry this exception with retry=RetryStrategy(...); or "
-                "catch it in async_invoke and return a fallback result.",
+                "Fix the cause; or retry this exception (retry=RetryStrategy(...), which "
+                "needs a timeout too); or catch it in async_invoke and return a fallback "
+                "result.",
                 cause=error,
             ),
         )

@@ -73,7 +73,7 @@ class RetryStrategy:
                 f"RetryStrategy max_attempts must be an integer >= 1 (total attempts, the first "
                 f"included); got {self.max_attempts!r}."
             )
-        _check_number("delay", self.initial_delay, 0, "seconds")
+        _check_number("initial_delay", self.initial_delay, 0, "seconds")
         _check_number("multiplier", self.multiplier, 1)
         if self.max_delay is not None:
             _check_number("max_delay", self.max_delay, 0, "seconds")
@@ -115,6 +115,7 @@ class RetryStrategy:
         retry_on_result: ResultPredicate = _never,
     ) -> RetryStrategy:
         """Retry after the same ``delay`` (seconds), up to ``max_attempts`` total attempts."""
+        _check_number("delay", delay, 0, "seconds")  # named as the caller named it
         return cls(
             max_attempts,
             delay,

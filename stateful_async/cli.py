@@ -19,6 +19,7 @@ import datetime as dt
 import decimal
 import importlib
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -476,12 +477,20 @@ def replay(
     run: RunOpt = None,
     operator: OperatorOpt = None,
     capacity: Annotated[int, typer.Option(min=1, help="Calls in flight.")] = 100,
-    timeout: Annotated[float | None, typer.Option(help="Per-element timeout, seconds.")] = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option(help="Per-element timeout, seconds > 0 (default: none)."),
+    ] = None,
     mode: Annotated[Mode, typer.Option(help="Output order.")] = Mode.ordered,
 ) -> None:
     """Restore the operator from a snapshot and invoke the function again on the elements
     it had in flight; print or write the results."""
     with _user_errors():
+        if timeout is not None and not 0 < timeout < math.inf:
+            raise Fail(
+                f"--timeout must be a finite number of seconds > 0; got {timeout}. Omit it "
+                "for no timeout."
+            )
         if output is not None and output.exists():
             raise Fail(f"The output path {output} already exists; choose a new one.")
         if output is not None and output.suffix not in (".jsonl", ".json", ".parquet"):

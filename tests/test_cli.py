@@ -296,6 +296,16 @@ def test_replay_refuses_functions_it_cannot_use(checkpoints, functions, function
     assert message in result.output
 
 
+@pytest.mark.parametrize("timeout", ["0", "-1", "inf"])
+def test_replay_refuses_a_timeout_that_is_not_positive(checkpoints, functions, timeout) -> None:
+    location, _ = checkpoints
+    args = ["--function", "replay_functions:greet", "--timeout", timeout]
+    result = invoke("replay", str(location), "2", *args)
+    assert result.exit_code == 2
+    assert "--timeout must be a finite number of seconds > 0" in result.output
+    assert "Omit it for no timeout." in result.output  # not the Python API's timeout=None
+
+
 def test_replay_refuses_an_output_path_that_exists(checkpoints, functions, tmp_path) -> None:
     location, _ = checkpoints
     existing = tmp_path / "out.jsonl"

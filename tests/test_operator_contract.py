@@ -574,7 +574,8 @@ async def _noop(value):
     [
         ({"capacity": 0}, "capacity must be an integer >= 1"),
         ({"capacity": 2.5}, "capacity must be an integer >= 1"),
-        ({"timeout": -1}, "timeout must be > 0 seconds"),
+        ({"timeout": -1}, "timeout must be a finite number of seconds > 0"),
+        ({"timeout": float("inf")}, "timeout must be a finite number of seconds > 0"),
         ({"timeout": 0}, "Use timeout=None for no timeout"),
         ({"timeout": "5"}, "timeout must be a number of seconds, a timedelta, or None"),
         ({"retry": RetryStrategy.fixed_delay(3, 0.1)}, "A retry strategy needs a timeout"),

@@ -465,7 +465,7 @@ async def test_a_late_result_of_a_superseded_attempt_is_dropped() -> None:
     ("kwargs", "message"),
     [
         ({"max_attempts": 0, "initial_delay": 1}, "max_attempts must be an integer >= 1"),
-        ({"max_attempts": 2, "initial_delay": -1}, "delay must be >= 0"),
+        ({"max_attempts": 2, "initial_delay": -1}, "RetryStrategy initial_delay must be >= 0"),
         ({"max_attempts": 2, "initial_delay": 1, "multiplier": 0.5}, "multiplier must be >= 1"),
         ({"max_attempts": 2, "initial_delay": 1, "jitter": 2}, "jitter must be between 0 and 1"),
         ({"max_attempts": 2, "initial_delay": 5, "max_delay": 1}, "max_delay"),
@@ -487,6 +487,15 @@ def test_invalid_retry_strategies_fail_at_construction(kwargs: dict, message: st
 
     with pytest.raises(ConfigurationError, match=message):
         RetryStrategy(**kwargs)
+
+
+def test_the_factories_name_their_own_parameters_in_errors() -> None:
+    from stateful_async import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="RetryStrategy delay must be >= 0"):
+        RetryStrategy.fixed_delay(3, -0.1)
+    with pytest.raises(ConfigurationError, match="RetryStrategy initial_delay must be >= 0"):
+        RetryStrategy.exponential_backoff(3, -0.1, 1)
 
 
 def test_retry_strategy_docstring_says_max_attempts_counts_total_attempts() -> None:
