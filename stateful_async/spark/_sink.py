@@ -84,6 +84,11 @@ def register_delta_sink(spark: Any) -> None:
             "The delta_rs sink needs PySpark 4.1 or later with the Python Data Source API: "
             f"{exc}. Install it with pip install 'stateful-async[spark]'."
         ) from exc
+    if not hasattr(spark, "dataSource"):
+        raise ConfigurationError(
+            f"register_delta_sink needs a SparkSession (PySpark 4.1 or later); got "
+            f"{type(spark).__name__}."
+        )
     spark.dataSource.register(DeltaRsDataSource)
 
 

@@ -89,11 +89,23 @@ def delta_schema(schema: pa.Schema) -> Any:
     try:
         return DeltaSchema.from_arrow(schema)
     except Exception as exc:  # deltalake raises plain Exception subclasses here
+        bad = [f"{f.name!r} ({f.type})" for f in schema if not _delta_can_hold(f)]
         raise ConfigurationError(
-            f"The data cannot be stored in a Delta table: {exc}. Cast the unsupported "
-            "columns (intervals, unsigned or half-precision numbers, nanosecond "
-            "timestamps...) to a Delta type before writing."
+            "The data cannot be stored in a Delta table: "
+            + (f"the column(s) {', '.join(bad)} have no Delta type" if bad else str(exc))
+            + ". Cast them to a Delta type before writing (an interval to a bigint count "
+            "of seconds, or to a string, for example)."
         ) from exc
+
+
+def _delta_can_hold(field: pa.Field) -> bool:
+    from deltalake import Schema as DeltaSchema
+
+    try:
+        DeltaSchema.from_arrow(pa.schema([field]))
+    except Exception:
+        return False
+    return True
 
 
 def _strip(node: Any) -> Any:

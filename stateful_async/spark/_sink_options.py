@@ -32,6 +32,26 @@ CODECS = {
 _SPARK_OPTIONS = {"path", "checkpointlocation", "queryname"}
 
 _BOOLEAN = {"true": True, "false": False}
+# Spark lower-cases option keys; errors name an option as the docs spell it.
+_OPTION_NAMES = {
+    name.lower(): name
+    for name in (
+        "partitionBy",
+        "mergeSchema",
+        "appId",
+        "txnAppId",
+        "txnVersion",
+        "cleanOrphans",
+        "orphanRetentionSeconds",
+        "maxRecordsPerFile",
+        "compression",
+        "maxCommitRetries",
+    )
+}
+
+
+def _name(key: str) -> str:
+    return _OPTION_NAMES.get(key, key)
 
 
 @dataclass(frozen=True)
@@ -60,18 +80,7 @@ class SinkOptions:
     def parse(cls, options: Mapping[str, str], *, streaming: bool) -> SinkOptions:
         """Validate Spark's options for a batch (``streaming=False``) or streaming write."""
         opts = {str(k).lower(): str(v) for k, v in options.items()}
-        known = {
-            "partitionby",
-            "mergeschema",
-            "appid",
-            "txnappid",
-            "txnversion",
-            "cleanorphans",
-            "orphanretentionseconds",
-            "maxrecordsperfile",
-            "compression",
-            "maxcommitretries",
-        }
+        known = set(_OPTION_NAMES)
         unknown = sorted(
             k
             for k in opts
@@ -174,7 +183,9 @@ def _columns(value: str | None) -> tuple[str, ...]:
 def _bool(opts: Mapping[str, str], key: str) -> bool:
     value = opts.get(key, "false").strip().lower()
     if value not in _BOOLEAN:
-        raise ConfigurationError(f"The option {key} must be true or false, not {opts[key]!r}.")
+        raise ConfigurationError(
+            f"The option {_name(key)} must be true or false, not {opts[key]!r}."
+        )
     return _BOOLEAN[value]
 
 
@@ -185,10 +196,12 @@ def _int(opts: Mapping[str, str], key: str, *, minimum: int) -> int | None:
         value = int(opts[key].strip())
     except ValueError as exc:
         raise ConfigurationError(
-            f"The option {key} must be a whole number, not {opts[key]!r}."
+            f"The option {_name(key)} must be a whole number, not {opts[key]!r}."
         ) from exc
     if value < minimum:
-        raise ConfigurationError(f"The option {key} must be at least {minimum}, not {value}.")
+        raise ConfigurationError(
+            f"The option {_name(key)} must be at least {minimum}, not {value}."
+        )
     return value
 
 
@@ -199,8 +212,10 @@ def _float(opts: Mapping[str, str], key: str, default: float) -> float:
         value = float(opts[key].strip())
     except ValueError as exc:
         raise ConfigurationError(
-            f"The option {key} must be a number of seconds, not {opts[key]!r}."
+            f"The option {_name(key)} must be a number of seconds, not {opts[key]!r}."
         ) from exc
     if not value >= 0:
-        raise ConfigurationError(f"The option {key} must be zero or more seconds, not {value}.")
+        raise ConfigurationError(
+            f"The option {_name(key)} must be zero or more seconds, not {value}."
+        )
     return value

@@ -683,6 +683,26 @@ def test_stats_leave_out_bounds_they_cannot_state_exactly(tmp_path: Path) -> Non
 # -- options ---------------------------------------------------------------------------------
 
 
+@pytest.mark.spark
+def test_a_column_delta_cannot_hold_is_named_before_anything_is_written(
+    sink: Any, tmp_path: Path
+) -> None:
+    data = sink.sql("SELECT 1 AS id, INTERVAL 1 DAY AS gap, 'x' AS name")
+    with pytest.raises(AnalysisException) as caught:
+        data.write.format("delta_rs").mode("append").save(str(tmp_path / "t"))
+    message = str(caught.value)
+    assert (
+        "ConfigurationError: The data cannot be stored in a Delta table: the column(s) " in message
+    )
+    assert "'gap' (duration[us]) have no Delta type" in message  # not delta-rs's Duration(µs)
+    assert not (tmp_path / "t").exists()
+
+
+def test_register_delta_sink_needs_a_session() -> None:
+    with pytest.raises(ConfigurationError, match="needs a SparkSession .*; got str"):
+        register_delta_sink("spark")
+
+
 def test_options_are_validated_with_clear_errors() -> None:
     with pytest.raises(ConfigurationError, match="does not know the option.*partitonby"):
         SinkOptions.parse({"path": "/t", "partitonBy": "a"}, streaming=False)
@@ -692,8 +712,16 @@ def test_options_are_validated_with_clear_errors() -> None:
         SinkOptions.parse({"path": "/t", "txnAppId": "a"}, streaming=False)
     with pytest.raises(ConfigurationError, match="txnVersion applies to batch writes only"):
         SinkOptions.parse({"path": "/t", "txnVersion": "1"}, streaming=True)
-    with pytest.raises(ConfigurationError, match="mergeschema must be true or false"):
-        SinkOptions.parse({"path": "/t", "mergeSchema": "yes"}, streaming=False)
+    # Spark hands the options over lower-cased; errors spell them as the docs do.
+    for key, value, message in [
+        ("mergeschema", "yes", "The option mergeSchema must be true or false"),
+        ("maxrecordsperfile", "-1", "The option maxRecordsPerFile must be at least 0"),
+        ("maxcommitretries", "x", "The option maxCommitRetries must be a whole number"),
+        ("orphanretentionseconds", "x", "The option orphanRetentionSeconds must be a number"),
+        ("orphanretentionseconds", "-1", "The option orphanRetentionSeconds must be zero or"),
+    ]:
+        with pytest.raises(ConfigurationError, match=message):
+            SinkOptions.parse({"path": "/t", key: value}, streaming=False)
     opts = SinkOptions.parse(
         {"path": "s3://bucket/t/", "Storage.AWS_REGION": "eu-west-1", "partitionBy": "a, b"},
         streaming=True,
