@@ -308,8 +308,10 @@ def _check_checkpoint(
                     f"restore_from={wanted}, but job {config.job_id!r} has no restorable "
                     f"checkpoint with id {wanted} or lower"
                     + (
-                        f" (checkpoints {_id_ranges(expired)} have expired: `retain` keeps "
-                        "only the newest of each partition)"
+                        f" ({'checkpoint' if len(set(expired)) == 1 else 'checkpoints'} "
+                        f"{_id_ranges(expired)} "
+                        f"{'has' if len(set(expired)) == 1 else 'have'} expired: `retain` "
+                        "keeps only the newest of each partition)"
                         if expired
                         else ""
                     )

@@ -26,8 +26,10 @@ class CheckpointConfig:
     there; ``operator_id`` tells two enrichments of one job apart.
 
     Each task checkpoints every ``interval_records`` input records (and, if set, every
-    ``interval_seconds``), and once more when its input ends. After each of its final
-    checkpoints a task keeps its ``retain`` newest checkpoints and expires the rest.
+    ``interval_seconds``), and once more when its input ends. Every 20 checkpoints, and
+    after its final one, a task keeps its ``retain`` newest checkpoints and expires the
+    rest (their in-flight state is deleted; results stay while a kept checkpoint's chain
+    needs them).
 
     ``restore_from`` decides what a *new run* starts from (a retried task attempt always
     resumes its own run's latest checkpoint, whatever this says):
