@@ -79,7 +79,7 @@ class Format(str, Enum):
 
 
 # The arguments and options the checkpoint commands share.
-LocationArg = Annotated[str, typer.Argument(help="The checkpoint location.")]
+LocationArg = Annotated[str, typer.Argument(metavar="LOCATION", help="The checkpoint location.")]
 CheckpointIdArg = Annotated[int, typer.Argument(metavar="ID", help="The checkpoint id.")]
 JobOpt = Annotated[str | None, typer.Option(help="The job (if the location holds several).")]
 PartitionOpt = Annotated[int | None, typer.Option(help="Only this partition.")]
