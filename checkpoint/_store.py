@@ -1206,7 +1206,10 @@ def _struct_to_table(column: pa.ChunkedArray | pa.Array, schema: pa.Schema) -> p
     restored = from_storage(column, pa.struct(list(schema)))
     if len(restored) == 0:
         return schema.empty_table()
-    return pa.Table.from_batches([pa.RecordBatch.from_struct_array(restored)]).cast(schema)
+    # from_storage rebuilt the struct with ``schema``'s fields: no cast (Arrow's cast
+    # refuses a null struct holding nulls in a NOT NULL child, even where it changes nothing).
+    table = pa.Table.from_batches([pa.RecordBatch.from_struct_array(restored)])
+    return table.replace_schema_metadata(schema.metadata)
 
 
 def _checkpoint_rows(

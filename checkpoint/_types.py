@@ -106,9 +106,24 @@ def to_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
 
 
 def from_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
-    """Cast a stored array back to its original type."""
+    """Cast a stored array back to its original type.
+
+    Structs and lists are rebuilt child by child rather than cast: a null struct (or
+    list) may hold nulls in a child its type declares NOT NULL — the null ``input`` of a
+    watermark row, a null struct column — and Arrow's cast refuses those nulls even
+    under a null parent.
+    """
     if array.type == original:
         return array
+    if isinstance(array, pa.ChunkedArray):
+        return pa.chunked_array([from_storage(c, original) for c in array.chunks], original)
+    mask = array.is_null() if array.null_count else None
+    if pt.is_struct(original) and pt.is_struct(array.type):
+        children = [from_storage(array.field(i), f.type) for i, f in enumerate(original)]
+        return pa.StructArray.from_arrays(children, fields=list(original), mask=mask)
+    if pt.is_list(original) and pt.is_list(array.type):
+        values = from_storage(array.values, original.value_type)
+        return pa.ListArray.from_arrays(array.offsets, values, type=original, mask=mask)
     return _cast(array, original)
 
 

@@ -252,6 +252,37 @@ def test_a_foreign_delta_table_in_the_layout_is_named_not_read(tmp_path: Path) -
             read()  # before: Arrow's "No match for FieldRef.Name(kind) in a: int64"
 
 
+def test_null_structs_over_not_null_fields_are_restored(tmp_path: Path) -> None:
+    # A watermark row's input is a null struct over the input's fields; a null struct column
+    # may declare NOT NULL fields. Arrow's cast refuses both, even though nothing is wrong.
+    struct = pa.struct([pa.field("a", pa.int64(), nullable=False)])
+    schema = pa.schema(
+        [
+            pa.field("id", pa.int64(), nullable=False),
+            pa.field("s", struct),
+            pa.field("items", pa.list_(pa.field("item", struct))),
+        ]
+    )
+    records = [
+        StreamRecord({"id": 1, "s": None, "items": [None, {"a": 1}]}, 10),
+        Watermark(9),
+        StreamRecord({"id": 2, "s": {"a": 5}, "items": None}, 11),
+    ]
+    results = [
+        {"id": 1, "s": None, "items": [None]},
+        {"id": 2, "s": {"a": 5}, "items": [{"a": 2}]},
+    ]
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    meta = log.commit(
+        "run", 1, records, results, input_schema=schema, output_schema=schema, position=2
+    )
+    snapshot = log.load(1, "run")
+    assert snapshot.elements == records
+    assert snapshot.results.schema.equals(schema)
+    assert snapshot.results.to_pylist() == results
+    assert [t.to_pylist() for t, _ in log.chain_results(meta)] == [results]
+
+
 def test_a_record_that_does_not_fit_the_input_schema_is_refused(tmp_path: Path) -> None:
     log = SnapshotStore(tmp_path).subtask("job", "op", 0)
     schema = pa.schema([("n", pa.int8())])

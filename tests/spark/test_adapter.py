@@ -28,6 +28,7 @@ from stateful_async import (
     FunctionNotSerializableError,
     ResultSchemaError,
     RetryStrategy,
+    Watermark,
 )
 from stateful_async.chaos import (
     CrashOnElement,
@@ -301,6 +302,44 @@ def test_a_worker_crash_resumes_from_the_checkpoint_exactly_once(spark, service,
     # Exactly those: in flight at the checkpoint, or at/after its position up to the crash.
     assert set(repeated) <= in_flight | set(range(position, crash_at + capacity + 1))
     assert in_flight | {k for k in range(position, crash_at)} <= set(repeated)
+
+
+def test_a_resume_restores_watermarks_and_null_structs_under_not_null_fields(
+    spark, tmp_path
+) -> None:
+    # spark.range's id is NOT NULL, and s is a nullable struct whose field a is NOT NULL.
+    # A watermark's stored input, and a null s, are null structs over NOT NULL fields,
+    # which Arrow's cast refused to restore: every retry failed with UnsupportedTypeError.
+    async def enrich(row):  # type: ignore[no-untyped-def]
+        await asyncio.sleep((row["id"] * 7919 % 5) / 1000)  # completion order != input order
+        i = row["id"]
+        return [{"id": i, "s": None if i % 2 else {"a": i}}]
+
+    rows, crash_at = 1000, 555
+    df = spark.range(0, rows, numPartitions=1).withColumn(
+        "info",
+        F.when(F.col("id") % 3 == 0, F.lit(None)).otherwise(F.struct(F.col("id").alias("a"))),
+    )
+    assert not df.schema["id"].nullable and not df.schema["info"].dataType["a"].nullable
+    config = CheckpointConfig(str(tmp_path), "wm", interval_records=50, retain=100)
+    out = unordered_wait(
+        df,
+        CrashOnElement(enrich, at=[crash_at]),
+        "id long, s struct<a: bigint not null>",
+        capacity=20,
+        checkpoint=config,
+        event_time="id",
+        max_out_of_orderness=5,
+    ).collect()
+    assert sorted((r.id, r.s.a if r.s else None) for r in out) == [
+        (i, None if i % 2 else i) for i in range(rows)
+    ]
+    store = SnapshotStore(tmp_path)
+    resumed = [m for m in store.checkpoints("wm") if m.properties.get("attempt") == "1"]
+    assert resumed, "attempt 1 must have resumed and checkpointed"
+    parent = resumed[0].parent
+    restored = store.load("wm", "enrich", 0, parent.checkpoint_id, parent.run_id)
+    assert any(isinstance(e, Watermark) for e in restored.elements)  # the case at stake
 
 
 # -- job resume after the driver is killed -------------------------------------------------
