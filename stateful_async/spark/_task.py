@@ -366,18 +366,32 @@ class _TaskRun:
                 if interval is not None:
                     size = min(size, interval - self.position % interval)
                 chunk = batch.slice(offset, size)
-                offset += size
                 rows = chunk.to_pylist()
+                stamps = None if event_time is None else _timestamps(chunk, event_time)
                 seq = self.position
-                if event_time is None:
+                if self.checkpointing and seconds is not None:
+                    # Checked after every record: a chunk of slow calls can take far longer
+                    # than interval_seconds. When it is due, the chunk ends there.
+                    due = self.last_checkpoint + seconds
+                    for i, row in enumerate(rows):
+                        await process(StreamRecord((seq, row), stamps[i] if stamps else None))
+                        seq += 1
+                        if time.monotonic() >= due:
+                            break
+                    taken = seq - self.position
+                    if taken < len(rows):
+                        rows = rows[:taken]
+                        stamps = stamps[:taken] if stamps else None
+                elif stamps is None:
                     for row in rows:
                         await process(StreamRecord((seq, row)))
                         seq += 1
                 else:
-                    stamps = _timestamps(chunk, event_time)
                     for row, stamp in zip(rows, stamps, strict=True):
                         await process(StreamRecord((seq, row), stamp))
                         seq += 1
+                offset += len(rows)
+                if stamps is not None:
                     await self._advance_watermark(stamps)
                 if self.checkpointing:
                     self.fingerprint.update(rows)

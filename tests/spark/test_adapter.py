@@ -342,6 +342,36 @@ def test_a_resume_restores_watermarks_and_null_structs_under_not_null_fields(
     assert any(isinstance(e, Watermark) for e in restored.elements)  # the case at stake
 
 
+@pytest.mark.parametrize("event_time", [None, "id"])
+def test_interval_seconds_checkpoints_in_the_middle_of_a_slow_chunk(
+    spark, tmp_path, event_time
+) -> None:
+    # 20 ms per call, 4 in flight: ~200 rows/s, so the 400 rows of one Arrow chunk take ~2 s.
+    # The time used to be looked at only between chunks: no checkpoint before the last.
+    async def slow(row):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.02)
+        return [row]
+
+    rows = 400
+    config = CheckpointConfig(
+        str(tmp_path), "timed", interval_records=10**9, interval_seconds=0.25, retain=100
+    )
+    kwargs = {"event_time": event_time} if event_time else {}
+    out = unordered_wait(
+        spark.range(0, rows, numPartitions=1),
+        slow,
+        "id long",
+        capacity=4,
+        checkpoint=config,
+        **kwargs,
+    ).collect()
+    assert sorted(r.id for r in out) == list(range(rows))
+    positions = sorted(m.position for m in SnapshotStore(tmp_path).checkpoints("timed"))
+    assert positions[-1] == rows  # the final checkpoint
+    assert len(positions) >= 4, positions  # ~2 s at one per 0.25 s, allowing a slow machine
+    assert positions == sorted(set(positions))
+
+
 # -- job resume after the driver is killed -------------------------------------------------
 
 
