@@ -547,19 +547,26 @@ class _TaskRun:
         )
         if not other_function and not (other_stage and "batch_id" in ours):
             return
+        what = "function" if other_function else "stage"
+        same = "" if other_function else " of this same micro-batch execution"
+        raise self._shared_checkpoint(
+            f"found checkpoint {meta.ref} written by {what} {theirs.get(what)}{same}; this task "
+            f"runs {what} {ours.get(what)}"
+        )
+
+    def _shared_checkpoint(self, found: str) -> Exception:
+        """The error for two enrichments that write one run's checkpoints."""
         from checkpoint import CheckpointConflictError
 
         config = self.spec.checkpoint
         assert config is not None
-        what = "function" if other_function else "stage"
-        same = "" if other_function else " of this same micro-batch execution"
-        raise CheckpointConflictError(
-            f"Partition {self.identity.partition} of run {self.identity.run_id!r} found "
-            f"checkpoint {meta.ref} of job {config.job_id!r}, operator {config.operator_id!r} "
-            f"written by {what} {theirs.get(what)}{same}; this task runs {what} "
-            f"{ours.get(what)}. Two enrichments in one micro-batch share a checkpoint: give "
-            "each its own operator_id (CheckpointConfig(..., operator_id=...)), and persist() "
-            "an enriched DataFrame that foreachBatch uses more than once."
+        return CheckpointConflictError(
+            f"Partition {self.identity.partition} of run {self.identity.run_id!r} (job "
+            f"{config.job_id!r}, operator {config.operator_id!r}) {found}. Two enrichments "
+            "of one run (one Spark stage, or one streaming micro-batch) share these "
+            "checkpoints: give each its own operator_id (CheckpointConfig(..., "
+            "operator_id=...)), and persist() an enriched DataFrame that foreachBatch uses "
+            "more than once."
         )
 
     async def _skip_consumed(self, position: int, fingerprint: str, ref: str) -> None:
@@ -612,8 +619,7 @@ class _TaskRun:
         # past the last durable checkpoint never exceeds one interval, which is what bounds
         # the repeated requests after a crash (capacity + interval).
         await self._in_io(
-            self.log.commit,
-            self.identity.run_id,
+            self._commit,
             checkpoint_id,
             elements,
             results,
@@ -634,6 +640,26 @@ class _TaskRun:
         self.stats["checkpoints"] += 1
         if not final and self.stats["checkpoints"] % _EXPIRE_EVERY == 0:
             await self._in_io(self.log.expire, config.retain, run_id=self.identity.run_id)
+
+    def _commit(self, checkpoint_id: int, *args: Any, **kwargs: Any) -> None:
+        from checkpoint import CheckpointConflictError
+
+        run_id = self.identity.run_id
+        try:
+            self.log.commit(run_id, checkpoint_id, *args, **kwargs)
+        except CheckpointConflictError:
+            # Refused as late. A zombie is an earlier attempt; a checkpoint ahead of this
+            # one by this very attempt was written by another enrichment in this task.
+            latest = self.log.latest(run_id=run_id)
+            if latest is None or latest.checkpoint_id < checkpoint_id:
+                raise
+            if latest.properties.get("attempt") != self.properties.get("attempt"):
+                raise
+            raise self._shared_checkpoint(
+                f"could not commit checkpoint {checkpoint_id}: this same task attempt has "
+                f"already committed checkpoint {latest.checkpoint_id}, by function "
+                f"{latest.properties.get('function')}"
+            ) from None
 
     def _log_summary(self, seconds: float) -> None:
         if os.environ.get("STATEFUL_ASYNC_TASK_LOG", "1") == "0":

@@ -372,6 +372,30 @@ def test_interval_seconds_checkpoints_in_the_middle_of_a_slow_chunk(
     assert positions == sorted(set(positions))
 
 
+def test_two_chained_enrichments_sharing_a_checkpoint_config_are_told_so(spark, tmp_path) -> None:
+    # One stage runs both, in one run: without distinct operator_ids they write one table.
+    async def inc(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"] + 1}]
+
+    async def dec(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"] - 1}]
+
+    config = CheckpointConfig(str(tmp_path), "chained", interval_records=50)
+    df = spark.range(0, 400, numPartitions=2).selectExpr("nullif(id, -1) AS id")
+    out = ordered_wait(
+        ordered_wait(df, inc, "id long", checkpoint=config), dec, "id long", checkpoint=config
+    )
+    with pytest.raises(Exception, match=r"Two enrichments of one run \(one Spark stage"):
+        out.collect()
+    # With an operator_id each, the same chain runs.
+    second = CheckpointConfig(str(tmp_path), "chained2", interval_records=50, operator_id="dec")
+    first = CheckpointConfig(str(tmp_path), "chained2", interval_records=50)
+    out = ordered_wait(
+        ordered_wait(df, inc, "id long", checkpoint=first), dec, "id long", checkpoint=second
+    )
+    assert sorted(r.id for r in out.collect()) == list(range(400))
+
+
 # -- job resume after the driver is killed -------------------------------------------------
 
 
