@@ -1206,10 +1206,11 @@ def _struct_to_table(column: pa.ChunkedArray | pa.Array, schema: pa.Schema) -> p
     restored = from_storage(column, pa.struct(list(schema)))
     if len(restored) == 0:
         return schema.empty_table()
-    # from_storage rebuilt the struct with ``schema``'s fields: no cast (Arrow's cast
-    # refuses a null struct holding nulls in a NOT NULL child, even where it changes nothing).
-    table = pa.Table.from_batches([pa.RecordBatch.from_struct_array(restored)])
-    return table.replace_schema_metadata(schema.metadata)
+    # from_storage gave the columns ``schema``'s types; the schema itself brings back the
+    # field metadata. No cast: Arrow's cast refuses a null struct holding nulls in a NOT
+    # NULL child, even where it changes nothing.
+    columns = pa.RecordBatch.from_struct_array(restored).columns
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 def _checkpoint_rows(

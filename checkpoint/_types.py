@@ -108,22 +108,34 @@ def to_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
 def from_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
     """Cast a stored array back to its original type.
 
-    Structs and lists are rebuilt child by child rather than cast: a null struct (or
-    list) may hold nulls in a child its type declares NOT NULL — the null ``input`` of a
+    Nested arrays are rebuilt child by child rather than cast: a null struct (or list, or
+    map) may hold nulls in a child its type declares NOT NULL — the null ``input`` of a
     watermark row, a null struct column — and Arrow's cast refuses those nulls even
-    under a null parent.
+    under a null parent. Field metadata is the caller's to restore (types compare
+    without it).
     """
     if array.type == original:
         return array
     if isinstance(array, pa.ChunkedArray):
         return pa.chunked_array([from_storage(c, original) for c in array.chunks], original)
+    nested = pt.is_struct(original) or pt.is_map(original) or pt.is_list(original)
+    nested = nested or pt.is_large_list(original)
+    if nested and array.offset:
+        array = pa.concat_arrays([array])  # from_arrays takes no sliced null bitmaps
     mask = array.is_null() if array.null_count else None
     if pt.is_struct(original) and pt.is_struct(array.type):
         children = [from_storage(array.field(i), f.type) for i, f in enumerate(original)]
         return pa.StructArray.from_arrays(children, fields=list(original), mask=mask)
-    if pt.is_list(original) and pt.is_list(array.type):
+    if pt.is_map(original) and pt.is_map(array.type):
+        keys = from_storage(array.keys, original.key_type)
+        items = from_storage(array.items, original.item_type)
+        return pa.MapArray.from_arrays(array.offsets, keys, items, type=original, mask=mask)
+    if (pt.is_list(original) or pt.is_large_list(original)) and pt.is_list(array.type):
         values = from_storage(array.values, original.value_type)
-        return pa.ListArray.from_arrays(array.offsets, values, type=original, mask=mask)
+        if pt.is_list(original):
+            return pa.ListArray.from_arrays(array.offsets, values, type=original, mask=mask)
+        offsets = array.offsets.cast(pa.int64())
+        return pa.LargeListArray.from_arrays(offsets, values, type=original, mask=mask)
     return _cast(array, original)
 
 
@@ -131,6 +143,13 @@ def _cast(array: pa.Array | pa.ChunkedArray, target: pa.DataType) -> pa.Array:
     try:
         return array.cast(target, safe=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        if pt.is_fixed_size_list(target):
+            # Stored as a list; a null entry may hold nulls under NOT NULL fields, which
+            # the cast refuses (see from_storage). Rare enough to go through Python.
+            try:
+                return pa.array(array.to_pylist(), type=target)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                pass
         raise UnsupportedTypeError(
             f"Cannot convert values of type {array.type} to {target} exactly: {exc}. Convert "
             "the column to a type Delta supports before enriching."

@@ -255,22 +255,27 @@ def test_a_foreign_delta_table_in_the_layout_is_named_not_read(tmp_path: Path) -
 def test_null_structs_over_not_null_fields_are_restored(tmp_path: Path) -> None:
     # A watermark row's input is a null struct over the input's fields; a null struct column
     # may declare NOT NULL fields. Arrow's cast refuses both, even though nothing is wrong.
-    struct = pa.struct([pa.field("a", pa.int64(), nullable=False)])
+    struct = pa.struct([pa.field("a", pa.int64(), nullable=False, metadata={"k": "v"})])
     schema = pa.schema(
         [
-            pa.field("id", pa.int64(), nullable=False),
+            pa.field("id", pa.int64(), nullable=False, metadata={"doc": "the id"}),
             pa.field("s", struct),
             pa.field("items", pa.list_(pa.field("item", struct))),
+            pa.field("big", pa.large_list(pa.field("item", struct))),
+            pa.field("fixed", pa.list_(pa.field("item", struct), 1)),
+            pa.field("by_key", pa.map_(pa.string(), pa.field("value", struct))),
         ]
     )
+    empty = {"big": None, "fixed": None, "by_key": None}
+    nulls = {"big": [None], "fixed": [None], "by_key": [("k", None)]}
     records = [
-        StreamRecord({"id": 1, "s": None, "items": [None, {"a": 1}]}, 10),
+        StreamRecord({"id": 1, "s": None, "items": [None, {"a": 1}], **nulls}, 10),
         Watermark(9),
-        StreamRecord({"id": 2, "s": {"a": 5}, "items": None}, 11),
+        StreamRecord({"id": 2, "s": {"a": 5}, "items": None, **empty}, 11),
     ]
     results = [
-        {"id": 1, "s": None, "items": [None]},
-        {"id": 2, "s": {"a": 5}, "items": [{"a": 2}]},
+        {"id": 1, "s": None, "items": [None], **nulls},
+        {"id": 2, "s": {"a": 5}, "items": [{"a": 2}], **empty},
     ]
     log = SnapshotStore(tmp_path).subtask("job", "op", 0)
     meta = log.commit(
@@ -278,7 +283,7 @@ def test_null_structs_over_not_null_fields_are_restored(tmp_path: Path) -> None:
     )
     snapshot = log.load(1, "run")
     assert snapshot.elements == records
-    assert snapshot.results.schema.equals(schema)
+    assert snapshot.results.schema.equals(schema, check_metadata=True)  # field metadata too
     assert snapshot.results.to_pylist() == results
     assert [t.to_pylist() for t, _ in log.chain_results(meta)] == [results]
 

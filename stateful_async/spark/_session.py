@@ -68,7 +68,7 @@ def _running_session(session_class: Any) -> Any:
 
 def _reuse(session: Any, master: str, conf: dict[str, Any]) -> Any:
     running = session.sparkContext.master
-    if running != master:
+    if running.replace(" ", "") != master.replace(" ", ""):  # local[2, 3] is local[2,3]
         raise ConfigurationError(
             f"local_session(master={master!r}): this process already runs a SparkSession "
             f"with master {running!r} (a process runs one SparkContext). Stop it first "
@@ -81,7 +81,8 @@ def _reuse(session: Any, master: str, conf: dict[str, Any]) -> Any:
             )
         )
     for key, value in conf.items():
-        if session.conf.get(key, None) == str(value):
+        text = str(value).lower() if isinstance(value, bool) else str(value)  # as Spark has it
+        if session.conf.get(key, None) == text:
             continue
         try:
             session.conf.set(key, value)

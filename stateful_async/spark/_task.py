@@ -197,6 +197,7 @@ def _task_identity(app_id: str) -> TaskIdentity:
         run_id = f"{app_id}.stage{context.stageId()}"
     properties = {
         "attempt": str(context.attemptNumber()),
+        "task_attempt_id": str(context.taskAttemptId()),  # unique in the application
         "stage": str(context.stageId()),
         "app_id": app_id,
     }
@@ -356,6 +357,7 @@ class _TaskRun:
         interval = spec.checkpoint.interval_records if spec.checkpoint else None
         seconds = spec.checkpoint.interval_seconds if spec.checkpoint else None
         event_time = spec.event_time
+        self.last_checkpoint = time.monotonic()  # the interval runs from here, not from restore
         while True:
             batch = await self._next_batch()
             if batch is None:
@@ -653,7 +655,8 @@ class _TaskRun:
             latest = self.log.latest(run_id=run_id)
             if latest is None or latest.checkpoint_id < checkpoint_id:
                 raise
-            if latest.properties.get("attempt") != self.properties.get("attempt"):
+            ours = self.properties.get("task_attempt_id")
+            if ours is None or latest.properties.get("task_attempt_id") != ours:
                 raise
             raise self._shared_checkpoint(
                 f"could not commit checkpoint {checkpoint_id}: this same task attempt has "

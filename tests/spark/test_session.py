@@ -22,6 +22,8 @@ def test_the_running_session_is_returned_with_its_own_settings(spark: Any) -> No
     try:
         again = local_session("local[2,3]", conf={"spark.sql.shuffle.partitions": "5"})
         assert again is spark
+        # The same settings in other spellings: a bool, spaces in the master.
+        assert local_session("local[2, 3]", conf={"spark.ui.enabled": False}) is spark
         assert spark.conf.get("spark.sql.session.timeZone") == "Europe/Paris"  # not reset
         assert spark.conf.get("spark.sql.shuffle.partitions") == "5"  # asked for: applied
     finally:
