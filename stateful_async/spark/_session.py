@@ -76,7 +76,7 @@ def _reuse(session: Any, master: str, conf: dict[str, Any]) -> Any:
             + (
                 f" Note that {running!r} never retries a failed task, so a checkpointed "
                 "task cannot resume within the job: local[N,F] retries it."
-                if task_attempts(running, None) == 1 and running.startswith("local")
+                if task_attempts(running, None) == 1  # a cluster's default is 4
                 else ""
             )
         )

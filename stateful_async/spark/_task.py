@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import os
 import queue
 import sys
@@ -357,6 +358,7 @@ class _TaskRun:
         interval = spec.checkpoint.interval_records if spec.checkpoint else None
         seconds = spec.checkpoint.interval_seconds if spec.checkpoint else None
         event_time = spec.event_time
+        timed = self.checkpointing and seconds is not None
         self.last_checkpoint = time.monotonic()  # the interval runs from here, not from restore
         while True:
             batch = await self._next_batch()
@@ -371,27 +373,17 @@ class _TaskRun:
                 rows = chunk.to_pylist()
                 stamps = None if event_time is None else _timestamps(chunk, event_time)
                 seq = self.position
-                if self.checkpointing and seconds is not None:
-                    # Checked after every record: a chunk of slow calls can take far longer
-                    # than interval_seconds. When it is due, the chunk ends there.
-                    due = self.last_checkpoint + seconds
-                    for i, row in enumerate(rows):
-                        await process(StreamRecord((seq, row), stamps[i] if stamps else None))
-                        seq += 1
-                        if time.monotonic() >= due:
-                            break
-                    taken = seq - self.position
-                    if taken < len(rows):
-                        rows = rows[:taken]
-                        stamps = stamps[:taken] if stamps else None
-                elif stamps is None:
-                    for row in rows:
-                        await process(StreamRecord((seq, row)))
-                        seq += 1
-                else:
-                    for row, stamp in zip(rows, stamps, strict=True):
-                        await process(StreamRecord((seq, row), stamp))
-                        seq += 1
+                # interval_seconds is looked at after every record (a chunk of slow calls can
+                # take far longer than it); when it is due, the chunk ends there.
+                due = self.last_checkpoint + seconds if timed else None
+                for row, stamp in zip(rows, stamps or itertools.repeat(None), strict=False):
+                    await process(StreamRecord((seq, row), stamp))
+                    seq += 1
+                    if due is not None and time.monotonic() >= due:
+                        break
+                if seq - self.position < len(rows):
+                    rows = rows[: seq - self.position]
+                    stamps = stamps[: len(rows)] if stamps else None
                 offset += len(rows)
                 if stamps is not None:
                     await self._advance_watermark(stamps)
