@@ -358,7 +358,6 @@ class _TaskRun:
         interval = spec.checkpoint.interval_records if spec.checkpoint else None
         seconds = spec.checkpoint.interval_seconds if spec.checkpoint else None
         event_time = spec.event_time
-        timed = self.checkpointing and seconds is not None
         self.last_checkpoint = time.monotonic()  # the interval runs from here, not from restore
         while True:
             batch = await self._next_batch()
@@ -375,7 +374,7 @@ class _TaskRun:
                 seq = self.position
                 # interval_seconds is looked at after every record (a chunk of slow calls can
                 # take far longer than it); when it is due, the chunk ends there.
-                due = self.last_checkpoint + seconds if timed else None
+                due = None if seconds is None else self.last_checkpoint + seconds
                 for row, stamp in zip(rows, stamps or itertools.repeat(None), strict=False):
                     await process(StreamRecord((seq, row), stamp))
                     seq += 1
