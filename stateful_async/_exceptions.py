@@ -113,7 +113,8 @@ def raised_at(error: BaseException) -> str:
     return f" (raised at {frame.filename}:{frame.lineno}, in {frame.name})"
 
 
-def _text(error: BaseException) -> str:
+def error_text(error: BaseException) -> str:
+    """``str(error)`` that never raises (for messages built in callbacks)."""
     try:
         return str(error)
     except Exception as exc:
@@ -135,7 +136,7 @@ def element_error(
     plural = "attempt" if attempts == 1 else "attempts"
     message = f"{what} for element {describe(element)} after {attempts} {plural}"
     if cause is not None:
-        message += f": {type(cause).__name__}: {_text(cause)}{raised_at(cause)}"
+        message += f": {type(cause).__name__}: {error_text(cause)}{raised_at(cause)}"
     message += f". {advice}"
     error = kind(message, element=element, attempts=attempts)
     if cause is not None:

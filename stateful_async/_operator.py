@@ -10,7 +10,7 @@ from functools import partial
 from threading import get_ident
 from typing import Any, Awaitable, Callable, Generic, Iterable, Sequence, TypeVar, cast
 
-from ._elements import StreamElement, StreamRecord, Watermark
+from ._elements import StreamElement, StreamRecord, Watermark, describe
 from ._exceptions import (
     AsyncFunctionError,
     AsyncTimeoutError,
@@ -22,6 +22,7 @@ from ._exceptions import (
     StatefulAsyncError,
     TimeoutHandlerError,
     element_error,
+    error_text,
 )
 from ._function import (
     AsyncFunctionLike,
@@ -257,7 +258,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             self._fn.fn if isinstance(self._fn, CoroutineFunction) else self._fn.async_invoke
         )
         self._clock: Clock = clock if clock is not None else SystemClock()
-        self._timers = TimerService(self._clock)
+        self._timers = TimerService(self._clock, self._on_timer_error)
         new_entry = self._reuse_entry if self._timeout is None else _TimedElement
         self._queue: ElementQueue = (
             OrderedQueue(capacity, new_entry)
@@ -478,7 +479,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         Pending and completed-but-unemitted records and watermarks are all included;
         results and retry counts are not (a restore invokes those records again). Each
         snapshot stands alone: it replaces, never extends, the previous one. Never blocks,
-        even on a full queue.
+        even on a full queue; a record whose ``process_element`` is still waiting for room
+        is not in the queue yet, so not in the snapshot: count it as not yet consumed.
         """
         self._check_thread("snapshot_state()")
         if self._failure is not None:
@@ -697,6 +699,18 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self.metrics.retries += 1
         self._start_attempt(handler)
 
+    def _on_timer_error(self, error: BaseException) -> None:
+        """A timeout or retry callback raised (a bug: they handle user errors themselves).
+        Fail the operator rather than leave its element undecided, which would hang
+        finish(); the timer service keeps the other elements' timers running."""
+        failure = OperatorStateError(
+            f"A timeout or retry timer raised {type(error).__name__}: {error_text(error)}; the "
+            "operator has failed. This is a bug in stateful-async: please report it with "
+            "this traceback."
+        )
+        failure.__cause__ = error
+        self._fail(failure)
+
     def _on_timeout(self, handler: _TimedElement) -> None:
         if handler.decided:
             return
@@ -768,7 +782,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             "Raise the timeout, or implement timeout() on the AsyncFunction to return a "
             "fallback result."
             + (
-                f" The last attempt failed with {handler.last_error!r}."
+                f" The last attempt failed with {describe(handler.last_error)}."
                 if handler.last_error
                 else ""
             ),
@@ -817,8 +831,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
 
     def _output_completed(self) -> None:
         """Emit one completed queue entry; if more are ready, post a mail for the next."""
-        if self._failure is not None:
-            return
+        if self._failure is not None or self._state is _State.CLOSED:
+            return  # a closed operator discards what it still holds (see close())
         entry = self._queue.poll()
         if entry is not None:
             self._emit(entry)
@@ -847,13 +861,17 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                     record.timestamp = timestamp
                     output(record)
                 self.metrics.results_out += len(results)  # type: ignore[arg-type]
-        except Exception as exc:
+        except BaseException as exc:
+            # Any exception, CancelledError included: the entry is already polled, so an
+            # operator left running would wait forever for it in finish().
             error = OperatorStateError(
-                f"The operator's output raised {type(exc).__name__}: {exc} while emitting the "
-                "results of an element; the operator has failed."
+                f"The operator's output raised {type(exc).__name__}: {error_text(exc)} while "
+                "emitting the results of an element; the operator has failed."
             )
             error.__cause__ = exc
             self._fail(error)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
             return
         waiter = self._capacity_waiter
         if waiter is not None and not waiter.done():

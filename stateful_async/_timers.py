@@ -125,8 +125,14 @@ class TimerService:
     so register and cancel are O(log n) and O(1).
     """
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(
+        self, clock: Clock, on_error: Callable[[BaseException], None] | None = None
+    ) -> None:
+        """``on_error`` receives what a timer's callback raises; the other due timers still
+        run and the next wake-up is still armed (without it the error propagates, after
+        the wake-up is re-armed)."""
         self._clock = clock
+        self._on_error = on_error
         self._heap: list[tuple[float, int, Hashable]] = []
         self._timers: dict[Hashable, tuple[int, Callable[[], None]]] = {}
         self._seq = itertools.count()
@@ -185,13 +191,25 @@ class TimerService:
         now = self._clock.now() + 1e-6
         heap = self._heap
         timers = self._timers
-        while heap and heap[0][0] <= now:
-            _, seq, key = heapq.heappop(heap)
-            entry = timers.get(key)
-            if entry is None or entry[0] != seq:
-                continue  # cancelled or replaced
-            del timers[key]
-            entry[1]()
+        try:
+            while heap and heap[0][0] <= now:
+                _, seq, key = heapq.heappop(heap)
+                entry = timers.get(key)
+                if entry is None or entry[0] != seq:
+                    continue  # cancelled or replaced
+                del timers[key]
+                try:
+                    entry[1]()
+                except BaseException as exc:
+                    if self._on_error is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    self._on_error(exc)
+        finally:
+            self._arm_next()
+
+    def _arm_next(self) -> None:
+        heap = self._heap
+        timers = self._timers
         while heap:
             when, seq, key = heap[0]
             entry = timers.get(key)

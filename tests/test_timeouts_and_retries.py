@@ -20,6 +20,7 @@ from stateful_async import (
     TimeoutHandlerError,
     VirtualClock,
 )
+from stateful_async._timers import TimerService
 from stateful_async.testing import ControlledFunction, ControlledTimeoutFunction, settle
 
 
@@ -573,4 +574,59 @@ async def test_a_value_or_error_that_cannot_be_printed_still_gets_its_error() ->
     message = str(info.value)
     assert "<_Unprintable object; its repr raised RuntimeError>" in message
     assert "_UnprintableError: <its str() raised RuntimeError>" in message
+    await op.close()
+
+
+class _UnreprableError(Exception):
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+async def test_a_timeout_after_an_error_that_cannot_be_repred_fails_and_timers_go_on() -> None:
+    # The timeout error quotes the last attempt's error; a repr that raises there once left
+    # the element undecided and the timer service disarmed: no other element timed out.
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    out, op = make(fn, clock, timeout=2, retry=RetryStrategy.fixed_delay(5, 10.0))
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    fn.fail("a", _UnreprableError("service down"))
+    await settle()
+    await op.process_element(StreamRecord("b"))
+    await clock.advance(2)
+    assert op.failure is not None
+    message = str(op.failure)
+    assert "did not complete within the 2 s timeout for element StreamRecord('a')" in message
+    assert "<_UnreprableError object; its repr raised RuntimeError>" in message
+    with pytest.raises(AsyncTimeoutError):
+        await asyncio.wait_for(op.finish(), 5)
+    await op.close()
+
+
+async def test_a_timer_callback_that_raises_fails_the_operator_and_keeps_other_timers() -> None:
+    clock = VirtualClock()
+    errors: list = []
+    service = TimerService(clock, errors.append)
+    fired: list = []
+
+    def bad() -> None:
+        raise RuntimeError("bug")
+
+    service.register("bad", 1.0, bad)
+    service.register("same time", 1.0, lambda: fired.append("same time"))
+    service.register("later", 2.0, lambda: fired.append("later"))
+    await clock.advance(1)
+    assert [str(e) for e in errors] == ["bug"] and fired == ["same time"]
+    await clock.advance(1)
+    assert fired == ["same time", "later"]
+
+    fn = ControlledFunction()
+    out, op = make(fn, clock, timeout=5)
+    await op.open()
+    await op.process_element(StreamRecord("x"))
+    op._timers.register("bad", clock.now() + 1, bad)
+    await clock.advance(1)
+    assert isinstance(op.failure, OperatorStateError)
+    assert "timer raised RuntimeError: bug" in str(op.failure)
     await op.close()
