@@ -630,8 +630,16 @@ def test_cluster_command_line_starts_and_stops_its_own_cluster(tmp_path: Path) -
             timeout=240,
         )
 
-    started = cli("start", "--workers", "1")
+    def ours() -> list[psutil.Process]:  # JVMs the CLI started: their command lines name base
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            if str(base) in " ".join(process.info["cmdline"] or []):
+                found.append(process)
+        return found
+
+    pids: list[int] = []
     try:
+        started = cli("start", "--workers", "1")
         assert started.returncode == 0, started.stderr
         assert re.fullmatch(r"spark://127\.0\.0\.1:\d+\n", started.stdout)
         assert (base / "cluster.json").exists()
@@ -643,6 +651,10 @@ def test_cluster_command_line_starts_and_stops_its_own_cluster(tmp_path: Path) -
         assert refused.returncode == 1 and "already describes a cluster" in refused.stderr
     finally:
         stopped = cli("stop")
+        left = ours()  # e.g. a start that timed out before it recorded every process
+        for process in left:
+            process.kill()
+    assert not left, f"processes left running after stop: {left}"
     assert stopped.returncode == 0 and stopped.stdout.startswith("stopped ")
     assert all(gone(pid) for pid in pids)
     assert not (base / "cluster.json").exists()

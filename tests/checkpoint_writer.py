@@ -5,7 +5,8 @@
     python checkpoint_writer.py race  LOCATION RUN ID GO_FILE
     python checkpoint_writer.py read  LOCATION RUN                     # restore, then exit
 
-Prints one line per step, flushed: "begin <id>" before a commit, "committed <id>" after.
+Prints one line per step, flushed: "begin <id>" before a commit, "committed <id>" after
+(and, in loop mode, "writing <id>" once its rows are built, before the Delta write).
 Not a test module (pytest only collects test_*.py).
 """
 
@@ -17,7 +18,7 @@ import time
 
 import pyarrow as pa
 
-from checkpoint import CheckpointConflictError, SnapshotStore
+from checkpoint import CheckpointConflictError, SnapshotStore, _faults
 from stateful_async import StreamRecord, Watermark
 
 INPUT = pa.schema([("id", pa.int64()), ("payload", pa.string()), ("tags", pa.list_(pa.string()))])
@@ -69,6 +70,14 @@ def main(argv: list[str]) -> None:
     mode, location = argv[0], argv[1]
     store = SnapshotStore(location)
     if mode == "loop":
+        # "writing <id>": the checkpoint's rows are built; its Delta write and commit follow
+        _faults.install(
+            lambda point, context: (
+                say(f"writing {context['meta'].checkpoint_id}")
+                if point == "before_delta_commit"
+                else None
+            )
+        )
         subtask, run, count = int(argv[2]), argv[3], int(argv[4])
         log = store.subtask(JOB, OPERATOR, subtask)
         latest = log.latest(run_id=run)
@@ -86,7 +95,10 @@ def main(argv: list[str]) -> None:
         log = store.subtask(JOB, OPERATOR, 0)
         log.checkpoints()  # load the table now, so both racers start from the same snapshot
         say("ready")
+        give_up = time.monotonic() + 120  # the test failed before saying go
         while not os.path.exists(go_file):
+            if time.monotonic() > give_up:
+                raise SystemExit("no go file within 120 s")
             time.sleep(0.001)
         try:
             log.commit(

@@ -18,7 +18,9 @@ from stateful_async import (
     RetryStrategy,
     StreamRecord,
     ThreadPoolAsyncFunction,
+    VirtualClock,
 )
+from stateful_async.testing import settle
 
 
 @pytest.mark.parametrize("mode", [OutputMode.ORDERED, OutputMode.UNORDERED])
@@ -222,11 +224,16 @@ async def test_thread_pool_calls_of_decided_elements_are_not_made() -> None:
             return [f"fallback {value}"]
 
     out: list = []
-    op = AsyncWaitOperator(Lookup(max_workers=1), out.append, OutputMode.UNORDERED, timeout=0.3)
+    clock = VirtualClock()  # a loaded machine must not move the deadlines under the test
+    op = AsyncWaitOperator(
+        Lookup(max_workers=1), out.append, OutputMode.UNORDERED, timeout=0.3, clock=clock
+    )
     await op.open()
     for value in ("slow", "q1", "q2"):
         await op.process_element(StreamRecord(value))
-    await asyncio.sleep(0.6)  # every deadline passed: all three decided by the fallback
+    await settle()
+    await clock.advance(0.3)  # every deadline passed: all three decided by the fallback
+    await settle()  # ... and the calls of q1 and q2, still queued in the pool, cancelled
     assert sorted(e.value for e in out) == ["fallback q1", "fallback q2", "fallback slow"]
     release.set()
     await op.process_element(StreamRecord("live"))

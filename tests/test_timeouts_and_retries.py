@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from datetime import timedelta
 
 import pytest
@@ -258,9 +259,14 @@ async def test_exponential_backoff_delays_are_capped() -> None:
 
 async def test_jitter_stays_within_its_bounds() -> None:
     retry = RetryStrategy.exponential_backoff(5, 1.0, 8.0, jitter=0.25)
+    random.seed(7)
     for attempts, base in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 8.0), (5, 8.0)]:
-        for _ in range(50):
-            assert base * 0.75 <= retry.backoff(attempts) <= base * 1.25
+        delays = [retry.backoff(attempts) for _ in range(400)]
+        assert all(base * 0.75 <= d <= base * 1.25 for d in delays)
+        # jittered: spread over the whole band, not the base delay every time
+        assert min(delays) < base * 0.8 and max(delays) > base * 1.2
+        assert len(set(delays)) > 300
+    assert {RetryStrategy.exponential_backoff(5, 1.0, 8.0).backoff(2) for _ in range(20)} == {2.0}
 
 
 async def test_backoff_is_per_element() -> None:

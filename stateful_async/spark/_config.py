@@ -84,6 +84,8 @@ class CheckpointConfig:
                 f"CheckpointConfig interval_seconds must be a number of seconds > 0 (and "
                 f"finite), or None; got {self.interval_seconds!r}."
             )
+        if seconds is not None:
+            object.__setattr__(self, "interval_seconds", float(seconds))
         options = self.storage_options
         if options is not None and (
             not isinstance(options, dict)

@@ -4,7 +4,7 @@ enrichment service on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
-import json
+import os
 import re
 import signal
 import subprocess
@@ -71,17 +71,19 @@ def by_partition(df) -> dict[int, list[dict[str, Any]]]:  # type: ignore[no-unty
 
 
 def kill_tree(process: subprocess.Popen[str]) -> None:
-    """SIGKILL a driver and everything it started: its JVM, PySpark's daemon (which moves
-    itself to its own process group, so killpg alone misses it) and the Python workers."""
+    """SIGKILL a driver started with ``start_new_session=True`` and everything it started:
+    its JVM, PySpark's daemon (which moves itself to its own process group, so killpg alone
+    misses it) and the Python workers. They are found by the driver's session, which they
+    keep even once the driver has exited and they were re-parented."""
     import psutil
 
-    try:
-        victims = [
-            psutil.Process(process.pid),
-            *psutil.Process(process.pid).children(recursive=True),
-        ]
-    except psutil.NoSuchProcess:
-        victims = []
+    victims = []
+    for candidate in psutil.process_iter():
+        try:
+            if os.getsid(candidate.pid) == process.pid:
+                victims.append(candidate)
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            pass
     for victim in victims:
         try:
             victim.send_signal(signal.SIGKILL)
@@ -224,10 +226,11 @@ class CountsOpenAndClose(ServiceEnrichment):
 
 @pytest.mark.parametrize("wait", [ordered_wait, unordered_wait], ids=["ordered", "unordered"])
 def test_each_task_keeps_at_most_capacity_requests_in_flight(spark, service, wait) -> None:
-    # 40 ms per request, 150 rows per task: each task is ~2 s at its capacity limit, so the
-    # two tasks local[2] runs at once overlap with full pipelines.
+    # 100 ms per request, 150 rows per task: each task is ~5 s at its capacity limit, so the
+    # two tasks local[2] runs at once overlap with full pipelines, even when one's Python
+    # worker starts seconds after the other's on a loaded machine.
     rows, partitions, capacity = 300, 2, 3
-    service.configure(latency_ms=40)
+    service.configure(latency_ms=100)
     out = wait(
         source(spark, rows, partitions),
         ServiceEnrichment(service.url),
@@ -578,7 +581,22 @@ def test_restore_from_on_a_streaming_dataframe_is_refused_up_front(spark, tmp_pa
     config = CheckpointConfig(str(tmp_path / "ckpt"), "stream", restore_from="latest")
     with pytest.raises(ConfigurationError, match="restore_from='latest' is for batch jobs"):
         ordered_wait(stream, f, "id long", checkpoint=config)
-    assert ordered_wait(stream, f, "id long", checkpoint=CheckpointConfig(str(tmp_path), "s"))
+    # without restore_from the same stream is accepted, and enriches
+    (tmp_path / "in" / "a.json").write_text('{"id": 1}\n{"id": 2}\n')
+    out = ordered_wait(stream, f, "id long", checkpoint=CheckpointConfig(str(tmp_path), "s"))
+    assert out.isStreaming and out.schema.simpleString() == "struct<id:bigint>"
+    query = (
+        out.writeStream.format("memory")
+        .queryName("restore_from_refused")
+        .option("checkpointLocation", str(tmp_path / "spark"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert query.awaitTermination(120), "the availableNow query did not end in 120 s"
+    finally:
+        query.stop()
+    assert sorted(r.id for r in spark.table("restore_from_refused").collect()) == [1, 2]
 
 
 def test_a_partition_whose_restore_point_expired_fails_instead_of_starting_fresh(
@@ -961,10 +979,5 @@ def test_checkpoint_config_validates_its_fields(tmp_path) -> None:
         with pytest.raises(ConfigurationError, match="storage_options must be a dict of strings"):
             CheckpointConfig(str(tmp_path), "job", storage_options=options)
     for seconds in (2, 0.5, np.int64(30)):
-        assert CheckpointConfig(str(tmp_path), "j", interval_seconds=seconds).interval_seconds
-
-
-def test_job_output_json_helper_is_not_collected() -> None:
-    # adapter_job.py is a driver script, not tests: it must stay importable and test-free.
-    text = JOB_SCRIPT.read_text()
-    assert "def test_" not in text and json.dumps({"ok": 1})
+        kept = CheckpointConfig(str(tmp_path), "j", interval_seconds=seconds).interval_seconds
+        assert kept == float(seconds) and type(kept) is float

@@ -111,8 +111,10 @@ def test_a_query_interrupted_mid_batch_resumes_and_writes_every_result_once(
         args = (str(source), str(table), str(stream), str(snapshots), service.url)
         if interrupt == "stop":  # in-process: the running batch is cancelled, not committed
             query = DRIVER.start_query(spark, *args)
-            interrupted = wait_mid_batch(snapshots, lambda: query.isActive)
-            query.stop()
+            try:
+                interrupted = wait_mid_batch(snapshots, lambda: query.isActive)
+            finally:
+                query.stop()  # never left running in the shared session
         else:  # the query's own application: its driver, JVM and Python workers, by pid
             driver = DriverProcess(
                 [sys.executable, str(HERE / "enrich_stream_driver.py"), *args],
@@ -166,7 +168,10 @@ def test_two_enrichments_sharing_a_checkpoint_in_one_micro_batch_fail_instead_of
             .trigger(availableNow=True)
             .start()
         )
-        query.awaitTermination(240)
+        try:
+            assert query.awaitTermination(240), f"query {name} did not end within 240 s"
+        finally:
+            query.stop()
 
     with pytest.raises(Exception, match="written by function .*double; this task runs function"):
         run("shared", ("enrich", "enrich"))
