@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import asdict
-from typing import Any
+from typing import IO, Any
 
 from .._exceptions import StatefulAsyncError
 from ._service import ServiceConfig
@@ -35,6 +37,7 @@ class MockService:
         self.config = config or ServiceConfig()
         self.port = port
         self.process: subprocess.Popen[str] | None = None
+        self._stderr: IO[str] | None = None
 
     @property
     def url(self) -> str:
@@ -49,6 +52,7 @@ class MockService:
     def start(self, timeout: float = 30.0) -> MockService:
         if self.process is not None:
             return self
+        self._stderr = stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -60,14 +64,19 @@ class MockService:
                 json.dumps(asdict(self.config)),
             ],
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            # a file, not a pipe nobody reads: a service that logs a lot must never block
+            stderr=stderr,
             text=True,
         )
         assert self.process.stdout is not None
         deadline = time.monotonic() + timeout
-        line = self.process.stdout.readline()  # "listening on 127.0.0.1:<port>"
+        # "listening on 127.0.0.1:<port>", printed and flushed at once; waited for with the
+        # deadline (a service that hangs before printing it must not hang its caller)
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        line = self.process.stdout.readline() if ready else f"nothing printed within {timeout} s"
         if not line.startswith("listening on"):
-            error = self.process.stderr.read() if self.process.stderr else ""
+            stderr.seek(0)
+            error = stderr.read()
             self.stop()
             raise MockServiceError(
                 f"The mock service did not start: {line.strip()} {error.strip()}"
@@ -84,6 +93,9 @@ class MockService:
 
     def stop(self) -> None:
         process, self.process = self.process, None
+        stderr, self._stderr = self._stderr, None
+        if stderr is not None:
+            stderr.close()
         if process is None or process.poll() is not None:
             return
         process.send_signal(signal.SIGTERM)
