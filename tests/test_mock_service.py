@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from stateful_async.chaos import MockService, ServiceConfig
-from stateful_async.chaos._process import MockServiceError
+from stateful_async.chaos import MockService, MockServiceError, ServiceConfig
 
 
 def test_a_service_that_cannot_listen_fails_to_start_saying_why() -> None:
