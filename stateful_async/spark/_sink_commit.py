@@ -58,7 +58,8 @@ class WritePlan:
 
     schema: pa.Schema  # file form of the data's schema, partition columns included
     partition_by: tuple[str, ...]
-    not_null: frozenset[str]
+    # the table's columns that are, or hold, a NOT NULL field: (name, Delta field as JSON)
+    not_null: tuple[tuple[str, str], ...]
 
 
 # -- tables and schemas ------------------------------------------------------------------
@@ -192,18 +193,89 @@ def plan_write(opts: SinkOptions, spark_arrow_schema: pa.Schema) -> WritePlan:
     table = load_table(opts.table_uri, opts.storage_options)
     if table is None:
         check_partition_columns(schema, opts.partition_by)
-        return WritePlan(schema, opts.partition_by, frozenset())
+        return WritePlan(schema, opts.partition_by, ())
     existing = tuple(table.metadata().partition_columns)
     if opts.partition_by_given:
         _check_partitioning(table, opts.partition_by, opts.table_uri)
     check_schema(table, schema, merge=opts.merge_schema, table_uri=opts.table_uri)
     check_partition_columns(schema, existing)
-    not_null = frozenset(
-        f["name"]
+    strict = {
+        f["name"]: f
         for f in json.loads(table.schema().to_json())["fields"]
-        if not f.get("nullable", True) and f["name"] in schema.names
+        if f["name"] in schema.names and _holds_not_null(f)
+    }
+    # Files carry the table's NOT NULL flags, as delta-rs's own writer's do: a file whose
+    # null struct holds nulls in a child the table declares NOT NULL is otherwise refused
+    # by delta-rs's reader (Arrow's cast), which would make the whole table unreadable.
+    schema = pa.schema(
+        [_strict_field(f, strict[f.name]) if f.name in strict else f for f in schema],
+        metadata=schema.metadata,
     )
+    not_null = tuple((name, json.dumps(field)) for name, field in strict.items())
     return WritePlan(schema, existing, not_null)
+
+
+def _strict_field(field: pa.Field, delta: dict[str, Any]) -> pa.Field:
+    """``field`` with the nullability of the Delta field ``delta`` (schema JSON), at every
+    depth."""
+    return pa.field(
+        field.name,
+        _strict_type(field.type, delta["type"]),
+        nullable=delta.get("nullable", True),
+        metadata=field.metadata,
+    )
+
+
+def _strict_type(data_type: pa.DataType, kind: Any) -> pa.DataType:
+    if not isinstance(kind, dict):
+        return data_type
+    if kind["type"] == "struct" and pa.types.is_struct(data_type):
+        by_name = {f["name"]: f for f in kind["fields"]}
+        return pa.struct(
+            [_strict_field(f, by_name[f.name]) if f.name in by_name else f for f in data_type]
+        )
+    if kind["type"] == "array" and pa.types.is_list(data_type):
+        item = data_type.value_field
+        return pa.list_(
+            pa.field(
+                item.name,
+                _strict_type(item.type, kind["elementType"]),
+                nullable=kind.get("containsNull", True),
+            )
+        )
+    if kind["type"] == "map" and pa.types.is_map(data_type):
+        key, item = data_type.key_field, data_type.item_field
+        return pa.map_(
+            pa.field(key.name, _strict_type(key.type, kind["keyType"]), nullable=False),
+            pa.field(
+                item.name,
+                _strict_type(item.type, kind["valueType"]),
+                nullable=kind.get("valueContainsNull", True),
+            ),
+        )
+    return data_type
+
+
+def _holds_not_null(field: dict[str, Any]) -> bool:
+    """Whether a Delta field (schema JSON) is NOT NULL or holds a NOT NULL field, element
+    or map value at any depth."""
+    if not field.get("nullable", True):
+        return True
+    kind = field["type"]
+    while isinstance(kind, dict):
+        if kind["type"] == "struct":
+            return any(_holds_not_null(f) for f in kind["fields"])
+        if kind["type"] == "array":
+            if not kind.get("containsNull", True):
+                return True
+            kind = kind["elementType"]
+        else:  # map: keys are never null
+            if not kind.get("valueContainsNull", True) or _holds_not_null(
+                {"type": kind["keyType"]}
+            ):
+                return True
+            kind = kind["valueType"]
+    return False
 
 
 # -- commit ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import os
 import posixpath
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote, urlparse
@@ -30,6 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+from checkpoint._types import from_storage
 
 from .._exceptions import ConfigurationError, DeltaSinkError, SinkSchemaMismatchError
 from ._sink_options import CODECS, is_uri
@@ -353,6 +355,51 @@ class FileStats:
         return json.dumps(stats, allow_nan=False, separators=(",", ":"))
 
 
+def first_null_in_not_null(array: pa.Array, field: dict[str, Any], path: str) -> str | None:
+    """The path (``s.a``, ``tags[]``, ``m{value}``) of the first place where ``array``
+    holds a null that the Delta ``field`` (schema JSON) declares NOT NULL, or None.
+
+    A NOT NULL field inside a null struct, or an element of a null list, is not a
+    violation: only nulls under present parents count."""
+    return _first_null(array, field["type"], path, not field.get("nullable", True), 0)
+
+
+def _first_null(
+    array: pa.Array, kind: Any, path: str, required: bool, parents_nulls: int
+) -> str | None:
+    # ``array``'s nulls include its parents' (``parents_nulls`` of them): struct flatten()
+    # merges validity into the children, and list flatten() skips the values of null lists.
+    if required and array.null_count > parents_nulls:
+        return path
+    if not isinstance(kind, dict):
+        return None
+    if kind["type"] == "struct":
+        children = dict(zip(array.type.names, array.flatten(), strict=True))
+        for f in kind["fields"]:
+            found = _first_null(
+                children[f["name"]],
+                f["type"],
+                f"{path}.{f['name']}",
+                not f.get("nullable", True),
+                array.null_count,
+            )
+            if found is not None:
+                return found
+        return None
+    if kind["type"] == "array":
+        return _first_null(
+            array.flatten(), kind["elementType"], f"{path}[]", not kind.get("containsNull", True), 0
+        )
+    # a map: its entries as a list of (key, value) structs
+    entries_type = pa.list_(
+        pa.field("entries", pa.struct([array.type.key_field, array.type.item_field]), False)
+    )
+    keys, values = array.cast(entries_type).flatten().flatten()
+    return _first_null(keys, kind["keyType"], f"{path}{{key}}", True, 0) or _first_null(
+        values, kind["valueType"], f"{path}{{value}}", not kind.get("valueContainsNull", True), 0
+    )
+
+
 def _leaf_columns(table: pa.Table, schema: pa.Schema) -> dict[tuple[str, ...], pa.ChunkedArray]:
     """Every struct leaf as a column whose nulls include its parents' nulls."""
     out: dict[tuple[str, ...], pa.ChunkedArray] = {}
@@ -455,7 +502,7 @@ class TaskFileWriter:
         schema: pa.Schema,
         partition_by: tuple[str, ...],
         *,
-        not_null: frozenset[str] = frozenset(),
+        not_null: Sequence[tuple[str, str]] = (),
         compression: str = "snappy",
         max_records_per_file: int = 0,
         file_tag: str = "00000",
@@ -463,7 +510,8 @@ class TaskFileWriter:
         self._storage = storage
         self._schema = schema
         self._partition_by = partition_by
-        self._not_null = not_null
+        self._not_null = [(name, json.loads(field)) for name, field in not_null]
+        self._not_null_names = frozenset(name for name, _ in not_null)
         self._compression = compression
         self._max_records = max_records_per_file
         self._data_schema = pa.schema([f for f in schema if f.name not in partition_by])
@@ -492,17 +540,31 @@ class TaskFileWriter:
             self._append(key, data.take(rows))
 
     def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
-        for name in self._not_null:
-            if batch.column(name).null_count:
+        for name, field in self._not_null:
+            path = first_null_in_not_null(batch.column(name), field, name)
+            if path is not None:
+                what = "column" if path == name else "field"
                 raise SinkSchemaMismatchError(
-                    f"The column {name!r} is NOT NULL in the Delta table at "
+                    f"The {what} {path!r} is NOT NULL in the Delta table at "
                     f"{self._storage.table_uri}, but the data written holds null values in "
                     "it. Filter out or fill those nulls before writing."
                 )
         if batch.schema.equals(self._schema):
             return batch
         try:
-            return batch.select(self._schema.names).cast(self._schema)
+            columns = []
+            for field in self._schema:
+                column = batch.column(field.name)
+                if column.type != field.type:
+                    # A NOT NULL field may hold nulls under a null parent, which Arrow's
+                    # cast refuses: rebuilt child by child (checked for real nulls above).
+                    column = (
+                        from_storage(column, field.type)
+                        if field.name in self._not_null_names
+                        else column.cast(field.type)
+                    )
+                columns.append(column)
+            return pa.RecordBatch.from_arrays(columns, schema=self._schema)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, KeyError) as exc:
             raise SinkSchemaMismatchError(
                 f"A batch sent to the delta_rs sink has the schema {batch.schema}, which "

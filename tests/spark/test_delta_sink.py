@@ -11,6 +11,7 @@ import datetime as dt
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -39,7 +40,7 @@ from stateful_async.spark._sink_commit import (
     commit_write,
     plan_write,
 )
-from stateful_async.spark._sink_files import DataFile
+from stateful_async.spark._sink_files import DataFile, TableStorage, TaskFileWriter
 from stateful_async.spark._sink_options import SinkOptions
 from stateful_async.spark._sink_source import (
     DeltaBatchWriter,
@@ -765,6 +766,69 @@ def test_not_null_column_rejects_nulls_and_the_task_removes_its_files(tmp_path: 
         )
     assert len(written) == 1
     assert _table_files(table) == set()  # the failed task deleted the file it had started
+
+
+def test_not_null_fields_inside_structs_lists_and_maps_reject_nulls(tmp_path: Path) -> None:
+    # Only top-level NOT NULL columns were checked: a null in s.a was committed, and the
+    # table could no longer be read at all (Arrow refuses nulls in a NOT NULL field).
+    inner = pa.struct([pa.field("a", pa.int32(), nullable=False), ("b", pa.string())])
+    strict = pa.schema(
+        [
+            ("id", pa.int64()),
+            ("s", inner),
+            ("tags", pa.list_(pa.field("item", pa.string(), nullable=False))),
+            ("m", pa.map_(pa.string(), pa.field("value", pa.int32(), nullable=False))),
+            ("deep", pa.list_(inner)),
+        ]
+    )
+    table = tmp_path / "table"
+    DeltaTable.create(str(table), strict)
+    loose = pa.schema(  # as Spark sends it: everything nullable
+        [
+            ("id", pa.int64()),
+            ("s", pa.struct([("a", pa.int32()), ("b", pa.string())])),
+            ("tags", pa.list_(pa.string())),
+            ("m", pa.map_(pa.string(), pa.int32())),
+            ("deep", pa.list_(pa.struct([("a", pa.int32()), ("b", pa.string())]))),
+        ]
+    )
+    opts = SinkOptions.parse({"path": str(table)}, streaming=False)
+    plan = plan_write(opts, loose)
+    ok = {"id": 0, "s": {"a": 1, "b": None}, "tags": ["x"], "m": [("k", 1)], "deep": [{"a": 2}]}
+
+    def write(row: dict[str, Any]) -> Any:
+        writer = TaskFileWriter(
+            TableStorage(str(table)), plan.schema, plan.partition_by, not_null=plan.not_null
+        )
+        try:
+            writer.write(pa.RecordBatch.from_pylist([ok, row], schema=loose))
+        except SinkSchemaMismatchError:
+            writer.discard()
+            raise
+        return commit_write(opts, plan, writer.close(), mode="append", app_id=None, version=None)
+
+    for change, path in [
+        ({"s": {"a": None, "b": "x"}}, "s.a"),
+        ({"tags": ["y", None]}, "tags[]"),
+        ({"m": [("k", None)]}, "m{value}"),
+        ({"deep": [{"a": 1}, {"a": None}]}, "deep[].a"),
+    ]:
+        with pytest.raises(
+            SinkSchemaMismatchError, match=rf"field '{re.escape(path)}' is NOT NULL"
+        ):
+            write({**ok, "id": 1, **change})
+    # Nulls above a NOT NULL field are not nulls in it: a null struct, list or map.
+    absent = {"id": 2, "s": None, "tags": None, "m": None, "deep": [None, {"a": 3}]}
+    assert write(absent) is Outcome.COMMITTED
+    rows = DeltaTable(str(table)).to_pyarrow_table().sort_by("id").to_pylist()
+    assert [(r["id"], r["s"], r["tags"]) for r in rows] == [
+        (0, {"a": 1, "b": None}, ["x"]),
+        (2, None, None),
+    ]
+    # the refused writes removed their files: only the committed one is on disk
+    referenced = {os.path.basename(f) for f in DeltaTable(str(table)).file_uris()}
+    assert {os.path.basename(f) for f in _table_files(table)} == referenced
+    assert len(referenced) == 1  # DeltaTable.create wrote no file; the one write, 2 rows
 
 
 @pytest.mark.spark
