@@ -186,7 +186,9 @@ def _check_partitioning(table: Any, partition_by: tuple[str, ...], table_uri: st
         )
 
 
-def plan_write(opts: SinkOptions, spark_arrow_schema: pa.Schema) -> WritePlan:
+def plan_write(
+    opts: SinkOptions, spark_arrow_schema: pa.Schema, *, mode: str = "append"
+) -> WritePlan:
     """Check the data against the table (if any) before executors write a single file."""
     schema = as_file_schema(spark_arrow_schema)
     delta_schema(schema)
@@ -194,6 +196,7 @@ def plan_write(opts: SinkOptions, spark_arrow_schema: pa.Schema) -> WritePlan:
     if table is None:
         check_partition_columns(schema, opts.partition_by)
         return WritePlan(schema, opts.partition_by, ())
+    check_table_features(table, opts.table_uri, mode)
     existing = tuple(table.metadata().partition_columns)
     if opts.partition_by_given:
         _check_partitioning(table, opts.partition_by, opts.table_uri)
@@ -254,6 +257,49 @@ def _strict_type(data_type: pa.DataType, kind: Any) -> pa.DataType:
             ),
         )
     return data_type
+
+
+# Column metadata keys of Delta features whose values the writer must compute or check.
+_COLUMN_FEATURES = {
+    "delta.generationExpression": "a generated column",
+    "delta.identity.start": "an identity column",
+    "delta.invariants": "a column invariant",
+}
+
+
+def check_table_features(table: Any, table_uri: str, mode: str) -> None:
+    """Refuse a table whose rules this sink would break without noticing: CHECK
+    constraints, generated, identity or invariant columns and column mapping (values it
+    cannot compute or check), and an overwrite of an append-only table."""
+    config = table.metadata().configuration
+    problems = [
+        f"the CHECK constraint {key.split('.', 2)[2]!r} ({value})"
+        for key, value in sorted(config.items())
+        if key.startswith("delta.constraints.")
+    ]
+    for field in json.loads(table.schema().to_json())["fields"]:
+        for key, what in _COLUMN_FEATURES.items():
+            if key in (field.get("metadata") or {}):
+                problems.append(f"{what} ({field['name']!r})")
+    if config.get("delta.columnMapping.mode", "none") != "none":
+        problems.append(
+            f"column mapping (delta.columnMapping.mode={config['delta.columnMapping.mode']})"
+        )
+    if problems:
+        raise DeltaSinkError(
+            f"The Delta table at {table_uri} has {'; '.join(problems)}, which the delta_rs "
+            "sink does not evaluate: it would write rows that break them. Write to this "
+            "table with deltalake.write_deltalake, or with Spark and the Delta Lake jars "
+            "(delta-spark), or drop the rule if it need not hold (for a constraint: "
+            "DeltaTable(path).alter.drop_constraint(name))."
+        )
+    if mode == "overwrite" and config.get("delta.appendOnly", "false").lower() == "true":
+        raise DeltaSinkError(
+            f"The Delta table at {table_uri} is append-only (delta.appendOnly=true): an "
+            "overwrite (mode('overwrite'), or a streaming query in complete output mode) "
+            "would remove its rows. Write in append mode, or set delta.appendOnly to false "
+            "if its rows may be replaced."
+        )
 
 
 def _holds_not_null(field: dict[str, Any]) -> bool:
@@ -346,6 +392,7 @@ def commit_write(
                     "Check that the location is writable."
                 ) from exc
     _check_partitioning(table, plan.partition_by, uri)
+    check_table_features(table, uri, mode)  # again: the table may have changed since planning
     new_fields = check_schema(table, plan.schema, merge=opts.merge_schema, table_uri=uri)
     if _already_committed(table, app_id, version):
         return _refuse(opts, files, app_id, version)
@@ -367,10 +414,11 @@ def commit_write(
         )
     except CommitFailedError as exc:
         raise DeltaSinkError(
-            f"The commit of {what} to the Delta table at {uri} failed: {exc}. Another "
-            "writer committed a conflicting change (for the same app id, a concurrent "
-            "commit of the same batch). Spark aborts this write and removes its files; "
-            "restart the query or re-run the write."
+            f"The commit of {what} to the Delta table at {uri} failed: {exc}. Spark "
+            "aborts this write and removes its files. If another writer committed a "
+            "conflicting change at the same time (for the same app id, a concurrent commit "
+            "of the same batch), restart the query or re-run the write; otherwise fix the "
+            "cause above first."
         ) from exc
     except DeltaError as exc:
         raise DeltaSinkError(

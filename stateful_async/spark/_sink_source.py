@@ -68,7 +68,7 @@ class _DeltaWriter:
                 f"The delta_rs sink cannot write the schema {schema.simpleString()}: {exc}. "
                 "Cast the unsupported columns to types Delta tables can hold."
             ) from exc
-        self._plan = plan_write(self._options, arrow)
+        self._plan = plan_write(self._options, arrow, mode="overwrite" if overwrite else "append")
 
     def _write_task(self, batches: Iterator[pa.RecordBatch]) -> SinkCommitMessage:
         context = TaskContext.get()

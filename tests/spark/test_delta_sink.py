@@ -27,7 +27,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 import sink_stream_driver as DRIVER  # a driver script: tests/spark is on pythonpath
-from deltalake import DeltaTable
+from deltalake import DeltaTable, write_deltalake
 from pyspark import TaskContext
 from pyspark.errors import AnalysisException, StreamingQueryException
 
@@ -36,11 +36,12 @@ from stateful_async import ConfigurationError, DeltaSinkError, SinkSchemaMismatc
 from stateful_async.spark import clean_orphan_files, register_delta_sink
 from stateful_async.spark._sink_commit import (
     Outcome,
+    WritePlan,
     abort_write,
     commit_write,
     plan_write,
 )
-from stateful_async.spark._sink_files import DataFile, TableStorage, TaskFileWriter
+from stateful_async.spark._sink_files import DataFile, TableStorage, TaskFileWriter, as_file_schema
 from stateful_async.spark._sink_options import SinkOptions
 from stateful_async.spark._sink_source import (
     DeltaBatchWriter,
@@ -829,6 +830,68 @@ def test_not_null_fields_inside_structs_lists_and_maps_reject_nulls(tmp_path: Pa
     referenced = {os.path.basename(f) for f in DeltaTable(str(table)).file_uris()}
     assert {os.path.basename(f) for f in _table_files(table)} == referenced
     assert len(referenced) == 1  # DeltaTable.create wrote no file; the one write, 2 rows
+
+
+def test_tables_with_rules_the_sink_cannot_check_are_refused_before_any_file(
+    tmp_path: Path,
+) -> None:
+    # CHECK constraints were not evaluated: rows breaking them were committed silently.
+    data = pa.schema([("id", pa.int64()), ("v", pa.string())])
+    checked = str(tmp_path / "checked")
+    write_deltalake(checked, pa.table({"id": [1], "v": ["a"]}, schema=data))
+    DeltaTable(checked).alter.add_constraint({"id_positive": "id > 0"})
+    generated = str(tmp_path / "generated")
+    DeltaTable.create(
+        generated,
+        pa.schema(
+            [
+                ("id", pa.int64()),
+                pa.field("v", pa.string(), metadata={"delta.generationExpression": "'x'"}),
+            ]
+        ),
+    )
+    for table, what in [
+        (checked, "the CHECK constraint 'id_positive' (id > 0)"),
+        (generated, "a generated column ('v')"),
+    ]:
+        opts = SinkOptions.parse({"path": table}, streaming=False)
+        with pytest.raises(DeltaSinkError, match=re.escape(f"at {table} has {what}, which")):
+            plan_write(opts, data)
+    # ... and at commit, should a rule appear after planning
+    opts = SinkOptions.parse({"path": checked}, streaming=False)
+    plan = WritePlan(as_file_schema(data), (), ())
+    with pytest.raises(DeltaSinkError, match="CHECK constraint 'id_positive'"):
+        commit_write(opts, plan, [], mode="append", app_id=None, version=None)
+    assert DeltaTable(checked).version() == 1  # the create, the constraint; nothing since
+
+    # An append-only table takes appends, and refuses an overwrite before writing a file.
+    append_only = str(tmp_path / "append_only")
+    write_deltalake(
+        append_only,
+        pa.table({"id": [1], "v": ["a"]}, schema=data),
+        configuration={"delta.appendOnly": "true"},
+    )
+    opts = SinkOptions.parse({"path": append_only}, streaming=False)
+    assert plan_write(opts, data, mode="append").not_null == ()
+    with pytest.raises(DeltaSinkError, match=r"is append-only \(delta.appendOnly=true\)"):
+        plan_write(opts, data, mode="overwrite")
+
+
+@pytest.mark.spark
+def test_an_overwrite_of_an_append_only_table_is_refused_with_its_reason(
+    sink: Any, tmp_path: Path
+) -> None:
+    table = str(tmp_path / "append_only")
+    write_deltalake(
+        table,
+        pa.table({"id": pa.array([1], pa.int64())}),
+        configuration={"delta.appendOnly": "true"},
+    )
+    sink.range(2, 4).write.format("delta_rs").mode("append").save(table)
+    with pytest.raises(AnalysisException, match=r"is append-only \(delta.appendOnly=true\)"):
+        sink.range(5).write.format("delta_rs").mode("overwrite").save(table)
+    assert sorted(DeltaTable(table).to_pyarrow_table().column("id").to_pylist()) == [1, 2, 3]
+    assert _table_files(Path(table)) == _live_files(Path(table))  # no file was written
 
 
 @pytest.mark.spark
