@@ -980,9 +980,10 @@ class SubtaskLog:
             f"The {what} schema differs from the one the checkpoints of job "
             f"{self.job_id!r} (operator {self.operator_id!r}) at {self.uri} were "
             f"written with: {'; '.join(_schema_differences(old, new))}. Checkpoints "
-            "of one job keep the schemas they were written with (a retried task or "
-            "restore_from resumes them): use a new job_id (or operator_id), or delete every "
-            "checkpoint of this job, results included, with: stateful-async checkpoints "
+            "of one job keep the schemas they were written with (a retried task, a "
+            "restarted streaming query or restore_from resumes them): use a new job_id "
+            "(or operator_id), or delete every checkpoint of this job, results included, "
+            "with: stateful-async checkpoints "
             f"expire {location} --job {self.job_id} --retain 0"
         )
 

@@ -540,11 +540,36 @@ class _TaskRun:
         )
         if not other_function and not (other_stage and "batch_id" in ours):
             return
+        if (
+            other_function
+            and "batch_id" in ours
+            and theirs.get("job_group") != ours.get("job_group")
+        ):
+            raise self._changed_function(meta, theirs.get("function"), ours["function"])
         what = "function" if other_function else "stage"
         same = "" if other_function else " of this same micro-batch execution"
         raise self._shared_checkpoint(
             f"found checkpoint {meta.ref} written by {what} {theirs.get(what)}{same}; this task "
             f"runs {what} {ours.get(what)}"
+        )
+
+    def _changed_function(self, meta: Any, theirs: str | None, ours: str) -> Exception:
+        """The error for a query restarted mid-batch with another function: most likely the
+        code changed (or was renamed) between the runs of the query."""
+        from checkpoint import CheckpointConflictError
+
+        config = self.spec.checkpoint
+        assert config is not None
+        return CheckpointConflictError(
+            f"Partition {self.identity.partition} of micro-batch {self.identity.run_id!r} "
+            f"(job {config.job_id!r}, operator {config.operator_id!r}) found checkpoint "
+            f"{meta.ref}, written by function {theirs} in an earlier run of this query; this "
+            f"run calls function {ours}. The query stopped during this batch and restarted "
+            "with other code, and this batch's committed results came from the old one. "
+            "Either run the old function until this batch has completed, then switch; or, to "
+            "redo the batch with the new function, give it a new operator_id "
+            "(CheckpointConfig(..., operator_id=...)): the batch then starts over and calls "
+            "the service again for every row of it."
         )
 
     def _shared_checkpoint(self, found: str) -> Exception:

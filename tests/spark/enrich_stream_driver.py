@@ -19,7 +19,15 @@ CAPACITY, INTERVAL = 5, 50
 
 
 def start_query(
-    spark: Any, source: str, table: str, stream_checkpoint: str, snapshots: str, url: str
+    spark: Any,
+    source: str,
+    table: str,
+    stream_checkpoint: str,
+    snapshots: str,
+    url: str,
+    *,
+    function: Any = None,
+    operator_id: str = "enrich",
 ) -> Any:
     from stateful_async.chaos import ServiceEnrichment
     from stateful_async.spark import CheckpointConfig, ordered_wait
@@ -29,17 +37,29 @@ def start_query(
     )
     enriched = ordered_wait(
         df,
-        ServiceEnrichment(url),
+        function or ServiceEnrichment(url),
         SCHEMA,
         capacity=CAPACITY,
         timeout=30.0,
-        checkpoint=CheckpointConfig(snapshots, "stream", interval_records=INTERVAL, retain=100),
+        checkpoint=CheckpointConfig(
+            snapshots, "stream", interval_records=INTERVAL, retain=100, operator_id=operator_id
+        ),
     )
     return (
         enriched.writeStream.format("delta_rs")
         .option("checkpointLocation", stream_checkpoint)
         .start(table)
     )
+
+
+def renamed_enrichment(url: str) -> Any:
+    """The same enrichment as a class of another name: new code deployed on a restart."""
+    from stateful_async.chaos import ServiceEnrichment
+
+    class RenamedEnrichment(ServiceEnrichment):
+        pass
+
+    return RenamedEnrichment(url)
 
 
 def main(argv: list[str]) -> None:

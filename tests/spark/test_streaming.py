@@ -15,6 +15,7 @@ from typing import Any
 import enrich_stream_driver as DRIVER  # a driver script: tests/spark is on pythonpath
 import pytest
 from deltalake import DeltaTable
+from pyspark.errors import StreamingQueryException
 
 from checkpoint import CheckpointMetadata, SnapshotStore, delta_dataset
 from stateful_async.chaos import DriverProcess, MockService, ServiceConfig, expected_enrichment
@@ -130,6 +131,45 @@ def test_a_query_interrupted_mid_batch_resumes_and_writes_every_result_once(
         assert 0 < written_before < FILES * ROWS_PER_FILE
 
         restart_and_check(spark, args, service, interrupted, interrupted_at)
+
+
+def test_a_query_restarted_mid_batch_with_other_code_says_how_to_go_on(spark, tmp_path) -> None:
+    # It was refused as two enrichments sharing one run's checkpoints, and every restart
+    # replayed the same batch into the same refusal.
+    register_delta_sink(spark)
+    source, table = tmp_path / "in", tmp_path / "out"
+    stream, snapshots = tmp_path / "stream", tmp_path / "snapshots"
+    write_source(source)
+    with MockService(ServiceConfig(latency_ms=50)) as service:
+        args = (str(source), str(table), str(stream), str(snapshots), service.url)
+        query = DRIVER.start_query(spark, *args)
+        try:
+            interrupted = wait_mid_batch(snapshots, lambda: query.isActive)
+        finally:
+            query.stop()
+        renamed = DRIVER.renamed_enrichment(service.url)
+        restarted = DRIVER.start_query(spark, *args, function=renamed)
+        try:
+            with pytest.raises(StreamingQueryException) as refused:
+                restarted.awaitTermination(240)
+        finally:
+            restarted.stop()
+        text = str(refused.value)
+        assert f"found checkpoint {interrupted.run_id}:" in text
+        assert "written by function stateful_async.chaos._client.ServiceEnrichment in an " in text
+        assert "earlier run of this query; this run calls function " in text
+        assert "calls function enrich_stream_driver.RenamedEnrichment." in text
+        assert "give it a new operator_id" in text
+        # As the message says: with a new operator_id the batch starts over, and the query
+        # writes every result once.
+        redo = DRIVER.start_query(spark, *args, function=renamed, operator_id="enrich2")
+        try:
+            redo.processAllAvailable()
+        finally:
+            redo.stop()
+    rows = delta_dataset(DeltaTable(str(table))).to_table().to_pylist()
+    got = sorted((r["id"], r["name"], r["score"], r["label"]) for r in rows)
+    assert got == [reference(i) for i in range(FILES * ROWS_PER_FILE)]
 
 
 def test_two_enrichments_sharing_a_checkpoint_in_one_micro_batch_fail_instead_of_mixing(
