@@ -43,6 +43,10 @@ MAX_STRING_STAT_CHARS = 64
 #: per Arrow batch; one row group each would make files slow to read).
 ROW_GROUP_ROWS = 128 * 1024
 ROW_GROUP_BYTES = 64 * 1024 * 1024
+# Rows a task holds for all its open files together (one per partition value): past it,
+# the largest buffers are written out as row groups, so memory does not grow with the
+# number of partition values.
+TASK_BUFFER_BYTES = 128 * 1024 * 1024
 
 #: Directory name of a null partition value (Hive's, which Spark and delta-rs also use).
 NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
@@ -538,6 +542,21 @@ class TaskFileWriter:
             key = tuple(partition_value(groups.column(c)[i].as_py()) for c in self._partition_by)
             rows = groups.column("__row_list")[i].values
             self._append(key, data.take(rows))
+        self._bound_buffers()
+
+    def buffered_bytes(self) -> int:
+        """Bytes of rows held for the open files, not yet written."""
+        return sum(f.buffered_bytes for f in self._open.values())
+
+    def _bound_buffers(self) -> None:
+        total = self.buffered_bytes()
+        if total <= TASK_BUFFER_BYTES:
+            return
+        for opened in sorted(self._open.values(), key=lambda f: f.buffered_bytes, reverse=True):
+            total -= opened.buffered_bytes
+            opened.flush()
+            if total <= TASK_BUFFER_BYTES // 2:
+                return
 
     def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         for name, field in self._not_null:

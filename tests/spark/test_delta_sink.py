@@ -769,6 +769,37 @@ def test_not_null_column_rejects_nulls_and_the_task_removes_its_files(tmp_path: 
     assert _table_files(table) == set()  # the failed task deleted the file it had started
 
 
+def test_a_task_writing_many_partition_values_holds_a_bounded_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each open file buffered up to a full row group (128k rows or 64 MiB) before writing:
+    # with one file per partition value, a task held all its rows in memory.
+    from stateful_async.spark import _sink_files
+
+    budget = 200_000
+    monkeypatch.setattr(_sink_files, "TASK_BUFFER_BYTES", budget)
+    schema = pa.schema([("key", pa.string()), ("id", pa.int64()), ("text", pa.string())])
+    table = tmp_path / "table"
+    writer = TaskFileWriter(TableStorage(str(table)), schema, ("key",))
+    expected = []
+    peak = 0
+    for b in range(40):  # 40 batches of 1,000 rows over 50 partition values
+        rows = [{"key": f"k{i % 50}", "id": b * 1000 + i, "text": "x" * 100} for i in range(1000)]
+        expected.extend(rows)
+        writer.write(pa.RecordBatch.from_pylist(rows, schema=schema))
+        peak = max(peak, writer.buffered_bytes())
+    assert peak <= budget
+    files = writer.close()
+    assert len(files) == 50 and writer.buffered_bytes() == 0
+    got = []
+    for f in files:
+        part = pq.read_table(table / unquote(f.path))
+        assert part.num_rows == f.num_records
+        key = f.partition_values["key"]
+        got.extend({"key": key, **row} for row in part.to_pylist())
+    assert sorted(got, key=lambda r: r["id"]) == expected
+
+
 def test_not_null_fields_inside_structs_lists_and_maps_reject_nulls(tmp_path: Path) -> None:
     # Only top-level NOT NULL columns were checked: a null in s.a was committed, and the
     # table could no longer be read at all (Arrow refuses nulls in a NOT NULL field).
