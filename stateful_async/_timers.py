@@ -163,8 +163,16 @@ class TimerService:
         entry = self._timers.pop(key, None)
         if entry is None:
             return False
-        entry[1]()
+        self._run(entry[1])
         return True
+
+    def _run(self, callback: Callable[[], None]) -> None:
+        try:
+            callback()
+        except BaseException as exc:
+            if self._on_error is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            self._on_error(exc)
 
     def keys(self) -> list[Hashable]:
         return list(self._timers)
@@ -198,12 +206,7 @@ class TimerService:
                 if entry is None or entry[0] != seq:
                     continue  # cancelled or replaced
                 del timers[key]
-                try:
-                    entry[1]()
-                except BaseException as exc:
-                    if self._on_error is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                        raise
-                    self._on_error(exc)
+                self._run(entry[1])
         finally:
             self._arm_next()
 

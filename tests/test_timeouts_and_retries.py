@@ -626,6 +626,8 @@ async def test_a_timer_callback_that_raises_fails_the_operator_and_keeps_other_t
     assert [str(e) for e in errors] == ["bug"] and fired == ["same time"]
     await clock.advance(1)
     assert fired == ["same time", "later"]
+    service.register("bad again", 10.0, bad)  # finish() fires backoffs at once: fire_now
+    assert service.fire_now("bad again") and [str(e) for e in errors] == ["bug", "bug"]
 
     fn = ControlledFunction()
     out, op = make(fn, clock, timeout=5)

@@ -7,7 +7,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 from .._exceptions import ConfigurationError
 
@@ -79,6 +79,7 @@ class CheckpointConfig:
             isinstance(seconds, bool)
             or not isinstance(seconds, numbers.Real)
             or not 0 < seconds < math.inf
+            or not _finite_float(seconds)
         ):
             raise ConfigurationError(
                 f"CheckpointConfig interval_seconds must be a number of seconds > 0 (and "
@@ -110,3 +111,11 @@ class CheckpointConfig:
                 f"CheckpointConfig restore_from must be None, 'latest' or a checkpoint id >= 1; "
                 f"got {restore!r}."
             )
+
+
+def _finite_float(value: Any) -> bool:
+    """Whether ``value`` converts to a finite float (10**400 is finite, but has none)."""
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False

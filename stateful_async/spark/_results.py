@@ -11,7 +11,7 @@ from __future__ import annotations
 import decimal
 import functools
 import numbers
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ def to_batch(
                     raise _refusal(name, problem, source)
         # ... and lets a null into a NOT NULL field, which Spark's JVM fails on.
         for index, field in _required_fields(schema):
-            at = _forbidden_null_row(batch.column(index), field.nullable, None, None)
+            at = _forbidden_null_row(batch.column(index), field, None, None)
             if at is not None:
                 problem = _null_loss(rows[at].get(field.name), field) or _Loss(
                     "", field.type, None, _NOT_NULL
@@ -230,12 +230,12 @@ _NOT_NULL = "the output schema declares it NOT NULL (return a value, or declare 
 
 
 @functools.lru_cache(maxsize=256)
-def _requires(field: pa.Field) -> bool:
+def requires(field: pa.Field) -> bool:
     """Whether ``field``, or a field anywhere inside it, is NOT NULL (a map's keys and
     entries always are, and pyarrow refuses a null key itself: only its values count)."""
     if pa.types.is_map(field.type):
-        return not field.nullable or _requires(field.type.item_field)
-    return not field.nullable or any(_requires(child) for child in _children(field.type))
+        return not field.nullable or requires(field.type.item_field)
+    return not field.nullable or any(requires(child) for child in _children(field.type))
 
 
 def _children(arrow_type: pa.DataType) -> list[pa.Field]:
@@ -256,35 +256,37 @@ def _children(arrow_type: pa.DataType) -> list[pa.Field]:
 @functools.lru_cache(maxsize=64)
 def _required_fields(schema: pa.Schema) -> tuple[tuple[int, pa.Field], ...]:
     """The top-level fields that are, or hold, NOT NULL fields, with their positions."""
-    return tuple((i, field) for i, field in enumerate(schema) if _requires(field))
+    return tuple((i, field) for i, field in enumerate(schema) if requires(field))
 
 
 def _forbidden_null_row(
-    array: pa.Array, nullable: bool, valid: np.ndarray | None, rows: np.ndarray | None
+    array: pa.Array, field: pa.Field, valid: np.ndarray | None, rows: np.ndarray | None
 ) -> int | None:
-    """The first row holding a null in ``array`` where the schema forbids one, or None.
+    """The first row holding a null in ``array`` where ``field`` forbids one, or None.
 
-    ``valid`` marks the positions whose enclosing values are all non-null (a NOT NULL field
-    of a null struct is fine); ``rows`` maps positions to rows (None: the identity)."""
+    ``field``'s type gives the NOT NULL flags inside it (``array``'s own type may have
+    none: Spark's are all nullable), the layouts are the same. ``valid`` marks the
+    positions whose enclosing values are all non-null (a NOT NULL field of a null struct is
+    fine); ``rows`` maps positions to rows (None: the identity)."""
     present = array.is_valid().to_numpy(zero_copy_only=False)
     if valid is not None:
         present &= valid
         absent = valid & ~present
     else:
         absent = ~present
-    if not nullable and absent.any():
+    if not field.nullable and absent.any():
         at = int(absent.argmax())
         return at if rows is None else int(rows[at])
-    arrow_type = array.type
+    arrow_type = field.type
     if pa.types.is_struct(arrow_type):
         for i, child in enumerate(_children(arrow_type)):
-            if _requires(child):
-                found = _forbidden_null_row(array.field(i), child.nullable, present, rows)
+            if requires(child):
+                found = _forbidden_null_row(array.field(i), child, present, rows)
                 if found is not None:
                     return found
         return None
     children = _children(arrow_type)
-    if not children or not _requires(children[0]):
+    if not children or not requires(children[0]):
         return None
     if pa.types.is_fixed_size_list(arrow_type):
         size = arrow_type.list_size
@@ -296,8 +298,24 @@ def _forbidden_null_row(
         lengths = np.diff(offsets)
     parents = np.repeat(np.arange(len(array)), lengths)
     return _forbidden_null_row(
-        values, children[0].nullable, present[parents], parents if rows is None else rows[parents]
+        values, children[0], present[parents], parents if rows is None else rows[parents]
     )
+
+
+def first_forbidden_null(
+    batch: pa.RecordBatch, fields: Iterable[pa.Field]
+) -> tuple[int, str] | None:
+    """The first row of ``batch`` holding a null where one of ``fields`` (its columns, by
+    name, with their NOT NULL flags) forbids one, and where in the column it is (``s.a``,
+    ``tags[1]``, ``m['k']``); None if there is none. A NOT NULL field of a null struct,
+    list or map is not a null in it."""
+    for field in fields:
+        column = batch.column(field.name)
+        at = _forbidden_null_row(column, field, None, None)
+        if at is not None:
+            loss = _null_loss(column[at].as_py(), field)
+            return at, field.name + (loss.path if loss is not None else "")
+    return None
 
 
 def _null_loss(value: Any, field: pa.Field) -> _Loss | None:

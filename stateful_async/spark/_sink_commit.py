@@ -25,7 +25,7 @@ import json
 import logging
 import posixpath
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -56,10 +56,10 @@ class Outcome(enum.Enum):
 class WritePlan:
     """What executors need to write files the commit will accept."""
 
-    schema: pa.Schema  # file form of the data's schema, partition columns included
+    # file form of the data's schema, partition columns included, with the table's NOT NULL
+    # flags (at every depth) when there is a table
+    schema: pa.Schema
     partition_by: tuple[str, ...]
-    # the table's columns that are, or hold, a NOT NULL field: (name, Delta field as JSON)
-    not_null: tuple[tuple[str, str], ...]
 
 
 # -- tables and schemas ------------------------------------------------------------------
@@ -195,27 +195,23 @@ def plan_write(
     table = load_table(opts.table_uri, opts.storage_options)
     if table is None:
         check_partition_columns(schema, opts.partition_by)
-        return WritePlan(schema, opts.partition_by, ())
+        return WritePlan(schema, opts.partition_by)
     check_table_features(table, opts.table_uri, mode)
     existing = tuple(table.metadata().partition_columns)
     if opts.partition_by_given:
         _check_partitioning(table, opts.partition_by, opts.table_uri)
     check_schema(table, schema, merge=opts.merge_schema, table_uri=opts.table_uri)
     check_partition_columns(schema, existing)
-    strict = {
-        f["name"]: f
-        for f in json.loads(table.schema().to_json())["fields"]
-        if f["name"] in schema.names and _holds_not_null(f)
-    }
     # Files carry the table's NOT NULL flags, as delta-rs's own writer's do: a file whose
     # null struct holds nulls in a child the table declares NOT NULL is otherwise refused
     # by delta-rs's reader (Arrow's cast), which would make the whole table unreadable.
+    # Tasks check the data against the flags.
+    table_fields = {f["name"]: f for f in json.loads(table.schema().to_json())["fields"]}
     schema = pa.schema(
-        [_strict_field(f, strict[f.name]) if f.name in strict else f for f in schema],
+        [_strict_field(f, table_fields[f.name]) if f.name in table_fields else f for f in schema],
         metadata=schema.metadata,
     )
-    not_null = tuple((name, json.dumps(field)) for name, field in strict.items())
-    return WritePlan(schema, existing, not_null)
+    return WritePlan(schema, existing)
 
 
 def _strict_field(field: pa.Field, delta: dict[str, Any]) -> pa.Field:
@@ -267,6 +263,18 @@ _COLUMN_FEATURES = {
 }
 
 
+def _all_fields(fields: list[dict[str, Any]], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every field of a Delta schema (JSON), at every depth, with its dotted path."""
+    for field in fields:
+        path = prefix + field["name"]
+        yield path, field
+        kind = field["type"]
+        while isinstance(kind, dict) and kind["type"] in ("array", "map"):
+            kind = kind["elementType"] if kind["type"] == "array" else kind["valueType"]
+        if isinstance(kind, dict) and kind["type"] == "struct":
+            yield from _all_fields(kind["fields"], path + ".")
+
+
 def check_table_features(table: Any, table_uri: str, mode: str) -> None:
     """Refuse a table whose rules this sink would break without noticing: CHECK
     constraints, generated, identity or invariant columns and column mapping (values it
@@ -277,10 +285,10 @@ def check_table_features(table: Any, table_uri: str, mode: str) -> None:
         for key, value in sorted(config.items())
         if key.startswith("delta.constraints.")
     ]
-    for field in json.loads(table.schema().to_json())["fields"]:
+    for path, field in _all_fields(json.loads(table.schema().to_json())["fields"]):
         for key, what in _COLUMN_FEATURES.items():
             if key in (field.get("metadata") or {}):
-                problems.append(f"{what} ({field['name']!r})")
+                problems.append(f"{what} ({path!r})")
     if config.get("delta.columnMapping.mode", "none") != "none":
         problems.append(
             f"column mapping (delta.columnMapping.mode={config['delta.columnMapping.mode']})"
@@ -300,28 +308,6 @@ def check_table_features(table: Any, table_uri: str, mode: str) -> None:
             "would remove its rows. Write in append mode, or set delta.appendOnly to false "
             "if its rows may be replaced."
         )
-
-
-def _holds_not_null(field: dict[str, Any]) -> bool:
-    """Whether a Delta field (schema JSON) is NOT NULL or holds a NOT NULL field, element
-    or map value at any depth."""
-    if not field.get("nullable", True):
-        return True
-    kind = field["type"]
-    while isinstance(kind, dict):
-        if kind["type"] == "struct":
-            return any(_holds_not_null(f) for f in kind["fields"])
-        if kind["type"] == "array":
-            if not kind.get("containsNull", True):
-                return True
-            kind = kind["elementType"]
-        else:  # map: keys are never null
-            if not kind.get("valueContainsNull", True) or _holds_not_null(
-                {"type": kind["keyType"]}
-            ):
-                return True
-            kind = kind["valueType"]
-    return False
 
 
 # -- commit ------------------------------------------------------------------------------

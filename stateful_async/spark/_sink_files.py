@@ -20,7 +20,7 @@ import os
 import posixpath
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote, urlparse
@@ -31,9 +31,8 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from checkpoint._types import from_storage
-
 from .._exceptions import ConfigurationError, DeltaSinkError, SinkSchemaMismatchError
+from ._results import first_forbidden_null, requires
 from ._sink_options import CODECS, is_uri
 
 #: Strings longer than this get no min/max (an exact bound would bloat the log).
@@ -359,49 +358,20 @@ class FileStats:
         return json.dumps(stats, allow_nan=False, separators=(",", ":"))
 
 
-def first_null_in_not_null(array: pa.Array, field: dict[str, Any], path: str) -> str | None:
-    """The path (``s.a``, ``tags[]``, ``m{value}``) of the first place where ``array``
-    holds a null that the Delta ``field`` (schema JSON) declares NOT NULL, or None.
-
-    A NOT NULL field inside a null struct, or an element of a null list, is not a
-    violation: only nulls under present parents count."""
-    return _first_null(array, field["type"], path, not field.get("nullable", True), 0)
-
-
-def _first_null(
-    array: pa.Array, kind: Any, path: str, required: bool, parents_nulls: int
-) -> str | None:
-    # ``array``'s nulls include its parents' (``parents_nulls`` of them): struct flatten()
-    # merges validity into the children, and list flatten() skips the values of null lists.
-    if required and array.null_count > parents_nulls:
-        return path
-    if not isinstance(kind, dict):
-        return None
-    if kind["type"] == "struct":
-        children = dict(zip(array.type.names, array.flatten(), strict=True))
-        for f in kind["fields"]:
-            found = _first_null(
-                children[f["name"]],
-                f["type"],
-                f"{path}.{f['name']}",
-                not f.get("nullable", True),
-                array.null_count,
-            )
-            if found is not None:
-                return found
-        return None
-    if kind["type"] == "array":
-        return _first_null(
-            array.flatten(), kind["elementType"], f"{path}[]", not kind.get("containsNull", True), 0
+def _nullable(data_type: pa.DataType) -> pa.DataType:
+    """``data_type`` with every field inside it nullable (map keys excepted)."""
+    if pa.types.is_struct(data_type):
+        return pa.struct([pa.field(f.name, _nullable(f.type)) for f in data_type])
+    if pa.types.is_list(data_type):
+        return pa.list_(pa.field(data_type.value_field.name, _nullable(data_type.value_type)))
+    if pa.types.is_map(data_type):
+        key = data_type.key_field
+        item = data_type.item_field
+        return pa.map_(
+            pa.field(key.name, _nullable(key.type), nullable=False),
+            pa.field(item.name, _nullable(item.type)),
         )
-    # a map: its entries as a list of (key, value) structs
-    entries_type = pa.list_(
-        pa.field("entries", pa.struct([array.type.key_field, array.type.item_field]), False)
-    )
-    keys, values = array.cast(entries_type).flatten().flatten()
-    return _first_null(keys, kind["keyType"], f"{path}{{key}}", True, 0) or _first_null(
-        values, kind["valueType"], f"{path}{{value}}", not kind.get("valueContainsNull", True), 0
-    )
+    return data_type
 
 
 def _leaf_columns(table: pa.Table, schema: pa.Schema) -> dict[tuple[str, ...], pa.ChunkedArray]:
@@ -506,7 +476,6 @@ class TaskFileWriter:
         schema: pa.Schema,
         partition_by: tuple[str, ...],
         *,
-        not_null: Sequence[tuple[str, str]] = (),
         compression: str = "snappy",
         max_records_per_file: int = 0,
         file_tag: str = "00000",
@@ -514,8 +483,13 @@ class TaskFileWriter:
         self._storage = storage
         self._schema = schema
         self._partition_by = partition_by
-        self._not_null = [(name, json.loads(field)) for name, field in not_null]
-        self._not_null_names = frozenset(name for name, _ in not_null)
+        self._required = [f for f in schema if requires(f)]  # NOT NULL, or holding one
+        # an empty string partition value is stored as null (see partition_value)
+        self._no_empty = [
+            name
+            for name in partition_by
+            if not schema.field(name).nullable and pa.types.is_string(schema.field(name).type)
+        ]
         self._compression = compression
         self._max_records = max_records_per_file
         self._data_schema = pa.schema([f for f in schema if f.name not in partition_by])
@@ -524,6 +498,7 @@ class TaskFileWriter:
         self._open: dict[tuple[str | None, ...], _OpenFile] = {}
         self._done: list[DataFile] = []
         self._count = 0
+        self._buffered = 0  # bytes held by the open files' buffers
 
     def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows == 0:
@@ -542,32 +517,33 @@ class TaskFileWriter:
             key = tuple(partition_value(groups.column(c)[i].as_py()) for c in self._partition_by)
             rows = groups.column("__row_list")[i].values
             self._append(key, data.take(rows))
-        self._bound_buffers()
 
     def buffered_bytes(self) -> int:
         """Bytes of rows held for the open files, not yet written."""
-        return sum(f.buffered_bytes for f in self._open.values())
+        return self._buffered
 
     def _bound_buffers(self) -> None:
-        total = self.buffered_bytes()
-        if total <= TASK_BUFFER_BYTES:
-            return
         for opened in sorted(self._open.values(), key=lambda f: f.buffered_bytes, reverse=True):
-            total -= opened.buffered_bytes
+            self._buffered -= opened.buffered_bytes
             opened.flush()
-            if total <= TASK_BUFFER_BYTES // 2:
+            if self._buffered <= TASK_BUFFER_BYTES // 2:
                 return
 
     def _conform(self, batch: pa.RecordBatch) -> pa.RecordBatch:
-        for name, field in self._not_null:
-            path = first_null_in_not_null(batch.column(name), field, name)
-            if path is not None:
-                what = "column" if path == name else "field"
-                raise SinkSchemaMismatchError(
-                    f"The {what} {path!r} is NOT NULL in the Delta table at "
-                    f"{self._storage.table_uri}, but the data written holds null values in "
-                    "it. Filter out or fill those nulls before writing."
-                )
+        try:
+            found = first_forbidden_null(batch, self._required)
+        except KeyError as exc:
+            raise self._mismatch(batch, exc) from exc
+        empty = [name for name in self._no_empty if pc.any(pc.equal(batch.column(name), ""))]
+        if found is not None or empty:
+            path = found[1] if found is not None else empty[0]
+            what = "column" if path in self._schema.names else "field"
+            raise SinkSchemaMismatchError(
+                f"The {what} {path!r} is NOT NULL in the Delta table at "
+                f"{self._storage.table_uri}, but the data written holds "
+                + ("null values" if found is not None else "empty strings (stored as null)")
+                + " in it. Filter out or fill those nulls before writing."
+            )
         if batch.schema.equals(self._schema):
             return batch
         try:
@@ -575,21 +551,25 @@ class TaskFileWriter:
             for field in self._schema:
                 column = batch.column(field.name)
                 if column.type != field.type:
-                    # A NOT NULL field may hold nulls under a null parent, which Arrow's
-                    # cast refuses: rebuilt child by child (checked for real nulls above).
+                    # Spark's types are all nullable: the table's NOT NULL flags are taken
+                    # as a view (same buffers, checked above), since Arrow's cast refuses
+                    # the nulls a null struct holds in its NOT NULL children.
                     column = (
-                        from_storage(column, field.type)
-                        if field.name in self._not_null_names
+                        column.view(field.type)
+                        if _nullable(column.type) == _nullable(field.type)
                         else column.cast(field.type)
                     )
                 columns.append(column)
             return pa.RecordBatch.from_arrays(columns, schema=self._schema)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, KeyError) as exc:
-            raise SinkSchemaMismatchError(
-                f"A batch sent to the delta_rs sink has the schema {batch.schema}, which "
-                f"cannot be cast to the planned schema {self._schema}: {exc}. Write a "
-                "DataFrame whose schema does not change during the write."
-            ) from exc
+            raise self._mismatch(batch, exc) from exc
+
+    def _mismatch(self, batch: pa.RecordBatch, exc: Exception) -> SinkSchemaMismatchError:
+        return SinkSchemaMismatchError(
+            f"A batch sent to the delta_rs sink has the schema {batch.schema}, which "
+            f"cannot be cast to the planned schema {self._schema}: {exc}. Write a "
+            "DataFrame whose schema does not change during the write."
+        )
 
     def _append(self, key: tuple[str | None, ...], batch: pa.RecordBatch) -> None:
         offset = 0
@@ -600,10 +580,15 @@ class TaskFileWriter:
             room = batch.num_rows - offset
             if self._max_records:
                 room = min(room, self._max_records - current.rows)
-            current.add(batch.slice(offset, room))
+            before = current.buffered_bytes
+            current.add(batch.slice(offset, room))  # may write a row group
+            self._buffered += current.buffered_bytes - before
             offset += room
             if self._max_records and current.rows >= self._max_records:
+                self._buffered -= current.buffered_bytes
                 self._done.append(self._open.pop(key).close())
+            if self._buffered > TASK_BUFFER_BYTES:
+                self._bound_buffers()
 
     def _open_file(self, key: tuple[str | None, ...]) -> _OpenFile:
         values = dict(zip(self._partition_by, key, strict=True))
@@ -625,6 +610,7 @@ class TaskFileWriter:
     def close(self) -> list[DataFile]:
         for key in list(self._open):
             self._done.append(self._open.pop(key).close())
+        self._buffered = 0
         return self._done
 
     def discard(self) -> None:

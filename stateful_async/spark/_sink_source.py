@@ -131,7 +131,6 @@ def write_task_files(
         TableStorage(options.table_uri, options.storage_options),
         plan.schema,
         plan.partition_by,
-        not_null=plan.not_null,
         compression=options.compression,
         max_records_per_file=options.max_records_per_file,
         file_tag=f"{partition_id:05d}",

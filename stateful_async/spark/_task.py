@@ -569,7 +569,8 @@ class _TaskRun:
             "Either run the old function until this batch has completed, then switch; or, to "
             "redo the batch with the new function, give it a new operator_id "
             "(CheckpointConfig(..., operator_id=...)): the batch then starts over and calls "
-            "the service again for every row of it."
+            "the service again for every row of it. (If instead two enrichments of this "
+            "query share job_id and operator_id, give each its own operator_id.)"
         )
 
     def _shared_checkpoint(self, found: str) -> Exception:

@@ -829,9 +829,7 @@ def test_not_null_fields_inside_structs_lists_and_maps_reject_nulls(tmp_path: Pa
     ok = {"id": 0, "s": {"a": 1, "b": None}, "tags": ["x"], "m": [("k", 1)], "deep": [{"a": 2}]}
 
     def write(row: dict[str, Any]) -> Any:
-        writer = TaskFileWriter(
-            TableStorage(str(table)), plan.schema, plan.partition_by, not_null=plan.not_null
-        )
+        writer = TaskFileWriter(TableStorage(str(table)), plan.schema, plan.partition_by)
         try:
             writer.write(pa.RecordBatch.from_pylist([ok, row], schema=loose))
         except SinkSchemaMismatchError:
@@ -841,13 +839,11 @@ def test_not_null_fields_inside_structs_lists_and_maps_reject_nulls(tmp_path: Pa
 
     for change, path in [
         ({"s": {"a": None, "b": "x"}}, "s.a"),
-        ({"tags": ["y", None]}, "tags[]"),
-        ({"m": [("k", None)]}, "m{value}"),
-        ({"deep": [{"a": 1}, {"a": None}]}, "deep[].a"),
+        ({"tags": ["y", None]}, "tags[1]"),
+        ({"m": [("k", None)]}, "m['k']"),
+        ({"deep": [{"a": 1}, {"a": None}]}, "deep[1].a"),
     ]:
-        with pytest.raises(
-            SinkSchemaMismatchError, match=rf"field '{re.escape(path)}' is NOT NULL"
-        ):
+        with pytest.raises(SinkSchemaMismatchError, match=re.escape(f"field {path!r} is NOT NULL")):
             write({**ok, "id": 1, **change})
     # Nulls above a NOT NULL field are not nulls in it: a null struct, list or map.
     absent = {"id": 2, "s": None, "tags": None, "m": None, "deep": [None, {"a": 3}]}
@@ -861,6 +857,31 @@ def test_not_null_fields_inside_structs_lists_and_maps_reject_nulls(tmp_path: Pa
     referenced = {os.path.basename(f) for f in DeltaTable(str(table)).file_uris()}
     assert {os.path.basename(f) for f in _table_files(table)} == referenced
     assert len(referenced) == 1  # DeltaTable.create wrote no file; the one write, 2 rows
+
+
+def test_an_empty_string_for_a_not_null_partition_column_is_refused_in_the_task(
+    tmp_path: Path,
+) -> None:
+    # An empty partition value is stored as null: the files were written and only the
+    # commit failed, with a bare ValueError from delta-rs.
+    table = str(tmp_path / "table")
+    DeltaTable.create(
+        table,
+        pa.schema([("id", pa.int64()), pa.field("p", pa.string(), nullable=False)]),
+        partition_by=["p"],
+    )
+    data = pa.schema([("id", pa.int64()), ("p", pa.string())])
+    opts = SinkOptions.parse({"path": table}, streaming=False)
+    plan = plan_write(opts, data)
+    writer = TaskFileWriter(TableStorage(table), plan.schema, plan.partition_by)
+    writer.write(pa.RecordBatch.from_pylist([{"id": 1, "p": "a"}], schema=data))
+    with pytest.raises(
+        SinkSchemaMismatchError,
+        match=r"column 'p' is NOT NULL .* holds empty strings \(stored as null\)",
+    ):
+        writer.write(pa.RecordBatch.from_pylist([{"id": 2, "p": ""}], schema=data))
+    writer.discard()
+    assert _table_files(Path(table)) == set()
 
 
 def test_tables_with_rules_the_sink_cannot_check_are_refused_before_any_file(
@@ -881,16 +902,33 @@ def test_tables_with_rules_the_sink_cannot_check_are_refused_before_any_file(
             ]
         ),
     )
+    nested = str(tmp_path / "nested")  # an invariant may sit on a field inside a struct
+    invariant = json.dumps({"expression": {"expression": "s.a > 0"}})
+    DeltaTable.create(
+        nested,
+        pa.schema(
+            [
+                ("id", pa.int64()),
+                (
+                    "s",
+                    pa.struct(
+                        [pa.field("a", pa.int32(), metadata={"delta.invariants": invariant})]
+                    ),
+                ),
+            ]
+        ),
+    )
     for table, what in [
         (checked, "the CHECK constraint 'id_positive' (id > 0)"),
         (generated, "a generated column ('v')"),
+        (nested, "a column invariant ('s.a')"),
     ]:
         opts = SinkOptions.parse({"path": table}, streaming=False)
         with pytest.raises(DeltaSinkError, match=re.escape(f"at {table} has {what}, which")):
             plan_write(opts, data)
     # ... and at commit, should a rule appear after planning
     opts = SinkOptions.parse({"path": checked}, streaming=False)
-    plan = WritePlan(as_file_schema(data), (), ())
+    plan = WritePlan(as_file_schema(data), ())
     with pytest.raises(DeltaSinkError, match="CHECK constraint 'id_positive'"):
         commit_write(opts, plan, [], mode="append", app_id=None, version=None)
     assert DeltaTable(checked).version() == 1  # the create, the constraint; nothing since
@@ -903,7 +941,7 @@ def test_tables_with_rules_the_sink_cannot_check_are_refused_before_any_file(
         configuration={"delta.appendOnly": "true"},
     )
     opts = SinkOptions.parse({"path": append_only}, streaming=False)
-    assert plan_write(opts, data, mode="append").not_null == ()
+    assert plan_write(opts, data, mode="append").schema == as_file_schema(data)
     with pytest.raises(DeltaSinkError, match=r"is append-only \(delta.appendOnly=true\)"):
         plan_write(opts, data, mode="overwrite")
 
