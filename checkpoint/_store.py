@@ -36,7 +36,7 @@ import base64
 import json
 import os
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Iterator, Sequence
 
 import pyarrow as pa
@@ -229,6 +229,9 @@ def _description(input_schema: pa.Schema, output_schema: pa.Schema) -> str:
     )
 
 
+_TICK = timedelta(microseconds=1)  # the smallest step of a checkpoint's created_at
+
+
 class _StaleSnapshot(Exception):
     """An expiry worked from a table snapshot that another writer has since changed."""
 
@@ -353,11 +356,14 @@ class SubtaskLog:
             if (run_id is None or m.run_id == run_id)
             and (max_id is None or m.checkpoint_id <= max_id)
         ]
-        if not candidates:
-            return None
         if run_id is not None:
-            return max(candidates, key=lambda m: m.checkpoint_id)
-        return candidates[-1]
+            candidates.sort(key=lambda m: m.checkpoint_id)
+        # Newest first, skipping any whose chain is broken (an ancestor deleted while it was
+        # committed: see chain()), which could never be restored.
+        by_ref = {m.ref: m for m in self.checkpoints()}
+        return next(
+            (m for m in reversed(candidates) if self._intact_chain(m, by_ref) is not None), None
+        )
 
     def sizes(self) -> dict[CheckpointRef, int]:
         """Bytes of the Parquet files that hold one checkpoint each, by checkpoint (read
@@ -443,9 +449,22 @@ class SubtaskLog:
             )
         return Snapshot(meta, elements, seqs, stored, timestamps)
 
-    def chain(self, meta: CheckpointMetadata) -> list[CheckpointMetadata]:
+    def _intact_chain(
+        self, meta: CheckpointMetadata, by_ref: dict[CheckpointRef, CheckpointMetadata]
+    ) -> list[CheckpointMetadata] | None:
+        try:
+            return self.chain(meta, by_ref)
+        except CorruptCheckpointError:
+            return None
+
+    def chain(
+        self,
+        meta: CheckpointMetadata,
+        by_ref: dict[CheckpointRef, CheckpointMetadata] | None = None,
+    ) -> list[CheckpointMetadata]:
         """``meta`` and its ancestors, oldest first."""
-        by_ref = {m.ref: m for m in self.checkpoints()}
+        if by_ref is None:
+            by_ref = {m.ref: m for m in self.checkpoints()}
         chain = [meta]
         seen = {meta.ref}
         current = meta
@@ -454,8 +473,10 @@ class SubtaskLog:
             if parent is None:
                 raise CorruptCheckpointError(
                     f"Checkpoint {current.ref} of subtask {self.subtask} follows {current.parent}, "
-                    "which is missing: its results cannot be restored. Was the checkpoint "
-                    "directory modified by hand?"
+                    "which is missing: its results cannot be restored. It was deleted by hand, "
+                    "or by the retention of another run of this job sharing the table (before "
+                    "commits checked that their parent exists); the next expiry deletes "
+                    f"{meta.ref} too."
                 )
             if parent.ref in seen:
                 raise CorruptCheckpointError(
@@ -571,6 +592,14 @@ class SubtaskLog:
                 f"result_timestamps has {len(result_timestamps)} entries for "
                 f"{result_table.num_rows} results."
             )
+        created_at = datetime.now(timezone.utc)
+        if parent is not None:
+            # Never before its parent, whatever this machine's clock says: retention orders
+            # a subtask's checkpoints by created_at (an attempt on an executor whose clock is
+            # behind would otherwise make its run's newest checkpoints look oldest).
+            created_at = max(
+                created_at, self._parent(parent, run_id, checkpoint_id).created_at + _TICK
+            )
         meta = CheckpointMetadata(
             job_id=self.job_id,
             operator_id=self.operator_id,
@@ -584,7 +613,7 @@ class SubtaskLog:
             result_count=result_table.num_rows,
             final=final,
             expired=False,
-            created_at=datetime.now(timezone.utc),
+            created_at=created_at,
             library_version=library_version,
             properties=dict(properties or {}),
         )
@@ -600,6 +629,8 @@ class SubtaskLog:
         _faults.fire("before_delta_commit", log=self, meta=meta, data=data)
         reset = False  # rewrite an emptied table for other schemas instead of appending
         for tries_left in reversed(range(_COMMIT_RETRIES)):
+            if parent is not None and tries_left < _COMMIT_RETRIES - 1:
+                self._parent(parent, run_id, checkpoint_id)  # an expiry landed: still there?
             table = self._open(refresh=True)
             if table is None:
                 if self._create(data, input_schema, output_schema, properties_for_commit):
@@ -659,6 +690,22 @@ class SubtaskLog:
                 self._metadata = (cached[0] + 1, [*cached[1], meta])  # nobody else committed
             return meta
         raise AssertionError("unreachable: the last try returns or raises")
+
+    def _parent(self, parent: CheckpointRef, run_id: str, checkpoint_id: int) -> CheckpointMetadata:
+        """The metadata of the checkpoint a new one follows; refused if it is gone: its
+        results are part of the new one's chain, which could then never be restored."""
+        found = next((m for m in self.checkpoints() if m.ref == parent), None)
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} was "
+                f"refused: the checkpoint it follows, {parent}, has been deleted, most likely "
+                "by the retention of another run of this job sharing the table (runs of one "
+                "job_id that execute at the same time share each partition's table, and "
+                "retain keeps the newest checkpoints of any run). Nothing was written; a "
+                "retried attempt starts the partition over. Give runs that overlap distinct "
+                "job_ids."
+            )
+        return found
 
     def claim(self, run_id: str) -> int | None:
         """Take ``run_id`` over from the attempts before this one, which may still be
@@ -766,11 +813,16 @@ class SubtaskLog:
             return report
         assert self._metadata is not None
         read_version = self._metadata[0]
-        live = [m for m in metas if not m.expired]
+        # A checkpoint whose chain is broken (an ancestor deleted: by hand, or by another
+        # run's retention before the parent check existed) can never be restored: it is
+        # neither kept nor keeps anything, so it is deleted.
+        by_ref = {m.ref: m for m in metas}
+        chains = {m.ref: self._intact_chain(m, by_ref) for m in metas}
+        live = [m for m in metas if not m.expired and chains[m.ref] is not None]
         keep = live[len(live) - retain :] if retain else []
         needed: set[CheckpointRef] = set()
         for meta in keep:
-            needed.update(m.ref for m in self.chain(meta))
+            needed.update(m.ref for m in chains[meta.ref] or [])
         keep_refs = {m.ref for m in keep}
         to_expire = [m.ref for m in live if m.ref not in keep_refs and m.ref in needed]
         to_delete = [m.ref for m in metas if m.ref not in needed]

@@ -79,11 +79,25 @@ def storage_type(data_type: pa.DataType, path: str = "") -> pa.DataType:
 
 
 def _check_case_distinct(struct: pa.StructType, path: str) -> None:
-    """Delta column names are case-insensitive: two fields differing only in case collide."""
+    """Delta column names are case-insensitive: two fields differing only in case collide;
+    and Parquet cannot hold a struct without fields."""
+    if struct.num_fields == 0:
+        raise UnsupportedTypeError(
+            f"{path or '<value>'!r} is a struct with no fields, which a Delta table (which "
+            "checkpoints are) cannot store. Drop it, or give it a field, before enriching."
+        )
     seen: dict[str, str] = {}
     for field in struct:
-        other = seen.setdefault(field.name.lower(), field.name)
-        if other != field.name:
+        other = seen.get(field.name.lower())
+        seen[field.name.lower()] = field.name
+        if other == field.name:
+            raise UnsupportedTypeError(
+                f"{path or '<value>'!r} has two fields named {other!r}; a Delta table (which "
+                "checkpoints are) holds one column per name. Rename one of them before "
+                "enriching (an input column with DataFrame.withColumnRenamed, a result field "
+                "in the output schema)."
+            )
+        if other is not None:
             raise UnsupportedTypeError(
                 f"{path or '<value>'!r} has fields {other!r} and {field.name!r}, whose names "
                 "differ only in case; a Delta table (which checkpoints are) treats them as one "

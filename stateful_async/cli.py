@@ -347,12 +347,12 @@ def list_checkpoints(
                     justify="left" if column in ("created (UTC)", "state") else "right",
                 )
             for ckpt, g in sorted(rows, key=lambda r: r[0]):
-                if g["expired"]:
+                if g["expired"] == g["partitions"]:
                     state = "expired"
                 elif g["final"] == g["partitions"]:
                     state = "final"
-                else:
-                    state = f"{g['final']} final" if g["final"] else ""
+                else:  # some partitions only (each expires its own)
+                    state = ", ".join(f"{g[key]} {key}" for key in ("final", "expired") if g[key])
                 table.add_row(
                     str(ckpt),
                     str(g["partitions"]),

@@ -226,6 +226,17 @@ def test_field_names_differing_only_in_case_are_refused_naming_both(tmp_path: Pa
             pa.schema([("a", pa.int8()), ("A", pa.int8())]),
             "'result' has fields 'a' and 'A'",
         ),
+        # exact duplicates (a Spark join can make them), and a struct Parquet cannot hold
+        (
+            pa.schema([("id", pa.int64()), ("s", pa.struct([("a", pa.int8()), ("a", pa.int8())]))]),
+            OUT,
+            "'input.s' has two fields named 'a'",
+        ),
+        (
+            pa.schema([("id", pa.int64()), ("e", pa.struct([]))]),
+            OUT,
+            "'input.e' is a struct with no fields",
+        ),
     ]
     for input_schema, output_schema, problem in cases:
         with pytest.raises(UnsupportedTypeError, match=problem):
@@ -479,6 +490,73 @@ def test_a_write_that_loses_to_another_writer_of_the_table_tries_again(
     expected = {"claim": ["run:3", "run:4"], "commit": ["run:3", "run:4", "run:5"]}[write]
     assert [str(ref) for ref in live] == expected
     assert len(metas) == len(expected) + 2  # 1 and 2 expired, their results kept
+
+
+def test_a_checkpoint_whose_parent_another_run_expired_is_refused(tmp_path: Path) -> None:
+    # Two runs of one job share a partition's table; B's retention deletes A's checkpoints.
+    # A's next commit named a deleted parent and was accepted: from then on every expiry
+    # and every restore of the partition failed, for every run.
+    store = SnapshotStore(tmp_path)
+    a, b = store.subtask("job", "op", 0), store.subtask("job", "op", 0)
+    parent = None
+    for i in (1, 2, 3):
+        parent = commit(a, "A", i, parent=parent).ref
+    previous = None
+    for i in (1, 2, 3):
+        previous = commit(b, "B", i, parent=previous).ref
+    assert [str(r) for r in b.expire(3, run_id="B").deleted] == ["A:1", "A:2", "A:3"]
+    version = DeltaTable(a.uri).version()
+    with pytest.raises(CheckpointNotFoundError, match="the checkpoint it follows, A:3, has been"):
+        commit(a, "A", 4, parent=parent)
+    assert DeltaTable(a.uri).version() == version  # nothing written
+    assert a.latest(run_id="A") is None  # a retried attempt of A starts over
+    assert b.expire(3, run_id="B").deleted == []  # and the partition stays usable
+    assert store.subtask("job", "op", 0).restore(3, "B").results.num_rows == 3
+
+
+def test_a_checkpoint_with_a_broken_chain_is_never_restored_and_expiry_deletes_it(
+    tmp_path: Path,
+) -> None:
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    one = commit(log, "R", 1)
+    two = commit(log, "R", 2, parent=one.ref)
+    commit(log, "R", 3, parent=two.ref)
+    DeltaTable(log.uri).delete("run_id = 'R' AND checkpoint_id = 1")  # by hand
+    fresh = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    with pytest.raises(CorruptCheckpointError, match="follows R:1, which is missing"):
+        fresh.restore(3, "R")
+    assert fresh.latest(run_id="R") is None  # nothing restorable: a retry starts over
+    report = fresh.expire(2)  # used to raise on the broken chain, for every expiry
+    assert sorted(str(r) for r in report.deleted) == ["R:2", "R:3"]
+    assert fresh.checkpoints() == []
+
+
+def test_a_checkpoint_is_never_older_than_its_parent_whatever_the_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A retried attempt on an executor whose clock is a minute behind: its checkpoints
+    # looked older than its run's earlier ones, and retention deleted the run's newest.
+    from checkpoint import _store
+
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    parent = None
+    for i in (1, 2, 3):
+        parent = commit(log, "R", i, parent=parent).ref
+
+    class Behind(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):  # type: ignore[no-untyped-def]
+            return dt.datetime.now(tz) - dt.timedelta(minutes=1)
+
+    monkeypatch.setattr(_store, "datetime", Behind)
+    retried = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    for i in (4, 5):
+        parent = commit(retried, "R", i, parent=parent).ref
+    fresh = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    assert [m.checkpoint_id for m in fresh.checkpoints()] == [1, 2, 3, 4, 5]
+    fresh.expire(2)
+    assert [m.checkpoint_id for m in fresh.checkpoints(include_expired=False)] == [4, 5]
+    assert fresh.restore(5, "R").results.num_rows == 5
 
 
 def test_unknown_checkpoint_id_lists_the_ids_that_exist(tmp_path: Path) -> None:

@@ -170,6 +170,20 @@ def test_expire_keeps_the_newest_and_reports(checkpoints) -> None:
     assert "Checkpoint ids that exist: 2" in shown.output
 
 
+def test_list_says_how_many_partitions_expired_a_checkpoint(checkpoints) -> None:
+    # Each partition expires its own checkpoints: one that only partition 1 expired was
+    # shown as "expired", though partition 0 can still restore it.
+    location, _ = checkpoints
+    SnapshotStore(location).subtask("job", "enrich", 1).expire(1)
+    result = invoke("checkpoints", "list", str(location), "--all")
+    assert result.exit_code == 0, result.output
+    (first,) = [line for line in result.output.splitlines() if line.strip().startswith("1 ")]
+    assert first.rstrip().endswith("1 expired"), first
+    assert (
+        SnapshotStore(location).subtask("job", "enrich", 0).restore(1).metadata.checkpoint_id == 1
+    )
+
+
 def test_list_after_everything_expired_says_so(checkpoints) -> None:
     location, _ = checkpoints
     assert invoke("checkpoints", "expire", str(location), "--retain", "0").exit_code == 0

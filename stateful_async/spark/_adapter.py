@@ -122,6 +122,15 @@ def _async_wait(
             f"checkpoint must be a CheckpointConfig; got {type(checkpoint).__name__}."
         )
     struct = _output_struct(schema)
+    columns = df.columns
+    twice = sorted({name for name in columns if columns.count(name) > 1})
+    if twice:
+        raise ConfigurationError(
+            f"The input DataFrame has more than one column named {', '.join(map(repr, twice))} "
+            "(after a join, for example); each row reaches the function as a dict, which "
+            "holds one value per name. Rename or drop the duplicates first "
+            "(DataFrame.withColumnRenamed, or select with aliases)."
+        )
     input_schema = _arrow_schema(df.schema, "input")
     output_schema = _arrow_schema(struct, "output")
     ooo = _event_time(df, event_time, max_out_of_orderness)

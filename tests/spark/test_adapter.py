@@ -965,6 +965,17 @@ def test_bad_arguments_fail_before_the_job_starts(spark, kwargs, message) -> Non
         unordered_wait(df, args.pop("fn"), args.pop("schema"), **args)
 
 
+def test_input_columns_named_twice_are_refused_before_the_job(spark) -> None:
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [row]
+
+    left = spark.range(3).selectExpr("id", "id * 2 AS v")
+    joined = left.join(left.selectExpr("id AS k", "v"), left.id == F.col("k"))
+    assert joined.columns == ["id", "v", "k", "v"]
+    with pytest.raises(ConfigurationError, match="more than one column named 'v'"):
+        ordered_wait(joined, f, "id long")
+
+
 def test_checkpoint_config_validates_its_fields(tmp_path) -> None:
     with pytest.raises(ConfigurationError, match="interval_records must be an integer >= 1"):
         CheckpointConfig(str(tmp_path), "job", interval_records=0)
