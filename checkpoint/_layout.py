@@ -70,6 +70,19 @@ def delta_dataset(table: DeltaTable) -> pads.Dataset:
     return table.to_pyarrow_dataset(filesystem=pafs.SubTreeFileSystem(root, pafs.LocalFileSystem()))
 
 
+def files_dataset(table: DeltaTable, paths: list[str]) -> pads.Dataset:
+    """Some of a Delta table's current files (paths relative to its root) as a pyarrow
+    dataset; a remote table gives all of them (deltalake's dataset carries its storage
+    options), which readers filter as they would the whole table."""
+    import pyarrow.dataset
+
+    uri = table.table_uri
+    if not is_local(uri):
+        return table.to_pyarrow_dataset()
+    filesystem = pafs.SubTreeFileSystem(normalize(uri), pafs.LocalFileSystem())
+    return pyarrow.dataset.dataset(paths, format="parquet", filesystem=filesystem)
+
+
 def subtask_dir(location: str, job_id: str, operator_id: str, subtask: int) -> str:
     return f"{location}/{job_id}/{operator_id}/subtask={subtask:05d}"
 

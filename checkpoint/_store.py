@@ -38,6 +38,7 @@ import os
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable, Iterator, Sequence
+from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -230,6 +231,38 @@ def _description(input_schema: pa.Schema, output_schema: pa.Schema) -> str:
 
 
 _TICK = timedelta(microseconds=1)  # the smallest step of a checkpoint's created_at
+
+
+def _intact_chains(
+    metas: Sequence[CheckpointMetadata], by_ref: dict[CheckpointRef, CheckpointMetadata]
+) -> dict[CheckpointRef, bool]:
+    """For every checkpoint, whether each one it follows still exists: each chain is
+    walked once, however many checkpoints share it."""
+    intact: dict[CheckpointRef, bool] = {}
+    for meta in metas:
+        path: list[CheckpointRef] = []
+        on_path: set[CheckpointRef] = set()
+        current = meta
+        while True:
+            if current.ref in intact:
+                result = intact[current.ref]
+                break
+            if current.ref in on_path:  # a loop: never restorable
+                result = False
+                break
+            path.append(current.ref)
+            on_path.add(current.ref)
+            if current.parent is None:  # the run's first checkpoint
+                result = True
+                break
+            parent = by_ref.get(current.parent)
+            if parent is None:  # deleted
+                result = False
+                break
+            current = parent
+        for ref in path:
+            intact[ref] = result
+    return intact
 
 
 class _StaleSnapshot(Exception):
@@ -629,8 +662,6 @@ class SubtaskLog:
         _faults.fire("before_delta_commit", log=self, meta=meta, data=data)
         reset = False  # rewrite an emptied table for other schemas instead of appending
         for tries_left in reversed(range(_COMMIT_RETRIES)):
-            if parent is not None and tries_left < _COMMIT_RETRIES - 1:
-                self._parent(parent, run_id, checkpoint_id)  # an expiry landed: still there?
             table = self._open(refresh=True)
             if table is None:
                 if self._create(data, input_schema, output_schema, properties_for_commit):
@@ -639,6 +670,8 @@ class SubtaskLog:
                 table = self._open(refresh=True)  # another attempt created it first
                 assert table is not None
             reset = self._check_schemas(input_schema, output_schema) or reset
+            if parent is not None:
+                self._parent(parent, run_id, checkpoint_id)  # at the version written on
             if (claimed := self._taken_over(table, run_id)) is not None:
                 raise CheckpointConflictError(
                     f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} was "
@@ -694,7 +727,14 @@ class SubtaskLog:
     def _parent(self, parent: CheckpointRef, run_id: str, checkpoint_id: int) -> CheckpointMetadata:
         """The metadata of the checkpoint a new one follows; refused if it is gone: its
         results are part of the new one's chain, which could then never be restored."""
-        found = next((m for m in self.checkpoints() if m.ref == parent), None)
+        table = self._open(refresh=True)
+        cached = self._metadata
+        if table is not None and cached is not None and cached[0] == table.version():
+            found = next((m for m in cached[1] if m.ref == parent), None)
+        elif table is not None:
+            found = self._find(table, parent)
+        else:
+            found = None
         if found is None:
             raise CheckpointNotFoundError(
                 f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} was "
@@ -706,6 +746,40 @@ class SubtaskLog:
                 "job_ids."
             )
         return found
+
+    def _find(self, table: DeltaTable, ref: CheckpointRef) -> CheckpointMetadata | None:
+        """One checkpoint's metadata, reading only the files whose statistics (in the Delta
+        log) may hold its row: reading every checkpoint's metadata scans the whole table,
+        and even building a dataset of all its files costs time in proportion to them."""
+        actions = pa.table(table.get_add_actions(flatten=True))
+        bounds = ["min.run_id", "max.run_id", "min.checkpoint_id", "max.checkpoint_id"]
+        if set(bounds) <= set(actions.column_names):
+            low_run, high_run, low_id, high_id = (actions.column(c) for c in bounds)
+            may_hold = pc.and_(
+                pc.and_(pc.less_equal(low_run, ref.run_id), pc.greater_equal(high_run, ref.run_id)),
+                pc.and_(
+                    pc.less_equal(low_id, ref.checkpoint_id),
+                    pc.greater_equal(high_id, ref.checkpoint_id),
+                ),
+            )
+            actions = actions.filter(pc.fill_null(may_hold, True))  # no statistics: read it
+        paths = [unquote(p) for p in actions.column("path").to_pylist()]
+        if not paths:
+            return None
+        wanted = (
+            (pc.field("kind") == KIND_CHECKPOINT)
+            & (pc.field("run_id") == ref.run_id)
+            & (pc.field("checkpoint_id") == ref.checkpoint_id)
+        )
+        try:
+            rows = _layout.files_dataset(table, paths).to_table(
+                filter=wanted, columns=_META_COLUMNS
+            )
+        except Exception as exc:
+            if _vacuumed_under_us(exc):
+                return None  # its file was just expired and vacuumed
+            raise CheckpointError(f"Cannot read checkpoint table {self.uri}: {exc}") from exc
+        return _metadata_from_row(rows.to_pylist()[0]) if rows.num_rows else None
 
     def claim(self, run_id: str) -> int | None:
         """Take ``run_id`` over from the attempts before this one, which may still be
@@ -817,12 +891,12 @@ class SubtaskLog:
         # run's retention before the parent check existed) can never be restored: it is
         # neither kept nor keeps anything, so it is deleted.
         by_ref = {m.ref: m for m in metas}
-        chains = {m.ref: self._intact_chain(m, by_ref) for m in metas}
-        live = [m for m in metas if not m.expired and chains[m.ref] is not None]
+        intact = _intact_chains(metas, by_ref)
+        live = [m for m in metas if not m.expired and intact[m.ref]]
         keep = live[len(live) - retain :] if retain else []
         needed: set[CheckpointRef] = set()
         for meta in keep:
-            needed.update(m.ref for m in chains[meta.ref] or [])
+            needed.update(m.ref for m in self.chain(meta, by_ref))
         keep_refs = {m.ref for m in keep}
         to_expire = [m.ref for m in live if m.ref not in keep_refs and m.ref in needed]
         to_delete = [m.ref for m in metas if m.ref not in needed]

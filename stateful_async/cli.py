@@ -349,7 +349,7 @@ def list_checkpoints(
             for ckpt, g in sorted(rows, key=lambda r: r[0]):
                 if g["expired"] == g["partitions"]:
                     state = "expired"
-                elif g["final"] == g["partitions"]:
+                elif g["final"] == g["partitions"] and not g["expired"]:
                     state = "final"
                 else:  # some partitions only (each expires its own)
                     state = ", ".join(f"{g[key]} {key}" for key in ("final", "expired") if g[key])

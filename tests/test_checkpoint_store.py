@@ -498,11 +498,14 @@ def test_a_checkpoint_whose_parent_another_run_expired_is_refused(tmp_path: Path
     # and every restore of the partition failed, for every run.
     store = SnapshotStore(tmp_path)
     a, b = store.subtask("job", "op", 0), store.subtask("job", "op", 0)
-    parent = None
-    for i in (1, 2, 3):
+    parent = previous = None
+    for i in (1, 2, 3):  # interleaved: each finds its parent in a table the other changed
         parent = commit(a, "A", i, parent=parent).ref
-    previous = None
-    for i in (1, 2, 3):
+        previous = commit(b, "B", i, parent=previous).ref
+    assert [m.created_at for m in a.chain(a.latest(run_id="A"))] == sorted(
+        m.created_at for m in a.chain(a.latest(run_id="A"))
+    )
+    for i in (4, 5, 6):
         previous = commit(b, "B", i, parent=previous).ref
     assert [str(r) for r in b.expire(3, run_id="B").deleted] == ["A:1", "A:2", "A:3"]
     version = DeltaTable(a.uri).version()
@@ -511,7 +514,7 @@ def test_a_checkpoint_whose_parent_another_run_expired_is_refused(tmp_path: Path
     assert DeltaTable(a.uri).version() == version  # nothing written
     assert a.latest(run_id="A") is None  # a retried attempt of A starts over
     assert b.expire(3, run_id="B").deleted == []  # and the partition stays usable
-    assert store.subtask("job", "op", 0).restore(3, "B").results.num_rows == 3
+    assert store.subtask("job", "op", 0).restore(6, "B").results.num_rows == 6
 
 
 def test_a_checkpoint_with_a_broken_chain_is_never_restored_and_expiry_deletes_it(
