@@ -393,10 +393,8 @@ class SubtaskLog:
             candidates.sort(key=lambda m: m.checkpoint_id)
         # Newest first, skipping any whose chain is broken (an ancestor deleted while it was
         # committed: see chain()), which could never be restored.
-        by_ref = {m.ref: m for m in self.checkpoints()}
-        return next(
-            (m for m in reversed(candidates) if self._intact_chain(m, by_ref) is not None), None
-        )
+        intact = _intact_chains(candidates, {m.ref: m for m in self.checkpoints()})
+        return next((m for m in reversed(candidates) if intact[m.ref]), None)
 
     def sizes(self) -> dict[CheckpointRef, int]:
         """Bytes of the Parquet files that hold one checkpoint each, by checkpoint (read
@@ -481,14 +479,6 @@ class SubtaskLog:
                 f"results but {len(stored)} are stored."
             )
         return Snapshot(meta, elements, seqs, stored, timestamps)
-
-    def _intact_chain(
-        self, meta: CheckpointMetadata, by_ref: dict[CheckpointRef, CheckpointMetadata]
-    ) -> list[CheckpointMetadata] | None:
-        try:
-            return self.chain(meta, by_ref)
-        except CorruptCheckpointError:
-            return None
 
     def chain(
         self,
@@ -626,13 +616,15 @@ class SubtaskLog:
                 f"{result_table.num_rows} results."
             )
         created_at = datetime.now(timezone.utc)
+        checked_at = None  # the table version at which the parent was last seen
         if parent is not None:
             # Never before its parent, whatever this machine's clock says: retention orders
             # a subtask's checkpoints by created_at (an attempt on an executor whose clock is
             # behind would otherwise make its run's newest checkpoints look oldest).
-            created_at = max(
-                created_at, self._parent(parent, run_id, checkpoint_id).created_at + _TICK
-            )
+            table = self._open(refresh=True)
+            found = self._parent(table, parent, run_id, checkpoint_id)
+            created_at = max(created_at, found.created_at + _TICK)
+            checked_at = table.version() if table is not None else None
         meta = CheckpointMetadata(
             job_id=self.job_id,
             operator_id=self.operator_id,
@@ -670,8 +662,10 @@ class SubtaskLog:
                 table = self._open(refresh=True)  # another attempt created it first
                 assert table is not None
             reset = self._check_schemas(input_schema, output_schema) or reset
-            if parent is not None:
-                self._parent(parent, run_id, checkpoint_id)  # at the version written on
+            if parent is not None and table.version() != checked_at:
+                # the table moved since: is the parent still there, at the version written on?
+                self._parent(table, parent, run_id, checkpoint_id)
+                checked_at = table.version()
             if (claimed := self._taken_over(table, run_id)) is not None:
                 raise CheckpointConflictError(
                     f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} was "
@@ -724,10 +718,12 @@ class SubtaskLog:
             return meta
         raise AssertionError("unreachable: the last try returns or raises")
 
-    def _parent(self, parent: CheckpointRef, run_id: str, checkpoint_id: int) -> CheckpointMetadata:
-        """The metadata of the checkpoint a new one follows; refused if it is gone: its
-        results are part of the new one's chain, which could then never be restored."""
-        table = self._open(refresh=True)
+    def _parent(
+        self, table: DeltaTable | None, parent: CheckpointRef, run_id: str, checkpoint_id: int
+    ) -> CheckpointMetadata:
+        """The metadata of the checkpoint a new one follows, in ``table``; refused if it is
+        gone: its results are part of the new one's chain, which could then never be
+        restored."""
         cached = self._metadata
         if table is not None and cached is not None and cached[0] == table.version():
             found = next((m for m in cached[1] if m.ref == parent), None)

@@ -78,8 +78,7 @@ class CheckpointConfig:
         if seconds is not None and (
             isinstance(seconds, bool)
             or not isinstance(seconds, numbers.Real)
-            or not 0 < seconds < math.inf
-            or not _finite_float(seconds)
+            or not (_finite_float(seconds) and seconds > 0)
         ):
             raise ConfigurationError(
                 f"CheckpointConfig interval_seconds must be a number of seconds > 0 (and "

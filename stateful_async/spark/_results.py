@@ -41,13 +41,10 @@ def to_batch(
                 if value is not None and (problem := check(value)) is not None:
                     raise _refusal(name, problem, source)
         # ... and lets a null into a NOT NULL field, which Spark's JVM fails on.
-        for index, field in _required_fields(schema):
-            at = _forbidden_null_row(batch.column(index), field, None, None)
-            if at is not None:
-                problem = _null_loss(rows[at].get(field.name), field) or _Loss(
-                    "", field.type, None, _NOT_NULL
-                )
-                raise _refusal(field.name, problem, sources[at])
+        found = _first_null(batch, [field for _, field in _required_fields(schema)])
+        if found is not None:
+            row_index, required, problem = found
+            raise _refusal(required.name, problem, sources[row_index])
         return batch
     for row, source in zip(rows, sources, strict=True):  # find the culprit, for the message
         for field in schema:
@@ -309,12 +306,20 @@ def first_forbidden_null(
     name, with their NOT NULL flags) forbids one, and where in the column it is (``s.a``,
     ``tags[1]``, ``m['k']``); None if there is none. A NOT NULL field of a null struct,
     list or map is not a null in it."""
+    found = _first_null(batch, fields)
+    return None if found is None else (found[0], found[1].name + found[2].path)
+
+
+def _first_null(
+    batch: pa.RecordBatch, fields: Iterable[pa.Field]
+) -> tuple[int, pa.Field, _Loss] | None:
+    """``first_forbidden_null``, with the field and where below it the null is."""
     for field in fields:
         column = batch.column(field.name)
         at = _forbidden_null_row(column, field, None, None)
         if at is not None:
             loss = _null_loss(column[at].as_py(), field)
-            return at, field.name + (loss.path if loss is not None else "")
+            return at, field, loss or _Loss("", field.type, None, _NOT_NULL)
     return None
 
 

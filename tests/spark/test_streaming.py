@@ -100,22 +100,34 @@ def restart_and_check(
     }
 
 
+def stream_paths(spark: Any, tmp_path: Path) -> tuple[Path, Path, Path, Path]:
+    """The source (written), output table, stream checkpoint and snapshot paths of a test
+    query through the delta_rs sink."""
+    register_delta_sink(spark)
+    source, table = tmp_path / "in", tmp_path / "out"
+    write_source(source)
+    return source, table, tmp_path / "stream", tmp_path / "snapshots"
+
+
+def stop_mid_batch(spark: Any, args: tuple[str, ...]) -> CheckpointMetadata:
+    """Start the query in-process and stop it in the middle of a micro-batch (the running
+    batch is cancelled, not committed); the interrupted batch's newest checkpoint."""
+    query = DRIVER.start_query(spark, *args)
+    try:
+        return wait_mid_batch(Path(args[3]), lambda: query.isActive)
+    finally:
+        query.stop()  # never left running in the shared session
+
+
 @pytest.mark.parametrize("interrupt", ["stop", "sigkill"])
 def test_a_query_interrupted_mid_batch_resumes_and_writes_every_result_once(
     spark, tmp_path, interrupt
 ) -> None:
-    register_delta_sink(spark)
-    source, table = tmp_path / "in", tmp_path / "out"
-    stream, snapshots = tmp_path / "stream", tmp_path / "snapshots"
-    write_source(source)
+    source, table, stream, snapshots = stream_paths(spark, tmp_path)
     with MockService(ServiceConfig(latency_ms=50)) as service:
         args = (str(source), str(table), str(stream), str(snapshots), service.url)
-        if interrupt == "stop":  # in-process: the running batch is cancelled, not committed
-            query = DRIVER.start_query(spark, *args)
-            try:
-                interrupted = wait_mid_batch(snapshots, lambda: query.isActive)
-            finally:
-                query.stop()  # never left running in the shared session
+        if interrupt == "stop":
+            interrupted = stop_mid_batch(spark, args)
         else:  # the query's own application: its driver, JVM and Python workers, by pid
             driver = DriverProcess(
                 [sys.executable, str(HERE / "enrich_stream_driver.py"), *args],
@@ -136,17 +148,10 @@ def test_a_query_interrupted_mid_batch_resumes_and_writes_every_result_once(
 def test_a_query_restarted_mid_batch_with_other_code_says_how_to_go_on(spark, tmp_path) -> None:
     # It was refused as two enrichments sharing one run's checkpoints, and every restart
     # replayed the same batch into the same refusal.
-    register_delta_sink(spark)
-    source, table = tmp_path / "in", tmp_path / "out"
-    stream, snapshots = tmp_path / "stream", tmp_path / "snapshots"
-    write_source(source)
+    source, table, stream, snapshots = stream_paths(spark, tmp_path)
     with MockService(ServiceConfig(latency_ms=50)) as service:
         args = (str(source), str(table), str(stream), str(snapshots), service.url)
-        query = DRIVER.start_query(spark, *args)
-        try:
-            interrupted = wait_mid_batch(snapshots, lambda: query.isActive)
-        finally:
-            query.stop()
+        interrupted = stop_mid_batch(spark, args)
         renamed = DRIVER.renamed_enrichment(service.url)
         restarted = DRIVER.start_query(spark, *args, function=renamed)
         try:
