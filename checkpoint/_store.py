@@ -1186,12 +1186,27 @@ class SnapshotStore:
     # -- listing ------------------------------------------------------------------------
 
     def jobs(self) -> list[str]:
+        """The jobs with checkpoints here. Other directories (``lost+found``, a snapshot
+        directory, anything not laid out as ``<job_id>/<operator_id>/subtask=<n>``) are
+        not jobs and are left out."""
         self._require_location()
-        return _layout.list_dirs(self.location)
+        return [name for name in _layout.list_dirs(self.location) if self._operators(name)]
 
     def operators(self, job_id: str) -> list[str]:
         self._require_job(job_id)
-        return _layout.list_dirs(self.location, job_id)
+        return self._operators(job_id)
+
+    def _operators(self, job_id: str) -> list[str]:
+        """The directories under ``job_id`` that hold subtask tables ([] if it is no job)."""
+        try:
+            _layout.check_name("job id", job_id)
+        except CheckpointError:
+            return []
+        return [
+            name
+            for name in _layout.list_dirs(self.location, job_id)
+            if _layout.subtask_numbers(_layout.list_dirs(self.location, job_id, name))
+        ]
 
     def subtasks(self, job_id: str, operator_id: str) -> list[int]:
         self._require_job(job_id)
@@ -1268,8 +1283,9 @@ class SnapshotStore:
 
     def _require_job(self, job_id: str) -> None:
         _layout.check_name("job id", job_id)
-        jobs = self.jobs()
-        if job_id not in jobs:
+        self._require_location()
+        if not self._operators(job_id):
+            jobs = self.jobs()
             raise CheckpointNotFoundError(
                 f"Job {job_id!r} has no checkpoints at {self.location}. Jobs there: "
                 f"{', '.join(jobs) if jobs else 'none'}."

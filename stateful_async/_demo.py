@@ -86,6 +86,28 @@ class DemoResult:
         return self.missing == 0 and self.duplicated == 0 and self.wrong == 0
 
     @property
+    def crash_recovered(self) -> bool:
+        """A crash was asked for, and a retried attempt committed checkpoints after it."""
+        return self.crash_record is not None and self.retried_attempts > 0
+
+    @property
+    def failures(self) -> list[str]:
+        """What the run shows that the demo promises otherwise (empty: all held)."""
+        found = []
+        if not self.exactly_once:
+            found.append(
+                f"exactly-once: {self.missing} missing, {self.duplicated} duplicated, "
+                f"{self.wrong} wrong"
+            )
+        if self.crash_record is not None and not self.crash_recovered:
+            found.append("the injected crash left no retried attempt in the checkpoints")
+        if self.re_requested > self.repeat_bound:
+            found.append(
+                f"{self.re_requested} records re-requested, above the bound {self.repeat_bound}"
+            )
+        return found
+
+    @property
     def throughput(self) -> float:
         return self.settings.rows / self.seconds if self.seconds else 0.0
 
@@ -104,6 +126,7 @@ def run_demo(
 
     from checkpoint import SnapshotStore, delta_dataset
 
+    from ._exceptions import ConfigurationError
     from .chaos import CrashOnElement, MockService, ServiceConfig, ServiceEnrichment
     from .chaos import expected_enrichment as expected
     from .spark import (
@@ -114,13 +137,22 @@ def run_demo(
         unordered_wait,
     )
 
+    if settings.rows < 100 * settings.partitions:
+        raise ConfigurationError(
+            f"{settings.rows} records in {settings.partitions} partitions: give every partition "
+            "at least 100 records (more --rows, or fewer --partitions)."
+        )
     workdir = settings.workdir or tempfile.mkdtemp(prefix="stateful-async-demo-")
-    Path(workdir).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"Cannot use {workdir} as the demo's --workdir: {exc.strerror or exc}. Pass a "
+            "directory that exists and is empty, or a new path that can be created."
+        ) from exc
     location = os.path.join(workdir, "checkpoints")
     output = os.path.join(workdir, "enriched")
     if os.path.exists(output) or os.path.exists(location):
-        from ._exceptions import ConfigurationError
-
         raise ConfigurationError(
             f"{workdir} already holds a demo run (enriched/ or checkpoints/): pass an empty or "
             "new --workdir."
@@ -207,7 +239,11 @@ def run_demo(
     recovered_from = None
     if retried:
         first = min(retried, key=lambda m: m.created_at)
-        recovered_from = str(first.parent) if first.parent else "the start (no checkpoint yet)"
+        recovered_from = (
+            f"checkpoint {first.parent.checkpoint_id}"
+            if first.parent
+            else "the start (no checkpoint yet)"
+        )
     return DemoResult(
         settings=settings,
         workdir=workdir,

@@ -107,6 +107,11 @@ def demo(
     checkpoints; crash one task mid-way, recover, and check the output is exactly once."""
     from ._demo import DemoSettings, run_demo
 
+    if not 0 < latency_ms < math.inf:
+        with _user_errors():
+            raise Fail(
+                f"--latency-ms must be a finite number of milliseconds > 0; got {latency_ms}."
+            )
     settings = DemoSettings(
         rows=rows,
         partitions=partitions,
@@ -158,11 +163,11 @@ def demo(
         "checkpoints taken",
         f"{result.checkpoints} (every {settings.interval:,} records per partition)",
     )
-    if result.crash_record is not None:
+    if result.crash_recovered:
         table.add_row(
             "task crash",
             f"partition {result.crash_partition} died at record {result.crash_record:,} "
-            f"(attempt 0); attempt 1 resumed from checkpoint {result.recovered_from}",
+            f"(attempt 0); attempt 1 resumed from {result.recovered_from}",
         )
     table.add_row(
         "requests",
@@ -185,7 +190,9 @@ def demo(
     out.print(table)
     look = escape(f"stateful-async checkpoints list {result.checkpoint_location}")
     out.print(f"Look inside: [bold]{look}[/]")
-    if not result.exactly_once:
+    for failure in result.failures:
+        err.print(f"[bold red]FAILED[/]: {escape(failure)}", highlight=False, soft_wrap=True)
+    if result.failures:
         raise typer.Exit(1)
 
 
@@ -194,12 +201,23 @@ def demo(
 
 def _store(location: str) -> Any:
     from checkpoint import SnapshotStore
-    from checkpoint._layout import location_exists, missing_location, normalize
+    from checkpoint._layout import list_dirs, location_exists, missing_location, normalize
 
     if not location_exists(normalize(location)):
         raise Fail(missing_location(normalize(location)))
     store = SnapshotStore(location)
     _check_layout(store.location)
+    if not store.jobs():
+        below = [
+            n for n in list_dirs(store.location) if SnapshotStore(f"{store.location}/{n}").jobs()
+        ]
+        if below:
+            paths = ", ".join(f"{store.location}/{n}" for n in below)
+            raise Fail(
+                f"{store.location} holds no checkpoints itself; the checkpoint location is "
+                f"one level down: {paths}"
+            )
+        raise Fail(f"{store.location} holds no checkpoints.")
     return store
 
 
@@ -495,6 +513,11 @@ def replay(
             raise Fail(f"The output path {output} already exists; choose a new one.")
         if output is not None and output.suffix not in (".jsonl", ".json", ".parquet"):
             raise Fail(f"The output path {output} must end in .jsonl, .json or .parquet.")
+        if output is not None and not output.absolute().parent.is_dir():
+            raise Fail(
+                f"The output path {output} is in a directory that does not exist: create "
+                f"{output.absolute().parent} first, or choose another path."
+            )
         fn = _import_function(function)
         store = _store(location)
         snapshots = _snapshots(store, _job(store, job), checkpoint_id, operator, partition, run)
@@ -508,7 +531,14 @@ def replay(
             import pyarrow as pa
             import pyarrow.parquet as pq
 
-            pq.write_table(pa.Table.from_pylist(results), output)
+            try:
+                table = pa.Table.from_pylist(results)
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+                raise Fail(
+                    f"The results do not fit one Parquet schema ({exc}); write them as JSON "
+                    "lines instead (--output with .jsonl)."
+                ) from exc
+            pq.write_table(table, output)
         else:
             with open(output, "x") as handle:
                 for row in results:
@@ -595,15 +625,18 @@ def _snapshots(
     subtasks = store.subtasks(job, operator)
     if partition is not None and partition not in subtasks:
         raise Fail(f"Job {job} has no partition {partition}; it has partitions {subtasks}.")
-    metas = [
+    every = store.checkpoints(job, operator)
+    runs = sorted({m.run_id for m in every})
+    if run is not None and run not in runs:
+        raise Fail(f"Job {job} has no run {run!r}; its runs: {', '.join(runs) or 'none'}.")
+    chosen = [
         m
-        for m in store.checkpoints(job, operator)
-        if m.checkpoint_id == checkpoint_id
-        and (run is None or m.run_id == run)
-        and (partition is None or m.subtask == partition)
+        for m in every
+        if (run is None or m.run_id == run) and (partition is None or m.subtask == partition)
     ]
+    metas = [m for m in chosen if m.checkpoint_id == checkpoint_id]
     if not metas:
-        ids = sorted({m.checkpoint_id for m in store.checkpoints(job, operator)})
+        ids = sorted({m.checkpoint_id for m in chosen})
         where = (
             f"job {job}"
             + (f", partition {partition}" if partition is not None else "")

@@ -6,6 +6,7 @@ import json
 import re
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -107,6 +108,9 @@ REPLAY_MODULE = textwrap.dedent(
 
     async def returns_a_dict(row):
         return {"id": row["id"], "greeting": "hi"}
+
+    async def mixed_types(row):  # a str for odd ids, an int for even ones
+        return [{"id": row["id"], "greeting": "odd" if row["id"] % 2 else 0}]
 
     NOT_A_FUNCTION = 42
     """
@@ -256,6 +260,38 @@ def test_ids_that_look_like_layout_names_and_two_operators_are_listed_and_counte
     assert "2 checkpoint(s) expired (2 partition snapshot(s);" in expired.output  # one per operator
 
 
+def test_directories_that_are_not_jobs_are_left_out(checkpoints) -> None:
+    location, _ = checkpoints
+    for stray in ("lost+found", ".snapshot", "notes", "other/nested/deeper"):
+        (location / stray).mkdir(parents=True)
+    listed = invoke("checkpoints", "list", str(location))
+    assert listed.exit_code == 0, listed.output
+    assert "job job, operator enrich" in listed.output and "notes" not in listed.output
+    shown = invoke("checkpoints", "show", str(location), "2")  # one job: no --job needed
+    assert shown.exit_code == 0, shown.output
+    assert SnapshotStore(location).jobs() == ["job"]
+
+
+def test_the_parent_of_a_location_is_refused_with_the_location_s_path(
+    checkpoints, tmp_path
+) -> None:
+    location, _ = checkpoints
+    (tmp_path / "enriched").mkdir()  # e.g. the job's output beside its checkpoints
+    for command, *rest in (["list"], ["show", "1"], ["expire", "--retain", "1"]):
+        result = invoke("checkpoints", command, str(tmp_path), *rest)
+        assert result.exit_code == 2, (command, result.output)
+        assert f"the checkpoint location is one level down: {location}" in " ".join(
+            result.output.split()
+        ), result.output
+    plain = tmp_path / "docs"
+    (plain / "benchmarks").mkdir(parents=True)
+    for command, *rest in (["show", "1"], ["expire", "--retain", "1"]):
+        result = invoke("checkpoints", command, str(plain), *rest)
+        assert result.exit_code == 2, (command, result.output)
+        assert f"{plain} holds no checkpoints." in result.output
+    assert invoke("checkpoints", "show", str(location), "1").exit_code == 0  # nothing changed
+
+
 # -- replay ----------------------------------------------------------------------------------
 
 
@@ -338,6 +374,51 @@ def test_replay_refuses_an_output_path_that_exists(checkpoints, functions, tmp_p
     assert existing.read_text() == "keep me\n"
 
 
+def test_replay_refuses_an_output_directory_that_does_not_exist_before_calling(
+    checkpoints, functions, tmp_path
+) -> None:
+    location, _ = checkpoints
+    target = tmp_path / "no-such-dir" / "out.jsonl"
+    calls = tmp_path / "calls"
+    functions.write_text(
+        functions.read_text()
+        + f"\nasync def counted(row):\n    open({str(calls)!r}, 'a').write('x')\n"
+        "    return [row]\n"
+    )
+    result = invoke(
+        "replay",
+        str(location),
+        "2",
+        "--function",
+        "replay_functions:counted",
+        "--output",
+        str(target),
+    )
+    assert result.exit_code == 2, result.output
+    assert "is in a directory that does not exist: create" in " ".join(result.output.split())
+    assert not calls.exists()  # refused before any call to the function
+
+
+def test_replay_to_parquet_of_results_with_mixed_types_says_to_use_json_lines(
+    checkpoints, functions, tmp_path
+) -> None:
+    location, _ = checkpoints
+    target = tmp_path / "out.parquet"
+    result = invoke(
+        "replay",
+        str(location),
+        "2",
+        "--function",
+        "replay_functions:mixed_types",
+        "--output",
+        str(target),
+    )
+    assert result.exit_code == 2, result.output
+    assert "do not fit one Parquet schema" in result.output
+    assert "(--output with .jsonl)" in " ".join(result.output.split())
+    assert not target.exists()
+
+
 # -- errors shared by every subcommand ----------------------------------------------------------
 
 
@@ -373,6 +454,29 @@ def test_an_unknown_id_lists_the_ids_that_exist(checkpoints) -> None:
     assert "Checkpoint ids that exist: 1, 2." in result.output
 
 
+def test_an_unknown_run_or_an_id_missing_from_a_run_says_which(checkpoints) -> None:
+    location, _ = checkpoints
+    result = invoke("checkpoints", "show", str(location), "2", "--run", "nope")
+    assert result.exit_code == 2
+    assert "Job job has no run 'nope'; its runs: run." in result.output
+    store = SnapshotStore(location)
+    log = store.subtask("job", "enrich", 1)
+    log.commit(
+        "run",
+        3,
+        [],
+        [],
+        input_schema=INPUT,
+        output_schema=OUTPUT,
+        position=8,
+        parent=log.checkpoints()[-1].ref,
+    )
+    result = invoke("checkpoints", "show", str(location), "3", "--partition", "0")
+    assert result.exit_code == 2
+    assert "There is no checkpoint 3 of job job, partition 0" in result.output
+    assert "Checkpoint ids that exist: 1, 2." in result.output  # partition 0's, not 1's
+
+
 def test_an_unknown_job_lists_the_jobs(checkpoints) -> None:
     location, _ = checkpoints
     result = invoke("checkpoints", "list", str(location), "--job", "other")
@@ -385,3 +489,70 @@ def test_help_names_every_command() -> None:
     assert result.exit_code == 0
     for command in ("demo", "checkpoints", "replay"):
         assert command in result.output
+
+
+# -- demo (what is refused before Spark starts; the run itself is in tests/spark) ------------
+
+
+@pytest.mark.parametrize("latency", ["0", "-5", "inf", "nan"])
+def test_demo_refuses_a_latency_that_is_not_positive(latency) -> None:
+    result = invoke("demo", "--latency-ms", latency)
+    assert result.exit_code == 2, result.output
+    assert f"--latency-ms must be a finite number of milliseconds > 0; got {float(latency)}" in (
+        result.output
+    )
+
+
+def test_demo_refuses_a_workdir_it_cannot_create(tmp_path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for workdir in (a_file, a_file / "sub"):
+        result = invoke("demo", "--workdir", str(workdir))
+        assert result.exit_code == 2, result.output
+        assert f"Cannot use {workdir} as the demo's --workdir" in " ".join(result.output.split())
+
+
+def test_demo_refuses_partitions_too_small_to_crash_one() -> None:
+    result = invoke("demo", "--rows", "150", "--partitions", "2")
+    assert result.exit_code == 2, result.output
+    assert "150 records in 2 partitions: give every partition at least 100 records" in " ".join(
+        result.output.split()
+    )
+
+
+def test_demo_fails_when_the_crash_did_not_happen_or_repeats_pass_the_bound() -> None:
+    from stateful_async._demo import DemoResult, DemoSettings
+
+    def result(**changes: Any) -> DemoResult:
+        fields: dict[str, Any] = dict(
+            settings=DemoSettings(rows=1000, capacity=10),
+            workdir="w",
+            output_path="o",
+            checkpoint_location="c",
+            spark_log="l",
+            seconds=1.0,
+            output_rows=1000,
+            missing=0,
+            duplicated=0,
+            wrong=0,
+            checkpoints=10,
+            requests=1010,
+            re_requested=10,
+            crash_record=300,
+            crash_partition=0,
+            recovered_from="checkpoint 2",
+            retried_attempts=1,
+        )
+        return DemoResult(**{**fields, **changes})
+
+    assert result().failures == []
+    assert result(retried_attempts=0).failures == [
+        "the injected crash left no retried attempt in the checkpoints"
+    ]
+    bound = 10 + 100  # capacity + interval
+    assert result(re_requested=bound).failures == []
+    assert result(re_requested=bound + 1).failures == [
+        f"{bound + 1} records re-requested, above the bound {bound}"
+    ]
+    assert result(missing=1).failures == ["exactly-once: 1 missing, 0 duplicated, 0 wrong"]
+    assert result(crash_record=None, retried_attempts=0).failures == []
