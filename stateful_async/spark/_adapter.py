@@ -36,7 +36,8 @@ def ordered_wait(
     the input order of each partition (Flink's ``AsyncDataStream.orderedWait``).
 
     ``fn`` is an ``AsyncFunction`` or an ``async def`` that receives one input row as a
-    dict and returns a list of result rows (dicts with exactly the fields of ``schema``, a
+    dict (timestamps as time-zone-aware datetimes in UTC, whatever the session's time zone)
+    and returns a list of result rows (dicts with exactly the fields of ``schema``, a
     DDL string or ``StructType``), holding values of the declared types: a result that
     does not match, including a value Arrow would only take with loss (2.5 for an integer
     field, a struct with keys it does not declare, a Row whose fields are not the struct's

@@ -346,7 +346,11 @@ class _TaskRun:
             return batch
         await self._wait_for_room()
         assert self.loop is not None
-        return await self.loop.run_in_executor(self.reader, next, self.batches, None)
+        return await self.loop.run_in_executor(self.reader, self._read)
+
+    def _read(self) -> pa.RecordBatch | None:
+        batch = next(self.batches, None)
+        return None if batch is None else in_utc(batch)
 
     async def _wait_for_room(self) -> None:
         while self.out.qsize() > _MAX_QUEUED_BATCHES:  # Spark is slower than we are
@@ -728,6 +732,40 @@ def _naming_the_row(error: BaseException, partition: int) -> BaseException:
     )
     renamed.__cause__ = error.__cause__
     return renamed
+
+
+def in_utc(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """``batch`` with every zoned timestamp (at any depth) in UTC: the same instants.
+
+    Spark hands zoned timestamps over in the session's time zone; a checkpoint stores, and
+    restores, them in UTC. The function sees UTC either way, so a retried attempt invokes it
+    on restored rows with the values the first attempt had, and the input fingerprint does
+    not change with the session's time zone."""
+    types = [_utc_type(t) for t in batch.schema.types]
+    if types == batch.schema.types:
+        return batch
+    fields = [f.with_type(t) for f, t in zip(batch.schema, types, strict=True)]
+    return pa.RecordBatch.from_arrays(
+        [c if c.type == t else c.cast(t) for c, t in zip(batch.columns, types, strict=True)],
+        schema=pa.schema(fields, metadata=batch.schema.metadata),
+    )
+
+
+def _utc_type(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_timestamp(t):
+        return t if t.tz in (None, "UTC") else pa.timestamp(t.unit, "UTC")
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_utc_type(f.type)) for f in t])
+    if pa.types.is_map(t):
+        key, item = t.key_field, t.item_field
+        return pa.map_(
+            key.with_type(_utc_type(key.type)), item.with_type(_utc_type(item.type)), t.keys_sorted
+        )
+    if pa.types.is_list(t):
+        return pa.list_(t.value_field.with_type(_utc_type(t.value_type)))
+    if pa.types.is_large_list(t):
+        return pa.large_list(t.value_field.with_type(_utc_type(t.value_type)))
+    return t
 
 
 def _timestamps(chunk: pa.RecordBatch, column: str) -> list[int | None]:

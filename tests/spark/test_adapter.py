@@ -345,6 +345,48 @@ def test_a_resume_restores_watermarks_and_null_structs_under_not_null_fields(
     assert any(isinstance(e, Watermark) for e in restored.elements)  # the case at stake
 
 
+def test_zoned_timestamps_reach_the_function_in_utc_before_and_after_a_resume(
+    spark, tmp_path
+) -> None:
+    # Spark hands timestamps over in the session's time zone, a checkpoint restores them in
+    # UTC: rows re-invoked after a retry gave other results than on the first attempt, and
+    # a resume under another session time zone was refused as changed input.
+    async def hour(row):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.002)  # keeps rows in flight at every checkpoint
+        ts = row["ts"]
+        return [{"id": row["id"], "seen": f"{ts.hour:02d}h {ts.utcoffset()}"}]
+
+    rows, crash_at = 600, 450
+    expected = [(i, f"{i % 24:02d}h 0:00:00") for i in range(rows)]
+    previous = spark.conf.get("spark.sql.session.timeZone")
+    try:
+        spark.conf.set("spark.sql.session.timeZone", "America/Los_Angeles")
+        df = spark.range(0, rows, numPartitions=1).selectExpr(
+            "id", "timestamp_seconds(id * 3600) as ts"
+        )
+        config = CheckpointConfig(str(tmp_path), "tz", interval_records=100, retain=100)
+        out = ordered_wait(
+            df,
+            CrashOnElement(hour, at=[crash_at]),
+            "id long, seen string",
+            capacity=20,
+            checkpoint=config,
+        ).collect()
+        assert [(r.id, r.seen) for r in out] == expected
+        store = SnapshotStore(tmp_path)
+        resumed = [m for m in store.checkpoints("tz") if m.properties.get("attempt") == "1"]
+        assert resumed and resumed[0].parent is not None
+        parent = resumed[0].parent
+        assert store.load("tz", "enrich", 0, parent.checkpoint_id, parent.run_id).elements
+
+        spark.conf.set("spark.sql.session.timeZone", "Asia/Tokyo")
+        again = CheckpointConfig(str(tmp_path), "tz", retain=100, restore_from="latest")
+        out = ordered_wait(df, hour, "id long, seen string", checkpoint=again).collect()
+        assert [(r.id, r.seen) for r in out] == expected  # the same input, not a changed one
+    finally:
+        spark.conf.set("spark.sql.session.timeZone", previous)
+
+
 @pytest.mark.parametrize("event_time", [None, "id"])
 def test_interval_seconds_checkpoints_in_the_middle_of_a_slow_chunk(
     spark, tmp_path, event_time
