@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import numbers
 import warnings
 from pathlib import Path
 from typing import Any, Union
@@ -17,6 +18,8 @@ from .._retry import RetryStrategy
 from ._config import CheckpointConfig
 from ._session import task_attempts
 from ._task import PartitionTask, TaskSpec
+
+_MAX_OOO = 2**63 - 1  # event times are 64-bit integers (microseconds, days, or the column's)
 
 Schema = Union[str, Any]  # a DDL string or a pyspark StructType
 Duration = Union[dt.timedelta, int, float]
@@ -78,11 +81,14 @@ def unordered_wait(
     integer columns; default 0, for input in event-time order); results are then
     reordered only between two watermarks, never across one. A watermark is the largest
     event time read so far minus ``max_out_of_orderness`` (just below it), advanced every
-    1,024 rows or fewer. A row whose event time is null does not move it; a row older than
-    the last watermark is not dropped: like any row, it stays between the watermarks it
-    was read between. Without ``event_time`` a finished result leaves at once, so
-    ``capacity`` bounds the calls in flight alone; with it, results after a watermark
-    wait, in the queue, for every row before the watermark.
+    1,024 rows or fewer, and never lowered (a resumed task carries on from the one its
+    checkpoint recorded). Spark rows carry no event time, so what shapes the output is
+    where watermarks fall: wherever the largest event time grew, whatever
+    ``max_out_of_orderness`` is; their values are what checkpoints keep. A row whose event
+    time is null does not move it; a row older than the last watermark is not dropped: like
+    any row, it stays between the watermarks it was read between. Without ``event_time`` a
+    finished result leaves at once, so ``capacity`` bounds the calls in flight alone; with
+    it, results after a watermark wait, in the queue, for every row before the watermark.
     """
     return _async_wait(
         df,
@@ -238,23 +244,11 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
         )
     kind = fields[column]
     if isinstance(kind, (TimestampType, TimestampNTZType)):
-        unit = 1_000_000  # Spark timestamps are microseconds
+        unit, per = "seconds", dt.timedelta(seconds=1)  # stored as microseconds
     elif isinstance(kind, DateType):
-        unit = 1  # days
-        days = ooo / dt.timedelta(days=1) if isinstance(ooo, dt.timedelta) else ooo
-        if isinstance(days, float) and not days.is_integer():
-            raise ConfigurationError(
-                f"event_time column {column!r} is a date: max_out_of_orderness must be a "
-                f"whole number of days (a timedelta of days, or a number of days); got {ooo!r}."
-            )
-        ooo = days
+        unit, per = "days", dt.timedelta(days=1)
     elif isinstance(kind, (LongType, IntegerType, ShortType, ByteType)):
-        if isinstance(ooo, dt.timedelta):
-            raise ConfigurationError(
-                f"event_time column {column!r} is an integer: give max_out_of_orderness in its "
-                "units, as a number."
-            )
-        unit = 1
+        unit, per = "the column's own units", None
     else:
         raise ConfigurationError(
             f"event_time column {column!r} has type {kind.simpleString()}; use a timestamp, "
@@ -262,17 +256,35 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
         )
     if ooo is None:
         return 0
-    seconds = ooo.total_seconds() if isinstance(ooo, dt.timedelta) else ooo
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, (int, float))
-        or not 0 <= seconds < math.inf
-    ):
+    if isinstance(ooo, dt.timedelta):
+        if per is None:
+            raise ConfigurationError(
+                f"event_time column {column!r} is an integer: give max_out_of_orderness in its "
+                "units, as a number."
+            )
+        amount: Any = ooo / per
+    elif isinstance(ooo, numbers.Real) and not isinstance(ooo, bool):
+        amount = float(ooo) if not isinstance(ooo, numbers.Integral) else int(ooo)
+    else:
+        amount = None
+    if amount is None or not 0 <= amount < math.inf:
         raise ConfigurationError(
-            f"max_out_of_orderness must be a finite duration >= 0 (a timedelta, or a number "
-            f"in the column's units: seconds for timestamps, days for dates); got {ooo!r}."
+            f"max_out_of_orderness must be a finite duration >= 0: a timedelta, or a number "
+            f"in the column's units ({column!r}: {unit}); got {ooo!r}."
         )
-    return int(round(seconds * unit))
+    if unit == "seconds":
+        amount = round(amount * 1_000_000)
+    elif amount != int(amount):
+        raise ConfigurationError(
+            f"event_time column {column!r} is {'a date' if per else 'an integer'}: "
+            f"max_out_of_orderness must be a whole number of {unit}; got {ooo!r}."
+        )
+    if amount > _MAX_OOO:
+        raise ConfigurationError(
+            f"max_out_of_orderness {ooo!r} is beyond what event times can differ by (a 64-bit "
+            f"range in {unit if unit != 'seconds' else 'microseconds'}); give a smaller one."
+        )
+    return int(amount)
 
 
 def _check_checkpoint(

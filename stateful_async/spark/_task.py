@@ -55,6 +55,7 @@ _OUTPUT_ROWS = 1024  # rows per output Arrow batch
 _FLUSH_SECONDS = 0.2  # an idle task still hands its results over this often
 _MAX_QUEUED_BATCHES = 16  # output backpressure: stop reading input past this
 _EXPIRE_EVERY = 20  # a long task expires old checkpoints every this many checkpoints
+_WATERMARK = "watermark"  # checkpoint property: the last watermark the task generated
 
 
 # -- the user's function, seen from the operator --------------------------------------------
@@ -403,7 +404,8 @@ class _TaskRun:
         present = [s for s in stamps if s is not None]
         if not present:
             return
-        watermark = max(present) - self.spec.max_out_of_orderness - 1
+        # never below the smallest 64-bit integer, which checkpoints store watermarks in
+        watermark = max(max(present) - self.spec.max_out_of_orderness - 1, -(2**63))
         if self.last_watermark is None or watermark > self.last_watermark:
             self.last_watermark = watermark
             await self.op.process_watermark(Watermark(watermark))
@@ -488,6 +490,8 @@ class _TaskRun:
             for batch in results.to_batches(max_chunksize=_OUTPUT_ROWS):
                 await self._wait_for_room()
                 self.out.put(("batch", batch))
+        if _WATERMARK in meta.properties:
+            self.last_watermark = int(meta.properties[_WATERMARK])
         restored: list[StreamElement] = []
         for element, seq in zip(point.elements, point.input_seqs, strict=True):
             if type(element) is Watermark:
@@ -653,7 +657,7 @@ class _TaskRun:
             parent=self.parent,
             input_seqs=seqs,
             final=final,
-            properties=self.properties,
+            properties=self._checkpoint_properties(),
         )
         from checkpoint import CheckpointRef
 
@@ -663,6 +667,13 @@ class _TaskRun:
         self.stats["checkpoints"] += 1
         if not final and self.stats["checkpoints"] % _EXPIRE_EVERY == 0:
             await self._in_io(self.log.expire, config.retain, run_id=self.identity.run_id)
+
+    def _checkpoint_properties(self) -> dict[str, str]:
+        """The task's properties, and the last watermark generated: one already emitted is
+        in no snapshot, and a resume must not generate lower ones after it."""
+        if self.last_watermark is None:
+            return self.properties
+        return {**self.properties, _WATERMARK: str(self.last_watermark)}
 
     def _commit(self, checkpoint_id: int, *args: Any, **kwargs: Any) -> None:
         from checkpoint import CheckpointConflictError

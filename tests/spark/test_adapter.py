@@ -387,6 +387,48 @@ def test_zoned_timestamps_reach_the_function_in_utc_before_and_after_a_resume(
         spark.conf.set("spark.sql.session.timeZone", previous)
 
 
+def test_watermarks_never_go_back_after_a_resume_and_fit_64_bits(spark, tmp_path) -> None:
+    # The last watermark generated was not kept once emitted: a resumed attempt generated
+    # watermarks from the input after the checkpoint alone, lower than before. And an event
+    # time near the smallest 64-bit integer gave a watermark a checkpoint could not store.
+    async def enrich(row):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.02)  # a checkpoint's chunk is still in flight, its watermark queued
+        return [{"id": row["id"]}]
+
+    rows, crash_at = 800, 450
+    low = -(2**63)
+    df = spark.range(0, rows, numPartitions=1).selectExpr(
+        "id", f"CASE WHEN id = 0 THEN 1000000 WHEN id = 1 THEN {low}L ELSE id END AS t"
+    )
+    config = CheckpointConfig(str(tmp_path), "wm", interval_records=100, retain=100)
+    out = unordered_wait(
+        df,
+        CrashOnElement(enrich, at=[crash_at]),
+        "id long",
+        capacity=200,
+        checkpoint=config,
+        event_time="t",
+    ).collect()
+    assert sorted(r.id for r in out) == list(range(rows))
+    store = SnapshotStore(tmp_path)
+    metas = store.checkpoints("wm")
+    assert any(m.properties.get("attempt") == "1" for m in metas), "attempt 1 must have resumed"
+    stored = []
+    for meta in metas:
+        snapshot = store.load("wm", "enrich", 0, meta.checkpoint_id, meta.run_id)
+        stored += [e.timestamp for e in snapshot.elements if isinstance(e, Watermark)]
+    assert set(stored) <= {999_999}, stored  # never lower than the first
+    assert {m.properties.get("watermark") for m in metas} == {"999999"}
+
+    lowest = spark.range(0, 5, numPartitions=1).selectExpr("id", f"{low}L AS t")
+    config = CheckpointConfig(str(tmp_path), "low", interval_records=1, retain=100)
+    out = unordered_wait(
+        lowest, enrich, "id long", capacity=10, checkpoint=config, event_time="t"
+    ).collect()
+    assert sorted(r.id for r in out) == list(range(5))
+    assert {m.properties["watermark"] for m in store.checkpoints("low")} == {str(low)}
+
+
 @pytest.mark.parametrize("event_time", [None, "id"])
 def test_interval_seconds_checkpoints_in_the_middle_of_a_slow_chunk(
     spark, tmp_path, event_time
@@ -993,6 +1035,18 @@ def test_an_unpicklable_function_fails_before_the_job_starts(spark) -> None:
             "max_out_of_orderness must be a finite duration >= 0",
         ),
         ({"event_time": "id", "max_out_of_orderness": timedelta(1)}, "is an integer"),
+        (
+            {"event_time": "id", "max_out_of_orderness": 2.5},  # was rounded to 2, silently
+            "is an integer: max_out_of_orderness must be a whole number of the column's own",
+        ),
+        (
+            {"event_time": "ts", "max_out_of_orderness": timedelta.max},  # failed in the task
+            "is beyond what event times can differ by",
+        ),
+        (
+            {"event_time": "id", "max_out_of_orderness": "5"},
+            r"a number in the column's units \('id': the column's own units\); got '5'",
+        ),
     ],
 )
 def test_bad_arguments_fail_before_the_job_starts(spark, kwargs, message) -> None:
