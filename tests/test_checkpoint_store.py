@@ -597,6 +597,9 @@ def test_a_schema_change_between_runs_is_refused(tmp_path: Path) -> None:
         fresh.commit("run2", 1, [], None, input_schema=changed, output_schema=OUT, position=0)
     assert "written with: 'label' was string, is now large_string. Checkpoints" in str(info.value)
     assert "use a new job_id" in str(info.value)
+    assert "Two enrichments in one job (one chained after the other, say) each need" in str(
+        info.value
+    )
     assert f"checkpoints expire {tmp_path} --job job --retain 0" in str(info.value)
     renamed = pa.schema([("id", pa.int64()), ("payload", pa.string())])
     with pytest.raises(
