@@ -123,10 +123,14 @@ class InputFingerprint:
         self.count = 0
 
     def update(self, rows: Iterable[Any]) -> None:
-        rows = list(rows)
-        if rows:
-            self._hash.update(("\x1e".join(map(repr, rows)) + "\x1e").encode())
-            self.count += len(rows)
+        self.update_reprs([repr(row) for row in rows])
+
+    def update_reprs(self, reprs: list[str]) -> None:
+        """``update`` with the rows' ``repr``s, taken earlier: before anything could
+        change the rows."""
+        if reprs:
+            self._hash.update(("\x1e".join(reprs) + "\x1e").encode())
+            self.count += len(reprs)
 
     def hexdigest(self) -> str:
         """``"<rows>:<hash>"``; the row count is part of it, for readable mismatch errors."""

@@ -80,13 +80,15 @@ class _RowFunction(AsyncFunction[Any, Any]):
 
     async def async_invoke(self, value: tuple[int, dict[str, Any]]) -> list[Any]:
         row = value[1]
-        return _pair(await self._invoke(row), row, self.names)
+        # Each call gets its own copy: a function that adds, changes or pops keys must not
+        # change the row a checkpoint saves, a retry passes, or an error message shows.
+        return _pair(await self._invoke(dict(row)), row, self.names)
 
 
 class _RowFunctionWithTimeout(_RowFunction):
     async def timeout(self, value: tuple[int, dict[str, Any]]) -> list[Any]:
         row = value[1]
-        return _pair(await self.fn.timeout(row), row, self.names, "The timeout handler")
+        return _pair(await self.fn.timeout(dict(row)), row, self.names, "The timeout handler")
 
 
 def _pair(
@@ -375,6 +377,8 @@ class _TaskRun:
                     size = min(size, interval - self.position % interval)
                 chunk = batch.slice(offset, size)
                 rows = chunk.to_pylist()
+                # taken before any call: what the input was, whatever a function does to it
+                reprs = [repr(row) for row in rows] if self.checkpointing else []
                 stamps = None if event_time is None else _timestamps(chunk, event_time)
                 seq = self.position
                 # interval_seconds is looked at after every record (a chunk of slow calls can
@@ -392,7 +396,7 @@ class _TaskRun:
                 if stamps is not None:
                     await self._advance_watermark(stamps)
                 if self.checkpointing:
-                    self.fingerprint.update(rows)
+                    self.fingerprint.update_reprs(reprs[: len(rows)])
                 self.position = seq
                 if self.checkpointing and (
                     self.position % interval == 0  # type: ignore[operator]
@@ -755,9 +759,11 @@ def in_utc(batch: pa.RecordBatch) -> pa.RecordBatch:
     types = [_utc_type(t) for t in batch.schema.types]
     if types == batch.schema.types:
         return batch
+    from checkpoint._types import from_storage  # casts nested arrays child by child
+
     fields = [f.with_type(t) for f, t in zip(batch.schema, types, strict=True)]
     return pa.RecordBatch.from_arrays(
-        [c if c.type == t else c.cast(t) for c, t in zip(batch.columns, types, strict=True)],
+        [from_storage(c, t) for c, t in zip(batch.columns, types, strict=True)],
         schema=pa.schema(fields, metadata=batch.schema.metadata),
     )
 

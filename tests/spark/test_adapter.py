@@ -353,7 +353,9 @@ def test_zoned_timestamps_reach_the_function_in_utc_before_and_after_a_resume(
     # a resume under another session time zone was refused as changed input.
     async def hour(row):  # type: ignore[no-untyped-def]
         await asyncio.sleep(0.002)  # keeps rows in flight at every checkpoint
-        ts = row["ts"]
+        ts, nested = row["ts"], row["s"]["t"]
+        assert nested == ts and nested.utcoffset() == ts.utcoffset(), row
+        assert row["s"]["n"] == (None if row["id"] % 2 == 0 else {"z": row["id"]}), row
         return [{"id": row["id"], "seen": f"{ts.hour:02d}h {ts.utcoffset()}"}]
 
     rows, crash_at = 600, 450
@@ -361,8 +363,13 @@ def test_zoned_timestamps_reach_the_function_in_utc_before_and_after_a_resume(
     previous = spark.conf.get("spark.sql.session.timeZone")
     try:
         spark.conf.set("spark.sql.session.timeZone", "America/Los_Angeles")
+        # s: a zoned timestamp beside a null struct over a NOT NULL field, which a plain
+        # Arrow cast of s refuses
         df = spark.range(0, rows, numPartitions=1).selectExpr(
-            "id", "timestamp_seconds(id * 3600) as ts"
+            "id",
+            "timestamp_seconds(id * 3600) as ts",
+            "named_struct('t', timestamp_seconds(id * 3600), 'n', CASE WHEN id % 2 = 0 "
+            "THEN NULL ELSE named_struct('z', id) END) AS s",
         )
         config = CheckpointConfig(str(tmp_path), "tz", interval_records=100, retain=100)
         out = ordered_wait(
@@ -385,6 +392,32 @@ def test_zoned_timestamps_reach_the_function_in_utc_before_and_after_a_resume(
         assert [(r.id, r.seen) for r in out] == expected  # the same input, not a changed one
     finally:
         spark.conf.set("spark.sql.session.timeZone", previous)
+
+
+def test_a_function_that_changes_its_row_changes_neither_checkpoints_nor_resume(
+    spark, tmp_path
+) -> None:
+    # The function got the very dict the checkpoint saves and the fingerprint hashes: a
+    # popped key was re-invoked as missing after a retry, and a key added made the
+    # fingerprint of identical input differ, so the resume was refused.
+    async def in_place(row):  # type: ignore[no-untyped-def]
+        name = row.pop("name")
+        row["note"] = "changed"
+        await asyncio.sleep(0.005)
+        answer = expected_enrichment(str(row["id"]))
+        return [{"id": row["id"], "name": name, "score": answer["score"], "label": answer["label"]}]
+
+    rows, crash_at = 1200, 700
+    config = CheckpointConfig(str(tmp_path), "inplace", interval_records=200, retain=100)
+    fn = CrashOnElement(in_place, at=[crash_at])
+    df = source(spark, rows, partitions=1)
+    out = ordered_wait(df, fn, SCHEMA, capacity=50, checkpoint=config).collect()
+    assert [r.asDict() for r in out] == [reference(i) for i in range(rows)]
+    store = SnapshotStore(tmp_path)
+    assert any(m.properties.get("attempt") == "1" for m in store.checkpoints("inplace"))
+    again = CheckpointConfig(str(tmp_path), "inplace", restore_from=2)
+    out = ordered_wait(df, in_place, SCHEMA, capacity=50, checkpoint=again).collect()
+    assert [r.asDict() for r in out] == [reference(i) for i in range(rows)]
 
 
 def test_watermarks_never_go_back_after_a_resume_and_fit_64_bits(spark, tmp_path) -> None:
