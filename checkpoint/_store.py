@@ -1192,23 +1192,27 @@ class SnapshotStore:
         directory, anything not laid out as ``<job_id>/<operator_id>/subtask=<n>``) are
         not jobs and are left out."""
         self._require_location()
-        return [name for name in _layout.list_dirs(self.location) if self._operators(name)]
+        return [name for name in _layout.list_dirs(self.location) if self._is_job(name)]
 
     def operators(self, job_id: str) -> list[str]:
         self._require_job(job_id)
-        return self._operators(job_id)
-
-    def _operators(self, job_id: str) -> list[str]:
-        """The directories under ``job_id`` that hold subtask tables ([] if it is no job)."""
-        try:
-            _layout.check_name("job id", job_id)
-        except CheckpointError:
-            return []
         return [
             name
             for name in _layout.list_dirs(self.location, job_id)
             if _layout.subtask_numbers(_layout.list_dirs(self.location, job_id, name))
         ]
+
+    def _is_job(self, name: str) -> bool:
+        """Whether ``name`` holds an operator directory with subtask tables (listing stops
+        at the first: on an object store every listing is a request)."""
+        try:
+            _layout.check_name("job id", name)
+        except CheckpointError:
+            return False
+        return any(
+            _layout.subtask_numbers(_layout.list_dirs(self.location, name, operator))
+            for operator in _layout.list_dirs(self.location, name)
+        )
 
     def subtasks(self, job_id: str, operator_id: str) -> list[int]:
         self._require_job(job_id)
@@ -1286,7 +1290,7 @@ class SnapshotStore:
     def _require_job(self, job_id: str) -> None:
         _layout.check_name("job id", job_id)
         self._require_location()
-        if not self._operators(job_id):
+        if not self._is_job(job_id):
             jobs = self.jobs()
             raise CheckpointNotFoundError(
                 f"Job {job_id!r} has no checkpoints at {self.location}. Jobs there: "

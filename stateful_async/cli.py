@@ -78,6 +78,8 @@ class Format(str, Enum):
     json = "json"
 
 
+_PROBED_SUBDIRS = 20  # subdirectories looked into for a location one level down
+
 # The arguments and options the checkpoint commands share.
 LocationArg = Annotated[str, typer.Argument(metavar="LOCATION", help="The checkpoint location.")]
 CheckpointIdArg = Annotated[int, typer.Argument(metavar="ID", help="The checkpoint id.")]
@@ -208,8 +210,12 @@ def _store(location: str) -> Any:
     store = SnapshotStore(location)
     _check_layout(store.location)
     if not store.jobs():
+        # The parent of a location? Looked for in a few subdirectories only: on an object
+        # store every listing is a request, and a mistyped bucket root may hold thousands.
         below = [
-            n for n in list_dirs(store.location) if SnapshotStore(f"{store.location}/{n}").jobs()
+            n
+            for n in list_dirs(store.location)[:_PROBED_SUBDIRS]
+            if SnapshotStore(f"{store.location}/{n}").jobs()
         ]
         if below:
             paths = ", ".join(f"{store.location}/{n}" for n in below)

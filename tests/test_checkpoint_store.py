@@ -760,6 +760,32 @@ def test_a_log_that_commits_and_expires_knows_its_checkpoints_without_rereading(
     assert log.restore(1, run_id="other").metadata.in_flight == 5
 
 
+def test_looking_up_one_job_lists_only_that_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On an object store every listing is a request: finding one job's subtasks (what the
+    # driver does for every enrichment with checkpoints) must not walk the other jobs.
+    from checkpoint import _layout
+
+    store = SnapshotStore(tmp_path)
+    for job in range(6):
+        for operator in ("a", "b"):
+            (tmp_path / f"job{job}" / operator / "subtask=00000").mkdir(parents=True)
+    (tmp_path / "lost+found").mkdir()
+    listed: list[tuple[str, ...]] = []
+    real = _layout.list_dirs
+
+    def counting(location: str, *parts: str) -> list[str]:
+        listed.append(parts)
+        return real(location, *parts)
+
+    monkeypatch.setattr(_layout, "list_dirs", counting)
+    assert store.subtasks("job3", "b") == [0]
+    assert all(not parts or parts[0] == "job3" for parts in listed), listed
+    assert len(listed) <= 3
+    assert store.jobs() == [f"job{j}" for j in range(6)]  # lost+found is no job
+
+
 def _dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*.parquet"))
 

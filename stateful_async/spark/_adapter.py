@@ -39,13 +39,13 @@ def ordered_wait(
     the input order of each partition (Flink's ``AsyncDataStream.orderedWait``).
 
     ``fn`` is an ``AsyncFunction`` or an ``async def`` that receives one input row as a
-    dict (timestamps as time-zone-aware datetimes in UTC, whatever the session's time zone)
-    and returns a list of result rows (dicts with exactly the fields of ``schema``, a
-    DDL string or ``StructType``), holding values of the declared types: a result that
-    does not match, including a value Arrow would only take with loss (2.5 for an integer
-    field, a struct with keys it does not declare, a Row whose fields are not the struct's
-    in order), fails the task with
-    ``ResultSchemaError`` naming the field and the input row. ``capacity`` bounds the rows
+    dict (its own copy; ``TIMESTAMP`` values as time-zone-aware datetimes in UTC, whatever
+    the session's time zone) and returns a list of result rows (dicts with exactly the
+    fields of ``schema``, a DDL string or ``StructType``), holding values of the declared
+    types: a result that does not match, including a value Arrow would only take with loss
+    (2.5 for an integer field, a struct with keys it does not declare, a Row whose fields
+    are not the struct's in order), fails the task with ``ResultSchemaError`` naming the
+    field and the input row. ``capacity`` bounds the rows
     in a task's queue: the calls in flight and, as in Flink, the results that wait for an
     earlier row's. Behind a slow call the queue fills with finished results, so against a
     service whose latency varies fewer calls are in flight than ``capacity``: set it well
@@ -256,6 +256,14 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
         )
     if ooo is None:
         return 0
+    import numpy as np
+
+    given = ooo
+    if isinstance(ooo, np.timedelta64):  # an Integral to `numbers`, but a duration
+        try:
+            ooo = dt.timedelta(microseconds=float(ooo / np.timedelta64(1, "us")))
+        except (OverflowError, ValueError):  # NaT, or beyond timedelta's range
+            ooo = -1  # refused below
     if isinstance(ooo, dt.timedelta):
         if per is None:
             raise ConfigurationError(
@@ -270,18 +278,18 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
     if amount is None or not 0 <= amount < math.inf:
         raise ConfigurationError(
             f"max_out_of_orderness must be a finite duration >= 0: a timedelta, or a number "
-            f"in the column's units ({column!r}: {unit}); got {ooo!r}."
+            f"in the column's units ({column!r}: {unit}); got {given!r}."
         )
     if unit == "seconds":
         amount = round(amount * 1_000_000)
     elif amount != int(amount):
         raise ConfigurationError(
             f"event_time column {column!r} is {'a date' if per else 'an integer'}: "
-            f"max_out_of_orderness must be a whole number of {unit}; got {ooo!r}."
+            f"max_out_of_orderness must be a whole number of {unit}; got {given!r}."
         )
     if amount > _MAX_OOO:
         raise ConfigurationError(
-            f"max_out_of_orderness {ooo!r} is beyond what event times can differ by (a 64-bit "
+            f"max_out_of_orderness {given!r} is beyond what event times can differ by (a 64-bit "
             f"range in {unit if unit != 'seconds' else 'microseconds'}); give a smaller one."
         )
     return int(amount)
@@ -291,7 +299,12 @@ def _check_checkpoint(
     config: CheckpointConfig, input_schema: pa.Schema, output_schema: pa.Schema
 ) -> None:
     """What the driver can check before any task runs."""
-    from checkpoint import CheckpointError, SchemaChangedError, SnapshotStore
+    from checkpoint import (
+        CheckpointError,
+        CheckpointNotFoundError,
+        SchemaChangedError,
+        SnapshotStore,
+    )
     from checkpoint._types import storage_type
 
     for column, schema in (("input", input_schema), ("result", output_schema)):
@@ -299,13 +312,14 @@ def _check_checkpoint(
     _check_local_location(config.location)
     store = SnapshotStore(config.location, config.storage_options)
     try:
-        jobs = store.jobs() if _exists(store) else []
-        has_job = config.job_id in jobs and config.operator_id in store.operators(config.job_id)
+        try:  # a few listings, not the whole location's: each is a request on object stores
+            subtasks = store.subtasks(config.job_id, config.operator_id) if _exists(store) else []
+        except CheckpointNotFoundError:
+            subtasks = []
+        has_job = bool(subtasks)
         if has_job:
-            subtasks = store.subtasks(config.job_id, config.operator_id)
-            if subtasks:
-                log = store.subtask(config.job_id, config.operator_id, subtasks[0])
-                log.check_schemas(input_schema, output_schema)
+            log = store.subtask(config.job_id, config.operator_id, subtasks[0])
+            log.check_schemas(input_schema, output_schema)
         if config.restore_from is None:
             return
         metas = store.checkpoints(config.job_id, config.operator_id) if has_job else []

@@ -62,9 +62,12 @@ _WATERMARK = "watermark"  # checkpoint property: the last watermark the task gen
 
 
 class _RowFunction(AsyncFunction[Any, Any]):
-    """Calls the user's function with the row of a ``(input_seq, row)`` record and pairs
-    each result with that row (for error messages). Result shape is checked here: a wrong
-    shape is a programming error and is never retried."""
+    """Calls the user's function with the argument of an ``(input_seq, row, argument)``
+    record and pairs each result with the row (for error messages). The argument is the
+    function's own copy of the row, the one every attempt and the timeout handler get: a
+    function that adds, changes or pops keys does not change the row that a checkpoint
+    saves or an error message shows. Result shape is checked here: a wrong shape is a
+    programming error and is never retried."""
 
     def __init__(self, fn: AsyncFunction[Any, Any], names: frozenset[str]) -> None:
         self.fn = fn
@@ -78,17 +81,13 @@ class _RowFunction(AsyncFunction[Any, Any]):
     async def close(self) -> None:
         await self.fn.close()
 
-    async def async_invoke(self, value: tuple[int, dict[str, Any]]) -> list[Any]:
-        row = value[1]
-        # Each call gets its own copy: a function that adds, changes or pops keys must not
-        # change the row a checkpoint saves, a retry passes, or an error message shows.
-        return _pair(await self._invoke(dict(row)), row, self.names)
+    async def async_invoke(self, value: tuple[int, dict[str, Any], dict[str, Any]]) -> list[Any]:
+        return _pair(await self._invoke(value[2]), value[1], self.names)
 
 
 class _RowFunctionWithTimeout(_RowFunction):
-    async def timeout(self, value: tuple[int, dict[str, Any]]) -> list[Any]:
-        row = value[1]
-        return _pair(await self.fn.timeout(dict(row)), row, self.names, "The timeout handler")
+    async def timeout(self, value: tuple[int, dict[str, Any], dict[str, Any]]) -> list[Any]:
+        return _pair(await self.fn.timeout(value[2]), value[1], self.names, "The timeout handler")
 
 
 def _pair(
@@ -385,7 +384,7 @@ class _TaskRun:
                 # take far longer than it); when it is due, the chunk ends there.
                 due = None if seconds is None else self.last_checkpoint + seconds
                 for row, stamp in zip(rows, stamps or itertools.repeat(None), strict=False):
-                    await process(StreamRecord((seq, row), stamp))
+                    await process(StreamRecord((seq, row, dict(row)), stamp))
                     seq += 1
                     if due is not None and time.monotonic() >= due:
                         break
@@ -503,7 +502,8 @@ class _TaskRun:
                 if self.last_watermark is None or element.timestamp > self.last_watermark:
                     self.last_watermark = element.timestamp
             else:
-                restored.append(StreamRecord((seq, element.value), element.timestamp))
+                row = element.value
+                restored.append(StreamRecord((seq, row, dict(row)), element.timestamp))
         return restored
 
     def _find_restore_point(self, config: CheckpointConfig) -> Any:
@@ -638,7 +638,7 @@ class _TaskRun:
                 elements.append(element)
                 seqs.append(None)
             else:
-                seq, row = element.value  # type: ignore[union-attr]
+                seq, row, _ = element.value  # type: ignore[union-attr]
                 elements.append(StreamRecord(row, element.timestamp))
                 seqs.append(seq)
         schema = self.spec.output_schema
@@ -731,13 +731,13 @@ class _TaskRun:
 
 def _naming_the_row(error: BaseException, partition: int) -> BaseException:
     """The operator names a failed element as this task wraps it, ``StreamRecord((seq,
-    row))``: name the input row and its place in the partition instead."""
+    row, argument))``: name the input row and its place in the partition instead."""
     if not isinstance(error, ElementFailedError) or not isinstance(error.element, StreamRecord):
         return error
     value = error.element.value
-    if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict)):
+    if not (isinstance(value, tuple) and len(value) == 3 and isinstance(value[1], dict)):
         return error
-    seq, row = value
+    seq, row, _ = value
     wrapped = f"for element {describe(error.element)}"
     plain = f"for input row {describe(row)} (record {seq} of partition {partition})"
     if wrapped not in str(error):
