@@ -9,6 +9,8 @@ directly.
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -105,3 +107,41 @@ def test_a_broken_copy_is_refused(tmp_path: Path, breakage: tuple[str, str], mes
     result = compose(broken, "config", "--quiet")
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def documented_runs(text: str) -> list[tuple[list[str], bool]]:
+    """Every ``docker compose run`` in ``text`` (a Markdown page, or the compose file whose
+    comments hold the examples): its words after ``run``, and whether it is a command line
+    of its own (rather than a mention inside a sentence). Comment markers are dropped and
+    backslash continuations joined."""
+    lines = [re.sub(r"^\s*#", "", line) for line in text.splitlines()]
+    joined = re.sub(r"\\\n\s*", " ", "\n".join(lines))
+    runs = []
+    for line in joined.splitlines():
+        for match in re.finditer(r"docker[ -]compose run\s+(.*)", line):
+            words = shlex.split(match.group(1).split("#")[0])
+            runs.append((words, not line[: match.start()].strip()))
+    return runs
+
+
+@pytest.mark.parametrize("document", ["docs/chaos.md", "docker-compose.yml"])
+def test_documented_compose_runs_of_the_job_use_its_network_alias(document: str) -> None:
+    # The executors reach the driver at the host name "job" (--driver-host job). "compose
+    # up" gives the job's container that network alias; "compose run" only with
+    # --use-aliases (without it the executors cannot resolve the driver).
+    help_text = subprocess.run(
+        [str(compose_binary()), "run", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert "--use-aliases" in help_text
+    services = json.loads(compose(COMPOSE_FILE, "config", "--format", "json").stdout)["services"]
+    job = services["job"]
+
+    runs = documented_runs((ROOT / document).read_text())
+    job_runs = [(words, own_line) for words, own_line in runs if "job" in words]
+    assert job_runs, f"{document} shows no 'docker compose run ... job' any more"
+    for words, own_line in job_runs:
+        service = words.index("job")
+        options = words[:service]
+        assert "--use-aliases" in options, f"{document}: docker compose run {' '.join(words)}"
+        if own_line:  # a command to copy: the job's parser accepts its arguments
+            parse_args(job["entrypoint"][3:] + words[service + 1 :])
