@@ -5,7 +5,8 @@
 * ``ServiceEnrichment`` — an ``AsyncFunction`` that enriches rows from it.
 * ``expected_enrichment`` — what the service answers for a key, for reference outputs.
 * ``CrashOnElement`` — kills the Python worker at a chosen row and task attempt.
-* ``CrashDuringCommit`` — kills it between writing a checkpoint's files and its commit.
+* ``CrashDuringCommit`` — kills it as it commits a checkpoint, leaving an orphan Parquet
+  file (written by the fault) in the checkpoint table.
 * ``DelayCommit`` — holds a checkpoint commit back, so it lands late (a zombie).
 * ``ZombieCommit`` — holds it until a newer attempt committed the same checkpoint.
 * ``LocalCluster`` — a Spark standalone cluster (master, workers) on 127.0.0.1 that can

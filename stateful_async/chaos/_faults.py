@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any, Iterable
 
+from .._exceptions import ConfigurationError
 from .._function import AsyncFunction, as_async_function, has_timeout_handler
 
 
@@ -113,8 +114,14 @@ class _CommitFault(AsyncFunction[Any, Any]):
 
 class CrashDuringCommit(_CommitFault):
     """Kills the worker in the middle of committing checkpoint ``checkpoint_id`` (on task
-    attempt ``attempt``): the checkpoint's Parquet file is written into its Delta table's
-    directory, as delta-rs writes it, and the process dies before the Delta log commit."""
+    attempt ``attempt``), just before the snapshot store hands the commit to delta-rs.
+
+    It leaves what a writer that dies between writing a data file and committing the Delta
+    log leaves: before dying, the fault itself writes the checkpoint's rows (with pyarrow)
+    as a Parquet file into the Delta table's directory, named as delta-rs names data files.
+    delta-rs is never called for that commit. The checkpoint location must be local (a
+    path or a ``file:`` URI); elsewhere the commit fails with ``ConfigurationError``.
+    """
 
     def _on_commit(self, point: str, context: dict[str, Any]) -> None:
         meta = context["meta"]
@@ -124,9 +131,19 @@ class CrashDuringCommit(_CommitFault):
 
         import pyarrow.parquet as pq
 
+        from checkpoint._layout import is_local, normalize
+
         log = context["log"]
-        os.makedirs(log.uri, exist_ok=True)
-        pq.write_table(context["data"], f"{log.uri}/part-00000-{uuid.uuid4()}-c000.snappy.parquet")
+        if not is_local(log.uri):
+            raise ConfigurationError(
+                f"CrashDuringCommit writes its orphan Parquet file on the local file system, "
+                f"but checkpoint {meta.ref} goes to {log.uri}. Use a local checkpoint "
+                "location (a path or a file: URI) for this fault."
+            )
+        directory = normalize(log.uri)  # file:///a/b -> /a/b (not a directory named "file:")
+        os.makedirs(directory, exist_ok=True)
+        name = f"part-00000-{uuid.uuid4()}-c000.snappy.parquet"
+        pq.write_table(context["data"], os.path.join(directory, name))
         os._exit(1)
 
 

@@ -12,8 +12,8 @@ Faults are off unless ``--fault`` asks for one; each wraps the enrichment functi
 ``crash-at=K``                the Python worker dies (``os._exit``) when asked to enrich
                               row ``K`` (``CrashOnElement``)
 ``crash-commit=ID``           the Python worker dies while committing checkpoint ``ID``:
-                              its Parquet file written, the Delta commit not
-                              (``CrashDuringCommit``)
+                              the fault writes a Parquet file of its rows, the Delta commit
+                              never happens (``CrashDuringCommit``)
 ``delay-commit=ID:SECONDS``   the commit of checkpoint ``ID`` is held ``SECONDS``
                               (``DelayCommit``)
 ``zombie-commit=ID``          the commit of checkpoint ``ID`` is held until another

@@ -1,0 +1,103 @@
+"""The chaos tools that need no Spark: fault wrappers on real snapshot stores, and the
+driver-process bookkeeping on real child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from checkpoint import SnapshotStore, SubtaskLog, _faults
+from stateful_async import ConfigurationError, StreamRecord
+from stateful_async.chaos import CrashDuringCommit
+
+SCHEMA = pa.schema([("id", pa.int64())])
+
+
+async def enrich(row: dict) -> list[dict]:
+    return [row]
+
+
+def commit(log: SubtaskLog, checkpoint_id: int) -> None:
+    log.commit(
+        "run",
+        checkpoint_id,
+        [StreamRecord({"id": 7}, 0)],
+        [{"id": checkpoint_id}],
+        input_schema=SCHEMA,
+        output_schema=SCHEMA,
+        position=checkpoint_id,
+    )
+
+
+# A process that commits checkpoint 1 through a log at a file: URI, with CrashDuringCommit
+# armed for it (outside Spark it counts as attempt 0 of partition 0): the process dies.
+CRASH_AT_A_FILE_URI = textwrap.dedent(
+    """
+    import asyncio, sys
+    sys.path.insert(0, sys.argv[2])
+    from checkpoint import SubtaskLog
+    from stateful_async.chaos import CrashDuringCommit
+    from test_chaos_tools import commit, enrich
+
+    fault = CrashDuringCommit(enrich, checkpoint_id=1)
+    asyncio.run(fault.open())
+    commit(SubtaskLog(sys.argv[1], "job", "op", 0), 1)
+    print("committed")  # never reached: the commit kills the process
+    """
+)
+
+
+def test_crash_during_commit_leaves_its_orphan_file_in_a_file_uri_tables_directory(
+    tmp_path: Path,
+) -> None:
+    table = tmp_path / "checkpoints" / "job" / "op" / "subtask=0"
+    crashed = subprocess.run(
+        [sys.executable, "-c", CRASH_AT_A_FILE_URI, f"file://{table}", str(Path(__file__).parent)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert crashed.returncode == 1, crashed.stderr
+    assert "committed" not in crashed.stdout
+    # The orphan lies in the table's directory, and the Delta log never took it ...
+    [orphan] = table.glob("part-00000-*-c000.snappy.parquet")
+    assert not (table / "_delta_log").exists()
+    assert pq.read_table(orphan).column("checkpoint_id").to_pylist()[0] == 1
+    # ... not under a directory named after the URI's scheme, relative to the cwd.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
+
+
+def test_crash_during_commit_refuses_a_remote_checkpoint_location() -> None:
+    fault = CrashDuringCommit(enrich, checkpoint_id=1)
+    asyncio.run(fault.open())
+    try:
+        log = SubtaskLog("s3://bucket/checkpoints/job/op/subtask=0", "job", "op", 0)
+        with pytest.raises(
+            ConfigurationError,
+            match=r"CrashDuringCommit writes its orphan Parquet file on the local file system, "
+            r"but checkpoint run:1 goes to s3://bucket/checkpoints/job/op/subtask=0\. Use a "
+            r"local checkpoint location",
+        ):
+            commit(log, 1)
+    finally:
+        asyncio.run(fault.close())
+    assert not _faults._hooks  # close() removed the hook
+
+
+def test_crash_during_commit_lets_other_checkpoints_through(tmp_path: Path) -> None:
+    fault = CrashDuringCommit(enrich, checkpoint_id=2)
+    asyncio.run(fault.open())
+    try:
+        log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+        commit(log, 1)  # not the armed id: committed as usual, the process lives on
+    finally:
+        asyncio.run(fault.close())
+    assert [m.checkpoint_id for m in log.checkpoints()] == [1]
