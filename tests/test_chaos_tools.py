@@ -7,15 +7,17 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from checkpoint import SnapshotStore, SubtaskLog, _faults
 from stateful_async import ConfigurationError, StreamRecord
-from stateful_async.chaos import CrashDuringCommit
+from stateful_async.chaos import CrashDuringCommit, DriverProcess
 
 SCHEMA = pa.schema([("id", pa.int64())])
 
@@ -101,3 +103,53 @@ def test_crash_during_commit_lets_other_checkpoints_through(tmp_path: Path) -> N
     finally:
         asyncio.run(fault.close())
     assert [m.checkpoint_id for m in log.checkpoints()] == [1]
+
+
+# A driver that starts a long-lived child, prints its pid and exits at once, leaving the
+# child running (re-parented, still in the driver's session).
+LEAVES_A_CHILD = textwrap.dedent(
+    """
+    import subprocess, sys
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    print(child.pid, flush=True)
+    """
+)
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its parent counts as exited)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_driver_that_exited_still_accounts_for_the_processes_it_left(tmp_path: Path) -> None:
+    driver = DriverProcess([sys.executable, "-c", LEAVES_A_CHILD], log_dir=tmp_path)
+    assert driver.wait(timeout=60) == 0
+    child = psutil.Process(int(driver.stdout().split()[0]))
+    try:
+        assert not gone(child.pid) and child.ppid() != driver.pid  # orphaned, running
+        assert driver.pids() == [child.pid]  # the leak is seen ...
+        assert driver.kill() == [child.pid]  # ... and ended
+        assert gone(child.pid)
+        assert driver.pids() == []
+    finally:
+        if not gone(child.pid):
+            child.kill()  # the process this test started, by pid, whatever the outcome
+
+
+def test_killing_a_running_driver_kills_the_processes_it_started(tmp_path: Path) -> None:
+    code = LEAVES_A_CHILD + "import time; time.sleep(300)\n"  # ... and the driver runs on
+    driver = DriverProcess([sys.executable, "-c", code], log_dir=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not driver.stdout().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(driver.stdout().split()[0])
+        assert driver.pids() == sorted([driver.pid, child])
+        assert driver.kill() == sorted([driver.pid, child])
+        assert driver.returncode == -9 and gone(child)
+        assert driver.pids() == []
+    finally:
+        driver.kill()

@@ -752,8 +752,10 @@ class DriverProcess:
                                log_dir=tmp)
         driver.wait(timeout=300)        # or driver.kill() mid-job
 
-    stdout and stderr go to ``<log_dir>/<name>.out`` / ``.err``. ``kill()`` SIGKILLs the
-    driver and every process under it (its JVM, the JVM's Python workers), by pid.
+    stdout and stderr go to ``<log_dir>/<name>.out`` / ``.err``. The driver leads its own
+    session, so every process it starts (its JVM, the JVM's Python workers) stays in that
+    session even once the driver has exited and they were re-parented: ``pids()`` lists
+    them all and ``kill()`` SIGKILLs them all, by pid.
     """
 
     def __init__(
@@ -802,24 +804,48 @@ class DriverProcess:
                 f"and was killed. Its stderr ends with:\n{self.stderr_tail()}"
             ) from None
 
+    def _processes(self) -> list[Any]:
+        """The driver, if it runs, and every live process of its session: its children
+        and, after the driver exited, the orphans it left (re-parented, same session)."""
+        import psutil
+
+        found: dict[int, Any] = {}
+        driver = self.record.process()
+        if driver is not None:
+            found.update((p.pid, p) for p in _tree(driver))
+        # The session id is the driver's pid. A pid that names a live session is never
+        # reused, so a member started after the driver belongs to this driver's session.
+        for process in psutil.process_iter(["create_time", "status"]):
+            try:
+                if (
+                    os.getsid(process.pid) == self.pid
+                    and process.info["create_time"] >= self.record.create_time - 0.01
+                    and process.info["status"] != psutil.STATUS_ZOMBIE
+                ):
+                    found[process.pid] = process
+            except (OSError, psutil.Error):
+                continue  # exited while we looked
+        found.pop(os.getpid(), None)
+        return [p for p in found.values() if _running(p)]
+
     def pids(self) -> list[int]:
-        """The driver and every live process under it."""
-        process = self.record.process()
-        return [] if process is None else [p.pid for p in _tree(process)]
+        """The driver and every live process it started, including those left running
+        after the driver exited."""
+        return sorted(p.pid for p in self._processes())
 
     def kill(self, timeout: float = 30.0) -> list[int]:
-        """SIGKILL the driver and everything under it, by pid; wait until they are gone."""
-        process = self.record.process()
-        if process is None:
-            self.process.poll()
-            return []
-        tree = _tree(process)
-        killed = _kill_all(tree)
-        self.process.wait(timeout)
-        survivors = _wait_gone(tree, timeout)
+        """SIGKILL the driver and every process of its session, by pid (also after the
+        driver exited); wait until they are gone. Returns the pids killed."""
+        processes = self._processes()
+        killed = _kill_all(processes)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass  # reported below with the other survivors
+        survivors = _wait_gone(processes, timeout)
         if survivors:
             raise ClusterError(f"Driver processes survived SIGKILL: {survivors}.")
-        return killed
+        return sorted(killed)
 
     def stdout(self) -> str:
         return self.stdout_path.read_text(errors="replace")
