@@ -348,7 +348,7 @@ class LocalCluster:
                 f"Worker {index} is already running (pid {self.workers[index].pid})."
             )
         info = self._launch_worker(index)
-        self.wait_for_workers(len(self.workers), timeout or self.startup_timeout)
+        self._wait_registered([index], timeout or self.startup_timeout)
         return info
 
     def _launch_worker(self, index: int) -> WorkerInfo:
@@ -491,8 +491,9 @@ class LocalCluster:
             ) from exc
 
     def alive_workers(self) -> list[dict[str, Any]]:
-        """The workers the master counts alive (its JSON entries)."""
-        ports = {w.port for w in self.workers.values()}
+        """The workers the master counts alive (its JSON entries), among this cluster's
+        running worker daemons (a worker just killed stays alive for the master a moment)."""
+        ports = {w.port for w in self.workers.values() if w.record.alive()}
         return [
             w
             for w in self.master_status()["workers"]
@@ -512,6 +513,25 @@ class LocalCluster:
 
         try:
             wait_until(ready, timeout or self.startup_timeout, "The Spark workers did not register")
+        except TimeoutError as exc:
+            raise ClusterError(f"{exc} {self._log_tail()}") from exc
+
+    def _wait_registered(self, indices: Sequence[int], timeout: float) -> None:
+        """Wait until the master counts workers ``indices`` alive, each on the port it was
+        last launched on."""
+
+        def ready() -> bool:
+            self._check_daemons()
+            try:
+                alive = {
+                    w["port"] for w in self.master_status()["workers"] if w["state"] == "ALIVE"
+                }
+            except ClusterError:
+                return False  # the master's web UI is not up yet
+            return all(self.workers[i].port in alive for i in indices)
+
+        try:
+            wait_until(ready, max(timeout, 1.0), "The Spark workers did not register")
         except TimeoutError as exc:
             raise ClusterError(f"{exc} {self._log_tail()}") from exc
 
