@@ -17,7 +17,13 @@ import pytest
 
 from checkpoint import SnapshotStore, SubtaskLog, _faults
 from stateful_async import ConfigurationError, StreamRecord
-from stateful_async.chaos import CrashDuringCommit, DriverProcess
+from stateful_async.chaos import (
+    ClusterError,
+    CrashDuringCommit,
+    DriverProcess,
+    LocalCluster,
+    _cluster,
+)
 
 SCHEMA = pa.schema([("id", pa.int64())])
 
@@ -153,3 +159,19 @@ def test_killing_a_running_driver_kills_the_processes_it_started(tmp_path: Path)
         assert driver.pids() == []
     finally:
         driver.kill()
+
+
+def test_a_cluster_whose_start_failed_leaves_no_directory_or_exit_hook(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Spark installation without bin/spark-class: the master cannot even be launched.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    hooks: list[object] = []
+    monkeypatch.setattr(_cluster.atexit, "register", hooks.append)
+    monkeypatch.setattr(_cluster.atexit, "unregister", hooks.remove)
+    cluster = LocalCluster(1)
+    with pytest.raises(ClusterError, match="Cannot start the Spark master with .*spark-class"):
+        cluster.start()
+    assert cluster.base_dir is not None and not cluster.base_dir.exists()  # its temp dir
+    assert hooks == []
+    assert cluster.stop() == []  # and stopping again does nothing

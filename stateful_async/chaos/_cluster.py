@@ -269,6 +269,9 @@ class LocalCluster:
         self._popen: dict[int, subprocess.Popen[bytes]] = {}  # children, reaped when killed
         self._spark_home = ""
         self._at_exit_registered = False
+        # whether base_dir is this object's to clean up: set once start() took it (or
+        # attach() found a cluster there), so stop() never touches another cluster's dir
+        self._claimed = False
 
     # -- addresses ----------------------------------------------------------------------
 
@@ -309,6 +312,7 @@ class LocalCluster:
                 f"stateful_async.chaos.cluster stop --dir {self.base_dir}) or use another "
                 "directory."
             )
+        self._claimed = True
         for sub in ("conf", "logs", "work"):
             (self.base_dir / sub).mkdir(exist_ok=True)
         (self.base_dir / "conf" / "log4j2.properties").write_text(_LOG4J)
@@ -470,6 +474,7 @@ class LocalCluster:
             stop_at_exit=False,
         )
         cluster._spark_home = spark_home()
+        cluster._claimed = True
         cluster.master = ProcessRecord(**state["master"])
         cluster.master_port = state["master_port"]
         cluster.webui_port = state["webui_port"]
@@ -710,6 +715,8 @@ class LocalCluster:
 
     def processes(self) -> list[Any]:
         """Every live process this cluster started: daemons, executors, Python workers."""
+        import psutil
+
         found: dict[int, Any] = {}
         daemons = [self.master, *(w.record for w in self.workers.values())]
         for record in daemons:
@@ -720,6 +727,12 @@ class LocalCluster:
         for process in self._orphans():
             for p in _tree(process):
                 found[p.pid] = p
+        for pid, popen in self._popen.items():  # launched, maybe never recorded (failed start)
+            if popen.poll() is None:
+                try:
+                    found.update((p.pid, p) for p in _tree(psutil.Process(pid)))
+                except psutil.Error:
+                    pass
         found.pop(os.getpid(), None)
         return list(found.values())
 
@@ -727,8 +740,8 @@ class LocalCluster:
         """Stop every process this cluster started (SIGTERM, then SIGKILL after
         ``timeout`` seconds), by pid; remove the state file (and the directory, if the
         cluster created it). Returns the pids stopped. Safe to call twice."""
-        if self.master is None:
-            return []
+        if not self._claimed or self.base_dir is None:
+            return []  # never started, or stopped already
         processes = self.processes()
         stopped = _kill_all(processes, signal.SIGTERM)
         survivors = _wait_gone(processes, timeout)
@@ -742,12 +755,12 @@ class LocalCluster:
         leftovers = _wait_gone(survivors, timeout)
         if leftovers:
             raise ClusterError(f"Cluster processes survived SIGKILL: {leftovers}.")
-        assert self.base_dir is not None
         (self.base_dir / _STATE_FILE).unlink(missing_ok=True)
         if self._owns_dir:
             shutil.rmtree(self.base_dir, ignore_errors=True)
         self.master = None
         self.workers = {}
+        self._claimed = False
         if self._at_exit_registered:
             atexit.unregister(self.stop)
             self._at_exit_registered = False
