@@ -1,12 +1,18 @@
-"""``LocalCluster`` itself on real Spark daemons: workers restarted after kills."""
+"""``LocalCluster`` itself on real Spark daemons: workers restarted after kills, and ports
+taken by another process between ``free_port()`` and the daemon's bind."""
 
 from __future__ import annotations
 
+import socket
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 
-from stateful_async.chaos import LocalCluster
+from stateful_async.chaos import ClusterError, LocalCluster, _cluster
 
 
 @pytest.mark.cluster
@@ -27,3 +33,74 @@ def test_a_worker_started_after_every_worker_was_killed_registers(cluster: Local
             if not cluster.workers[index].record.alive():
                 cluster.start_worker(index)
     assert len(cluster.alive_workers()) == 2
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A loopback port this test holds (bound and listening) while a cluster starts."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield int(held.getsockname()[1])
+
+
+def processes_in(directory: Path) -> list[Any]:
+    """Live processes running in ``directory`` (the daemons run in the cluster's dir)."""
+    found = []
+    for process in psutil.process_iter(["cwd", "status"]):
+        cwd = process.info["cwd"] or ""
+        if process.info["status"] != psutil.STATUS_ZOMBIE and cwd.startswith(str(directory)):
+            found.append(process)
+    return found
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    ("taken", "service"),
+    [(0, "sparkMaster"), (1, "MasterUI"), (2, "sparkWorker"), (3, "WorkerUI")],
+)
+def test_a_port_taken_before_its_daemon_binds_it_is_replaced(
+    taken_port: int, monkeypatch: pytest.MonkeyPatch, taken: int, service: str
+) -> None:
+    # free_port() found a port free (the master's, its web UI's, the worker's, its web
+    # UI's: the calls in that order), then another process took it before the JVM bound
+    # it. The daemon exits at once, and is started again on new ports.
+    ports = iter([0] * taken + [taken_port])
+    real_free_port = _cluster.free_port
+    monkeypatch.setattr(_cluster, "free_port", lambda: next(ports, 0) or real_free_port())
+    cluster = LocalCluster(1, startup_timeout=90)
+    started = time.monotonic()
+    try:
+        cluster.start()
+        assert time.monotonic() - started < 90
+        [worker] = cluster.workers.values()
+        used = {cluster.master_port, cluster.webui_port, worker.port, worker.webui_port}
+        assert taken_port not in used and len(used) == 4
+        assert cluster.master_status()["url"] == cluster.master_url
+        assert [w["port"] for w in cluster.alive_workers()] == [worker.port]
+        assert cluster.base_dir is not None
+        logs = "".join(p.read_text() for p in (cluster.base_dir / "logs").glob("*.log"))
+        assert f"Service '{service}' failed after 0 retries (starting from {taken_port})" in logs
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.cluster
+def test_a_port_that_stays_taken_fails_the_start_quickly_naming_it(
+    taken_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_cluster, "free_port", lambda: taken_port)
+    cluster = LocalCluster(1, startup_timeout=90)
+    started = time.monotonic()
+    with pytest.raises(ClusterError) as raised:
+        cluster.start()
+    assert time.monotonic() - started < 45  # three launches of a JVM that exits at once
+    assert (
+        f"The Spark master could not bind port {taken_port} on 127.0.0.1: another process took "
+        "it after it was found free. Launched 3 time(s), on new free ports each time. The "
+        "daemon said: java.net.BindException: "
+    ) in str(raised.value)
+    # Nothing left behind: no daemon, no directory.
+    assert cluster.base_dir is not None
+    assert not cluster.base_dir.exists()
+    assert processes_in(cluster.base_dir) == []

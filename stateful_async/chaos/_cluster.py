@@ -3,7 +3,9 @@ from the installed ``pyspark`` package, for chaos tests that kill executors and 
 
 Every process is started by this module with ``$SPARK_HOME/bin/spark-class`` (``SPARK_HOME``
 is the ``pyspark`` package directory), on free loopback ports, with its logs, work
-directories and configuration in a directory the cluster owns. ``stop()`` ends only the
+directories and configuration in a directory the cluster owns. A daemon whose port another
+process took in the meantime exits (``spark.port.maxRetries=0``) and is started again on
+new ports; the master's REST server, on the fixed port 6066, is off. ``stop()`` ends only the
 processes the cluster started — the daemons it launched, the executors and Python workers
 they launched — each by pid, after checking the pid still names the same process (its
 start time), so a recycled pid is never killed.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -47,6 +50,16 @@ _WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
 # copies never run on the host of the original attempt, so the workers get two names that
 # both resolve to the loopback address.
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
+# Java options of every daemon. free_port() only finds a port free *now*; another process
+# may take it before the JVM binds. By default Spark then moves silently to the next port
+# (up to 16 times), and the cluster would go on talking to whatever holds the port it
+# chose. With no retries the daemon exits instead, and the cluster starts it again on new
+# ports (up to _BIND_ATTEMPTS launches).
+_DAEMON_OPTIONS = ("-Dspark.port.maxRetries=0",)
+# The master's REST submission server binds the fixed port 6066 (on by default since
+# Spark 4.1); nothing here submits through it.
+_MASTER_OPTIONS = (*_DAEMON_OPTIONS, "-Dspark.master.rest.enabled=false")
+_BIND_ATTEMPTS = 3
 _LOG4J = """\
 rootLogger.level = info
 rootLogger.appenderRef.stdout.ref = console
@@ -267,6 +280,7 @@ class LocalCluster:
         self.webui_port = 0
         self.workers: dict[int, WorkerInfo] = {}
         self._popen: dict[int, subprocess.Popen[bytes]] = {}  # children, reaped when killed
+        self._log_starts: dict[int, tuple[Path, int]] = {}  # pid -> its log, where its run began
         self._spark_home = ""
         self._at_exit_registered = False
         # whether base_dir is this object's to clean up: set once start() took it (or
@@ -320,6 +334,20 @@ class LocalCluster:
             atexit.register(self.stop)
             self._at_exit_registered = True
         try:
+            deadline = time.monotonic() + self.startup_timeout
+            self._start_master(deadline)
+            for index in range(self.workers_wanted):
+                self._launch_worker(index)
+            self._wait_registered(range(self.workers_wanted), deadline - time.monotonic())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_master(self, deadline: float) -> None:
+        """Launch the master on free ports and wait until its web UI answers as this
+        master; on new ports again if another process took one first."""
+        for attempt in range(1, _BIND_ATTEMPTS + 1):
             self.master_port, self.webui_port = free_port(), free_port()
             process = self._launch(
                 "master",
@@ -332,16 +360,41 @@ class LocalCluster:
                     "--webui-port",
                     str(self.webui_port),
                 ],
+                "SPARK_MASTER_OPTS",
+                _MASTER_OPTIONS,
             )
             self.master = ProcessRecord.of(process.pid)
             self._save()
-            for index in range(self.workers_wanted):
-                self._launch_worker(index)
-            self.wait_for_workers(self.workers_wanted, self.startup_timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+            if self._wait_master_up(process, deadline):
+                return
+            self._popen.pop(process.pid, None)
+            self.master = None
+            failure = self._bind_failure(process.pid)
+            if failure is None or attempt == _BIND_ATTEMPTS:
+                raise ClusterError(
+                    self._exit_message("master", process, failure, attempt) + f" {self._log_tail()}"
+                )
+
+    def _wait_master_up(self, process: subprocess.Popen[bytes], deadline: float) -> bool:
+        """Wait until the master's web UI answers as this master (True) or the master
+        exits (False)."""
+
+        def settled() -> bool:
+            if process.poll() is not None:
+                return True
+            try:
+                self.master_status(timeout=2.0)  # checks it is this master's
+                return True
+            except ClusterError:
+                return False  # not listening yet
+
+        try:
+            wait_until(
+                settled, max(deadline - time.monotonic(), 1.0), "The Spark master did not start"
+            )
+        except TimeoutError as exc:
+            raise ClusterError(f"{exc} {self._log_tail()}") from exc
+        return process.poll() is None
 
     def start_worker(self, index: int, timeout: float | None = None) -> WorkerInfo:
         """Start worker ``index`` again (after ``kill_worker``), on new ports, and wait until
@@ -351,9 +404,9 @@ class LocalCluster:
             raise ClusterError(
                 f"Worker {index} is already running (pid {self.workers[index].pid})."
             )
-        info = self._launch_worker(index)
+        self._launch_worker(index)
         self._wait_registered([index], timeout or self.startup_timeout)
-        return info
+        return self.workers[index]  # relaunched on other ports if its first ones were taken
 
     def _launch_worker(self, index: int) -> WorkerInfo:
         assert self.base_dir is not None
@@ -379,13 +432,20 @@ class LocalCluster:
                 "--work-dir",
                 str(work_dir),
             ],
+            "SPARK_WORKER_OPTS",
+            _DAEMON_OPTIONS,
         )
         info = WorkerInfo(index, host, port, webui, str(work_dir), ProcessRecord.of(process.pid))
         self.workers[index] = info
         self._save()
         return info
 
-    def _launch(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _launch(
+        self, name: str, args: list[str], options_variable: str, options: Sequence[str]
+    ) -> subprocess.Popen[bytes]:
+        """Start a daemon with ``spark-class``; ``options`` (Java options) go last in
+        ``options_variable`` (``SPARK_MASTER_OPTS``/``SPARK_WORKER_OPTS``), so they win
+        over the same options set there by the user."""
         assert self.base_dir is not None
         env = dict(os.environ)
         env.update(
@@ -398,9 +458,12 @@ class LocalCluster:
         )
         # The daemons are short-lived test fixtures: start-up matters more than peak speed.
         env.setdefault("SPARK_DAEMON_JAVA_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+        env[options_variable] = " ".join([env.get(options_variable, ""), *options]).strip()
         env.pop("SPARK_LOCAL_HOSTNAME", None)
         spark_class = os.path.join(self._spark_home, "bin", "spark-class")
-        log = open(self.base_dir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - child owns it
+        log_path = self.base_dir / "logs" / f"{name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - child owns it
+        log_start = log.tell()
         try:
             # Its own session: a Ctrl-C in the terminal does not reach the cluster, and the
             # daemon outlives the command-line process that started it.
@@ -418,6 +481,7 @@ class LocalCluster:
         finally:
             log.close()
         self._popen[process.pid] = process
+        self._log_starts[process.pid] = (log_path, log_start)
         if process.poll() is not None:
             raise ClusterError(
                 f"The Spark {name} exited at once with code {process.returncode}. "
@@ -489,11 +553,17 @@ class LocalCluster:
         """The master's JSON status (``/json/``): workers, applications, cores in use."""
         try:
             with urllib.request.urlopen(self.webui_url + "/json/", timeout=timeout) as response:
-                return dict(json.loads(response.read()))
+                status = dict(json.loads(response.read()))
         except (OSError, ValueError) as exc:
             raise ClusterError(
                 f"The Spark master at {self.webui_url} did not answer: {exc}"
             ) from exc
+        if status.get("url") != self.master_url:
+            raise ClusterError(
+                f"{self.webui_url} answers for the master {status.get('url')!r}, not for this "
+                f"cluster's {self.master_url}: another process holds the web UI port."
+            )
+        return status
 
     def alive_workers(self) -> list[dict[str, Any]]:
         """The workers the master counts alive (its JSON entries), among this cluster's
@@ -523,10 +593,26 @@ class LocalCluster:
 
     def _wait_registered(self, indices: Sequence[int], timeout: float) -> None:
         """Wait until the master counts workers ``indices`` alive, each on the port it was
-        last launched on."""
+        last launched on. A worker that exits because another process took one of its
+        ports is launched again on new ports (up to ``_BIND_ATTEMPTS`` launches)."""
+        launches = dict.fromkeys(indices, 1)
 
         def ready() -> bool:
-            self._check_daemons()
+            for index in indices:
+                info = self.workers[index]
+                process = self._popen.get(info.pid)
+                if process is None or process.poll() is None:
+                    continue
+                self._popen.pop(info.pid)
+                failure = self._bind_failure(info.pid)
+                if failure is None or launches[index] == _BIND_ATTEMPTS:
+                    raise ClusterError(
+                        self._exit_message(f"worker {index}", process, failure, launches[index])
+                        + f" {self._log_tail()}"
+                    )
+                launches[index] += 1
+                self._launch_worker(index)
+            self._check_daemons()  # the master
             try:
                 alive = {
                     w["port"] for w in self.master_status()["workers"] if w["state"] == "ALIVE"
@@ -539,6 +625,32 @@ class LocalCluster:
             wait_until(ready, max(timeout, 1.0), "The Spark workers did not register")
         except TimeoutError as exc:
             raise ClusterError(f"{exc} {self._log_tail()}") from exc
+
+    def _bind_failure(self, pid: int) -> str | None:
+        """The line of daemon ``pid``'s log that says it could not bind a port, if any."""
+        path, start = self._log_starts.get(pid, (None, 0))
+        if path is None:
+            return None
+        with open(path, "rb") as log:
+            log.seek(start)
+            text = log.read().decode(errors="replace")
+        for line in text.splitlines():
+            if "java.net.BindException" in line:
+                return line.strip()
+        return None
+
+    def _exit_message(
+        self, name: str, process: subprocess.Popen[bytes], failure: str | None, launches: int
+    ) -> str:
+        if failure is None:
+            return f"The Spark {name} (pid {process.pid}) exited with code {process.returncode}."
+        found = re.search(r"starting from (\d+)\)", failure)
+        port = f"port {found.group(1)}" if found else "one of its ports"
+        return (
+            f"The Spark {name} could not bind {port} on 127.0.0.1: another process took it "
+            f"after it was found free. Launched {launches} time(s), on new free ports each "
+            f"time. The daemon said: {failure}"
+        )
 
     def _check_daemons(self) -> None:
         for pid, process in list(self._popen.items()):
@@ -752,6 +864,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 pass
         self._popen.clear()
+        self._log_starts.clear()
         leftovers = _wait_gone(survivors, timeout)
         if leftovers:
             raise ClusterError(f"Cluster processes survived SIGKILL: {leftovers}.")
