@@ -370,7 +370,11 @@ def test_4_crash_during_a_snapshot_commit(chaos: Chaos, reference: Reference) ->
         in_flight_ids(snapshot) | set(range(2 * options.interval, 3 * options.interval)),
         unsent=in_flight_at_crash,
     )
-    assert set(counts) == set(range(options.rows)) and len(repeated) <= options.retry_bound
+    # Every row requested, none more than twice (one failed attempt), and the extra
+    # requests, not only the repeated rows, within capacity + interval.
+    assert set(counts) == set(range(options.rows)) and max(counts.values()) == 2
+    assert len(repeated) <= options.retry_bound
+    assert sum(counts.values()) - options.rows <= options.retry_bound
 
 
 # -- 5. driver killed, job re-run ------------------------------------------------------------
@@ -583,7 +587,11 @@ def test_7_zombie_attempt_commits_late_and_is_refused(chaos: Chaos, reference: R
     snapshot = restored_from(options, resumed)
     repeated = {k for k, n in counts.items() if n > 1}
     assert repeated == in_flight_ids(snapshot) | set(range(options.interval, 2 * options.interval))
-    assert set(counts) == set(range(options.rows)) and len(repeated) <= options.retry_bound
+    # Every row requested, none more than twice (the zombie and the copy), and the extra
+    # requests, not only the repeated rows, within capacity + interval.
+    assert set(counts) == set(range(options.rows)) and max(counts.values()) == 2
+    assert len(repeated) <= options.retry_bound
+    assert sum(counts.values()) - options.rows <= options.retry_bound
 
 
 # -- the tools themselves --------------------------------------------------------------------
