@@ -112,9 +112,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="session")
 def service() -> Iterator[MockService]:
+    """One mock service for the whole session. At the end, its process must be gone."""
     with MockService(ServiceConfig(latency_ms=LATENCY_MS)) as svc:
+        assert svc.pid is not None
+        process = psutil.Process(svc.pid)
         yield svc
-    assert svc.process is None
+    assert not process.is_running(), f"the mock service (pid {process.pid}) outlived stop()"
 
 
 class Chaos:
