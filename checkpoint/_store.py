@@ -1196,11 +1196,7 @@ class SnapshotStore:
 
     def operators(self, job_id: str) -> list[str]:
         self._require_job(job_id)
-        return [
-            name
-            for name in _layout.list_dirs(self.location, job_id)
-            if _layout.subtask_numbers(_layout.list_dirs(self.location, job_id, name))
-        ]
+        return list(self._operator_dirs(job_id))
 
     def _is_job(self, name: str) -> bool:
         """Whether ``name`` holds an operator directory with subtask tables (listing stops
@@ -1209,10 +1205,13 @@ class SnapshotStore:
             _layout.check_name("job id", name)
         except CheckpointError:
             return False
-        return any(
-            _layout.subtask_numbers(_layout.list_dirs(self.location, name, operator))
-            for operator in _layout.list_dirs(self.location, name)
-        )
+        return any(self._operator_dirs(name))
+
+    def _operator_dirs(self, job_id: str) -> Iterator[str]:
+        """The directories under ``job_id`` that hold subtask tables, listed one by one."""
+        for name in _layout.list_dirs(self.location, job_id):
+            if _layout.subtask_numbers(_layout.list_dirs(self.location, job_id, name)):
+                yield name
 
     def subtasks(self, job_id: str, operator_id: str) -> list[int]:
         self._require_job(job_id)

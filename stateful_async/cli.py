@@ -203,28 +203,37 @@ def demo(
 
 def _store(location: str) -> Any:
     from checkpoint import SnapshotStore
-    from checkpoint._layout import list_dirs, location_exists, missing_location, normalize
+    from checkpoint._layout import location_exists, missing_location, normalize
 
     if not location_exists(normalize(location)):
         raise Fail(missing_location(normalize(location)))
     store = SnapshotStore(location)
     _check_layout(store.location)
-    if not store.jobs():
-        # The parent of a location? Looked for in a few subdirectories only: on an object
-        # store every listing is a request, and a mistyped bucket root may hold thousands.
-        below = [
-            n
-            for n in list_dirs(store.location)[:_PROBED_SUBDIRS]
-            if SnapshotStore(f"{store.location}/{n}").jobs()
-        ]
-        if below:
-            paths = ", ".join(f"{store.location}/{n}" for n in below)
-            raise Fail(
-                f"{store.location} holds no checkpoints itself; the checkpoint location is "
-                f"one level down: {paths}"
-            )
-        raise Fail(f"{store.location} holds no checkpoints.")
     return store
+
+
+def _jobs(store: Any) -> list[str]:
+    """The location's jobs; none is an error that says where the checkpoints may be."""
+    from checkpoint import SnapshotStore
+    from checkpoint._layout import list_dirs
+
+    jobs: list[str] = store.jobs()
+    if jobs:
+        return jobs
+    # The parent of a location? Looked for in a few subdirectories only: on an object
+    # store every listing is a request, and a mistyped bucket root may hold thousands.
+    below = [
+        n
+        for n in list_dirs(store.location)[:_PROBED_SUBDIRS]
+        if SnapshotStore(f"{store.location}/{n}").jobs()
+    ]
+    if below:
+        paths = ", ".join(f"{store.location}/{n}" for n in below)
+        raise Fail(
+            f"{store.location} holds no checkpoints itself; the checkpoint location is one "
+            f"level down: {paths}"
+        )
+    raise Fail(f"{store.location} holds no checkpoints.")
 
 
 def _check_layout(location: str) -> None:
@@ -268,16 +277,14 @@ def _check_layout(location: str) -> None:
 
 
 def _job(store: Any, job: str | None) -> str:
-    jobs = store.jobs()
+    jobs = _jobs(store)
     if job is not None:
         if job not in jobs:
             raise Fail(
                 f"Job {job!r} has no checkpoints at {store.location}. Jobs there: "
-                f"{', '.join(jobs) or 'none'}."
+                f"{', '.join(jobs)}."
             )
         return job
-    if not jobs:
-        raise Fail(f"{store.location} holds no checkpoints.")
     if len(jobs) > 1:
         raise Fail(f"{store.location} holds several jobs ({', '.join(jobs)}): pass --job.")
     return str(jobs[0])
@@ -310,7 +317,7 @@ def list_checkpoints(
     """A table of checkpoints: one row per (job, run, id), summed over partitions."""
     with _user_errors():
         store = _store(location)
-        jobs = [_job(store, job)] if job else store.jobs()
+        jobs = [_job(store, job)] if job else _jobs(store)
         groups: dict[tuple[str, str, str, int], dict[str, Any]] = {}
         for name in jobs:
             for operator in store.operators(name):

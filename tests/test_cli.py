@@ -27,6 +27,11 @@ def invoke(*args: str):  # type: ignore[no-untyped-def]
     return runner.invoke(app, list(args), terminal_width=200)
 
 
+def replay(location: Path, function: str, *args: str):  # type: ignore[no-untyped-def]
+    """``stateful-async replay LOCATION 2 --function FUNCTION ARGS...``"""
+    return invoke("replay", str(location), "2", "--function", function, *args)
+
+
 class ById(ControlledFunction):
     async def async_invoke(self, value):  # type: ignore[no-untyped-def]
         return await super().async_invoke(value["id"])
@@ -299,9 +304,7 @@ def test_replay_gives_the_results_of_exactly_the_saved_in_flight_inputs(
     checkpoints, functions
 ) -> None:
     location, in_flight = checkpoints
-    result = invoke(
-        "replay", str(location), "2", "--function", "replay_functions:greet", "--partition", "0"
-    )
+    result = replay(location, "replay_functions:greet", "--partition", "0")
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert rows == [{"id": r["id"], "greeting": "hello " + r["name"]} for r in in_flight]
@@ -313,15 +316,7 @@ def test_replay_writes_parquet_and_instantiates_function_classes(
 ) -> None:
     location, _ = checkpoints
     target = tmp_path / "replayed.parquet"
-    result = invoke(
-        "replay",
-        str(location),
-        "2",
-        "--function",
-        "replay_functions:Greeter",
-        "--output",
-        str(target),
-    )
+    result = replay(location, "replay_functions:Greeter", "--output", str(target))
     assert result.exit_code == 0, result.output
     table = pq.read_table(target)
     assert table.num_rows == 12  # both partitions: 6 in-flight records each
@@ -341,7 +336,7 @@ def test_replay_writes_parquet_and_instantiates_function_classes(
 )
 def test_replay_refuses_functions_it_cannot_use(checkpoints, functions, function, message) -> None:
     location, _ = checkpoints
-    result = invoke("replay", str(location), "2", "--function", function)
+    result = replay(location, function)
     assert result.exit_code == 2
     assert message in result.output
 
@@ -349,8 +344,7 @@ def test_replay_refuses_functions_it_cannot_use(checkpoints, functions, function
 @pytest.mark.parametrize("timeout", ["0", "-1", "inf"])
 def test_replay_refuses_a_timeout_that_is_not_positive(checkpoints, functions, timeout) -> None:
     location, _ = checkpoints
-    args = ["--function", "replay_functions:greet", "--timeout", timeout]
-    result = invoke("replay", str(location), "2", *args)
+    result = replay(location, "replay_functions:greet", "--timeout", timeout)
     assert result.exit_code == 2
     assert "--timeout must be a finite number of seconds > 0" in result.output
     assert "Omit it for no timeout." in result.output  # not the Python API's timeout=None
@@ -360,15 +354,7 @@ def test_replay_refuses_an_output_path_that_exists(checkpoints, functions, tmp_p
     location, _ = checkpoints
     existing = tmp_path / "out.jsonl"
     existing.write_text("keep me\n")
-    result = invoke(
-        "replay",
-        str(location),
-        "2",
-        "--function",
-        "replay_functions:greet",
-        "--output",
-        str(existing),
-    )
+    result = replay(location, "replay_functions:greet", "--output", str(existing))
     assert result.exit_code == 2
     assert "already exists; choose a new one" in result.output
     assert existing.read_text() == "keep me\n"
@@ -385,15 +371,7 @@ def test_replay_refuses_an_output_directory_that_does_not_exist_before_calling(
         + f"\nasync def counted(row):\n    open({str(calls)!r}, 'a').write('x')\n"
         "    return [row]\n"
     )
-    result = invoke(
-        "replay",
-        str(location),
-        "2",
-        "--function",
-        "replay_functions:counted",
-        "--output",
-        str(target),
-    )
+    result = replay(location, "replay_functions:counted", "--output", str(target))
     assert result.exit_code == 2, result.output
     assert "is in a directory that does not exist: create" in " ".join(result.output.split())
     assert not calls.exists()  # refused before any call to the function
@@ -404,15 +382,7 @@ def test_replay_to_parquet_of_results_with_mixed_types_says_to_use_json_lines(
 ) -> None:
     location, _ = checkpoints
     target = tmp_path / "out.parquet"
-    result = invoke(
-        "replay",
-        str(location),
-        "2",
-        "--function",
-        "replay_functions:mixed_types",
-        "--output",
-        str(target),
-    )
+    result = replay(location, "replay_functions:mixed_types", "--output", str(target))
     assert result.exit_code == 2, result.output
     assert "do not fit one Parquet schema" in result.output
     assert "(--output with .jsonl)" in " ".join(result.output.split())

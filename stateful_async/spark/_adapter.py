@@ -244,11 +244,11 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
         )
     kind = fields[column]
     if isinstance(kind, (TimestampType, TimestampNTZType)):
-        unit, per = "seconds", dt.timedelta(seconds=1)  # stored as microseconds
+        unit, per, scale = "seconds", dt.timedelta(seconds=1), 1_000_000  # held in µs
     elif isinstance(kind, DateType):
-        unit, per = "days", dt.timedelta(days=1)
+        unit, per, scale = "days", dt.timedelta(days=1), 1
     elif isinstance(kind, (LongType, IntegerType, ShortType, ByteType)):
-        unit, per = "the column's own units", None
+        unit, per, scale = "the column's own units", None, 1
     else:
         raise ConfigurationError(
             f"event_time column {column!r} has type {kind.simpleString()}; use a timestamp, "
@@ -280,19 +280,18 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
             f"max_out_of_orderness must be a finite duration >= 0: a timedelta, or a number "
             f"in the column's units ({column!r}: {unit}); got {given!r}."
         )
-    if unit == "seconds":
-        amount = round(amount * 1_000_000)
-    elif amount != int(amount):
+    amount *= scale
+    if scale == 1 and amount != int(amount):
         raise ConfigurationError(
             f"event_time column {column!r} is {'a date' if per else 'an integer'}: "
             f"max_out_of_orderness must be a whole number of {unit}; got {given!r}."
         )
     if amount > _MAX_OOO:
         raise ConfigurationError(
-            f"max_out_of_orderness {given!r} is beyond what event times can differ by (a 64-bit "
-            f"range in {unit if unit != 'seconds' else 'microseconds'}); give a smaller one."
+            f"max_out_of_orderness {given!r} is beyond what event times can differ by (they "
+            "are held as 64-bit integers); give a smaller one."
         )
-    return int(amount)
+    return round(amount)
 
 
 def _check_checkpoint(

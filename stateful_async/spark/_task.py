@@ -90,6 +90,12 @@ class _RowFunctionWithTimeout(_RowFunction):
         return _pair(await self.fn.timeout(value[2]), value[1], self.names, "The timeout handler")
 
 
+def _record(seq: int, row: dict[str, Any], timestamp: int | None) -> StreamRecord[Any]:
+    """The operator's record of input row number ``seq``: ``(seq, row, argument)``, the
+    argument being the function's own copy of the row (see ``_RowFunction``)."""
+    return StreamRecord((seq, row, dict(row)), timestamp)
+
+
 def _pair(
     results: Any, row: dict[str, Any], names: frozenset[str], source: str = "The async function"
 ) -> list[Any]:
@@ -384,7 +390,7 @@ class _TaskRun:
                 # take far longer than it); when it is due, the chunk ends there.
                 due = None if seconds is None else self.last_checkpoint + seconds
                 for row, stamp in zip(rows, stamps or itertools.repeat(None), strict=False):
-                    await process(StreamRecord((seq, row, dict(row)), stamp))
+                    await process(_record(seq, row, stamp))
                     seq += 1
                     if due is not None and time.monotonic() >= due:
                         break
@@ -502,8 +508,7 @@ class _TaskRun:
                 if self.last_watermark is None or element.timestamp > self.last_watermark:
                     self.last_watermark = element.timestamp
             else:
-                row = element.value
-                restored.append(StreamRecord((seq, row, dict(row)), element.timestamp))
+                restored.append(_record(seq, element.value, element.timestamp))
         return restored
 
     def _find_restore_point(self, config: CheckpointConfig) -> Any:

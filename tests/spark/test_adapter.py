@@ -108,6 +108,11 @@ def fresh_service(service: MockService) -> MockService:
     return service
 
 
+def resumed(store: SnapshotStore, job: str) -> list[Any]:
+    """The checkpoints of a job that a retried task attempt (attempt 1) committed."""
+    return [m for m in store.checkpoints(job) if m.properties.get("attempt") == "1"]
+
+
 def partition_ids(rows: int, partitions: int, partition: int) -> range:
     """The ids spark.range(0, rows, numPartitions=partitions) puts in one partition."""
     start = partition * rows // partitions
@@ -296,7 +301,7 @@ def test_a_worker_crash_resumes_from_the_checkpoint_exactly_once(spark, service,
     assert all(k in partition_ids(rows, 2, 0) for k in repeated)
     assert len(repeated) <= capacity + interval
     store = SnapshotStore(tmp_path)
-    retried = [m for m in store.checkpoints("crash") if m.properties.get("attempt") == "1"]
+    retried = resumed(store, "crash")
     assert retried and all(m.subtask == 0 for m in retried)
     restored_from = retried[0].parent
     assert restored_from is not None
@@ -339,9 +344,9 @@ def test_a_resume_restores_watermarks_and_null_structs_under_not_null_fields(
         (i, None if i % 2 else i) for i in range(rows)
     ]
     store = SnapshotStore(tmp_path)
-    resumed = [m for m in store.checkpoints("wm") if m.properties.get("attempt") == "1"]
-    assert resumed, "attempt 1 must have resumed and checkpointed"
-    parent = resumed[0].parent
+    retried = resumed(store, "wm")
+    assert retried, "attempt 1 must have resumed and checkpointed"
+    parent = retried[0].parent
     restored = store.load("wm", "enrich", 0, parent.checkpoint_id, parent.run_id)
     assert any(isinstance(e, Watermark) for e in restored.elements)  # the case at stake
 
@@ -382,9 +387,9 @@ def test_zoned_timestamps_reach_the_function_in_utc_before_and_after_a_resume(
         ).collect()
         assert [(r.id, r.seen) for r in out] == expected
         store = SnapshotStore(tmp_path)
-        resumed = [m for m in store.checkpoints("tz") if m.properties.get("attempt") == "1"]
-        assert resumed and resumed[0].parent is not None
-        parent = resumed[0].parent
+        retried = resumed(store, "tz")
+        assert retried and retried[0].parent is not None
+        parent = retried[0].parent
         assert store.load("tz", "enrich", 0, parent.checkpoint_id, parent.run_id).elements
 
         spark.conf.set("spark.sql.session.timeZone", "Asia/Tokyo")
@@ -415,7 +420,7 @@ def test_a_function_that_changes_its_row_changes_neither_checkpoints_nor_resume(
     out = ordered_wait(df, fn, SCHEMA, capacity=50, checkpoint=config).collect()
     assert [r.asDict() for r in out] == [reference(i) for i in range(rows)]
     store = SnapshotStore(tmp_path)
-    assert any(m.properties.get("attempt") == "1" for m in store.checkpoints("inplace"))
+    assert resumed(store, "inplace")
     again = CheckpointConfig(str(tmp_path), "inplace", restore_from=2)
     out = ordered_wait(df, in_place, SCHEMA, capacity=50, checkpoint=again).collect()
     assert [r.asDict() for r in out] == [reference(i) for i in range(rows)]
@@ -446,7 +451,7 @@ def test_watermarks_never_go_back_after_a_resume_and_fit_64_bits(spark, tmp_path
     assert sorted(r.id for r in out) == list(range(rows))
     store = SnapshotStore(tmp_path)
     metas = store.checkpoints("wm")
-    assert any(m.properties.get("attempt") == "1" for m in metas), "attempt 1 must have resumed"
+    assert resumed(store, "wm"), "attempt 1 must have resumed"
     stored = []
     for meta in metas:
         snapshot = store.load("wm", "enrich", 0, meta.checkpoint_id, meta.run_id)
