@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
@@ -46,7 +46,7 @@ from .._function import (
     not_a_result_list,
 )
 from .._operator import AsyncWaitOperator, OutputMode
-from .._retry import RetryStrategy
+from .._retry import RetryStrategy, _never
 from ._config import CheckpointConfig
 from ._results import to_batch
 
@@ -88,6 +88,15 @@ class _RowFunction(AsyncFunction[Any, Any]):
 class _RowFunctionWithTimeout(_RowFunction):
     async def timeout(self, value: tuple[int, dict[str, Any], dict[str, Any]]) -> list[Any]:
         return _pair(await self.fn.timeout(value[2]), value[1], self.names, "The timeout handler")
+
+
+def _on_rows(retry: RetryStrategy | None) -> RetryStrategy | None:
+    """``retry`` for the operator, whose results are ``_RowFunction``'s (result, row) pairs:
+    its result predicate still sees the result rows, as the user's function returned them."""
+    if retry is None or retry.retry_on_result is _never:
+        return retry
+    predicate = retry.retry_on_result
+    return replace(retry, retry_on_result=lambda paired: predicate([r for r, _ in paired]))
 
 
 def _record(seq: int, row: dict[str, Any], timestamp: int | None) -> StreamRecord[Any]:
@@ -322,7 +331,7 @@ class _TaskRun:
         fn_class = _RowFunctionWithTimeout if has_timeout_handler(spec.fn) else _RowFunction
         function = fn_class(spec.fn, frozenset(spec.output_schema.names))
         self.op = AsyncWaitOperator(
-            function, self._on_output, spec.mode, spec.capacity, spec.timeout, spec.retry
+            function, self._on_output, spec.mode, spec.capacity, spec.timeout, _on_rows(spec.retry)
         )
         restored: list[StreamElement] = []
         self.checkpointing = spec.checkpoint is not None

@@ -47,6 +47,7 @@ pytestmark = pytest.mark.spark
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 SCHEMA = "id long, name string, score double, label string"
+SCHEMA_FIELDS = ("id", "name", "score", "label")
 JOB_SCRIPT = Path(__file__).with_name("adapter_job.py")
 
 
@@ -826,6 +827,25 @@ def test_retries_running_out_fail_the_job_naming_the_row(spark, service) -> None
         ).collect()
     # 3 attempts (max_attempts counts them all) in each of Spark's 3 task attempts
     assert service.counts()["7"] == 3 * 3
+
+
+def test_a_result_predicate_sees_the_result_rows_the_function_returned(spark, service) -> None:
+    def again(results: list[Any]) -> bool:  # the rows as returned, nothing of the task's
+        return [set(r) for r in results] == [set(SCHEMA_FIELDS)] and results[0]["id"] == 7
+
+    retry = RetryStrategy.fixed_delay(3, 0.01, retry_on_result=again)
+    out = ordered_wait(
+        source(spark, 10),
+        ServiceEnrichment(service.url),
+        SCHEMA,
+        capacity=4,
+        timeout=10.0,
+        retry=retry,
+    )
+    assert [r.asDict() for r in out.collect()] == [reference(i) for i in range(10)]
+    counts = service.counts()
+    # row 7's result was rejected on every attempt, so all 3 were made and the last emitted
+    assert counts["7"] == 3 and all(counts[str(i)] == 1 for i in range(10) if i != 7)
 
 
 def test_a_timeout_without_fallback_fails_the_job_naming_the_row(spark, service) -> None:
