@@ -38,6 +38,7 @@ from .._exceptions import (
     InputMismatchError,
     InvalidResultError,
     ResultSchemaError,
+    error_text,
 )
 from .._function import (
     AsyncFunction,
@@ -350,10 +351,29 @@ class _TaskRun:
                 await self._checkpoint(final=True)
                 retain = spec.checkpoint.retain  # type: ignore[union-attr]
                 await self._in_io(self.log.expire, retain, run_id=self.identity.run_id)
-        finally:
+        except BaseException as failure:
             self.tick.cancel()
-            await self.op.close()
+            await self._close_after(failure)
+            raise
+        self.tick.cancel()
+        await self.op.close()
         self._flush()
+
+    async def _close_after(self, failure: BaseException) -> None:
+        """Close the operator of a failed task. A ``close()`` that raises too (often for the
+        same cause: a broken client) must not replace the failure, which names the row: it
+        is logged, and the task fails with the failure."""
+        try:
+            await self.op.close()
+        except Exception as error:
+            print(
+                f"stateful-async: partition {self.identity.partition} attempt "
+                f"{self.identity.attempt}: the function's close() raised "
+                f"{type(error).__name__}: {error_text(error)}, after the task had failed with "
+                f"{type(failure).__name__}, which the task reports",
+                file=sys.stderr,
+                flush=True,
+            )
 
     # -- input ------------------------------------------------------------------------------
 

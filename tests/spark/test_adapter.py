@@ -878,6 +878,30 @@ def test_a_failing_function_is_reported_with_the_input_row_and_the_line_that_rai
     assert "StreamRecord" not in message
 
 
+class FailsAndFailsToClose(AsyncFunction):
+    """Fails on row 3, and its close() fails too (as a client broken by the same cause)."""
+
+    async def async_invoke(self, row):  # type: ignore[no-untyped-def]
+        if row["id"] == 3:
+            raise ConnectionResetError("connection reset by peer")
+        return [row]
+
+    async def close(self) -> None:
+        raise RuntimeError("cannot close a broken connection")
+
+
+def test_a_close_that_raises_after_a_failure_does_not_hide_it(spark) -> None:
+    with pytest.raises(Exception) as info:
+        ordered_wait(
+            spark.range(0, 5, numPartitions=1), FailsAndFailsToClose(), "id long"
+        ).collect()
+    assert re.search(
+        r"The async function failed for input row \{'id': 3\} \(record 3 of partition 0\) after "
+        r"1 attempt: ConnectionResetError: connection reset by peer",
+        str(info.value),
+    ), str(info.value)
+
+
 def test_a_result_missing_a_field_names_it_and_the_input_row(spark) -> None:
     async def incomplete(row):  # type: ignore[no-untyped-def]
         return [{"id": row["id"]}]
