@@ -117,12 +117,19 @@ async def settle(max_rounds: int = 10_000) -> None:
     raise RuntimeError(f"The event loop did not settle within {max_rounds} rounds.")
 
 
+_MIN_COMPACT = 64  # a heap this small is never compacted
+
+
 class TimerService:
     """Processing-time timers keyed by (owner, kind): registering a key again replaces its
     timer, cancelling removes it. One heap; one clock wake-up armed for the earliest timer.
 
     Cancellation is lazy (a cancelled timer stays in the heap until it reaches the top),
-    so register and cancel are O(log n) and O(1).
+    so register and cancel are O(log n) and O(1), amortized: when cancelled timers outnumber
+    the live ones the heap is compacted, so that it never holds on to more than about twice
+    the live timers' callbacks (an element's timeout, cancelled once the element is decided,
+    would otherwise keep the element alive until its deadline: memory growing with rate
+    times timeout, not with the operator's capacity).
     """
 
     def __init__(
@@ -138,6 +145,7 @@ class TimerService:
         self._seq = itertools.count()
         self._armed: Cancellable | None = None
         self._armed_at: float | None = None
+        self._compact_at = _MIN_COMPACT  # heap size past which cancel() compacts it
 
     @property
     def clock(self) -> Clock:
@@ -156,7 +164,24 @@ class TimerService:
 
     def cancel(self, key: Hashable) -> bool:
         """Cancel the timer under ``key``; returns whether there was one."""
-        return self._timers.pop(key, None) is not None
+        if self._timers.pop(key, None) is None:
+            return False
+        if len(self._heap) > self._compact_at:
+            self._compact()
+        return True
+
+    def _compact(self) -> None:
+        """Drop cancelled and replaced timers from the heap, in place (``_on_wakeup`` may
+        be iterating over it). The next compaction waits for the heap to double: O(1) per
+        timer, amortized."""
+        timers = self._timers
+        self._heap[:] = [
+            item
+            for item in self._heap
+            if (entry := timers.get(item[2])) is not None and entry[0] == item[1]
+        ]
+        heapq.heapify(self._heap)
+        self._compact_at = max(_MIN_COMPACT, 2 * len(self._heap))
 
     def fire_now(self, key: Hashable) -> bool:
         """Cancel the timer under ``key`` and run its callback immediately."""

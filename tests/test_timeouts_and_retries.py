@@ -638,3 +638,35 @@ async def test_a_timer_callback_that_raises_fails_the_operator_and_keeps_other_t
     assert isinstance(op.failure, OperatorStateError)
     assert "timer raised RuntimeError: bug" in str(op.failure)
     await op.close()
+
+
+class Payload:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+async def test_a_timeout_keeps_no_element_alive_once_it_is_decided() -> None:
+    # Memory is bounded by capacity: a decided element's cancelled timeout timer must not
+    # hold the element until its deadline (rate x timeout elements, however big).
+    import gc
+    import weakref
+
+    alive: weakref.WeakSet = weakref.WeakSet()
+
+    async def number(value):
+        return [value.n]
+
+    clock = VirtualClock()  # stands still: no deadline ever passes
+    out, op = make(number, clock, capacity=10, timeout=1000)
+    await op.open()
+    for i in range(5000):
+        payload = Payload(i)
+        alive.add(payload)
+        await op.process_element(StreamRecord(payload))
+    del payload
+    await settle()
+    gc.collect()
+    assert len(alive) <= 100, f"{len(alive)} of 5000 elements still referenced"
+    await op.finish()
+    assert [r.value for r in out] == list(range(5000))
+    await op.close()
