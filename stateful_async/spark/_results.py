@@ -154,8 +154,8 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
                 extra = value.keys() - names
                 if extra:  # pyarrow would drop them (a missing key is null, as in Spark)
                     reason = (
-                        f"unexpected field(s) {sorted(extra)} would be dropped (the struct has "
-                        f"{order})"
+                        f"unexpected field(s) {sorted(extra, key=repr)} would be dropped "
+                        f"(the struct has {order})"
                     )
                     return _Loss("", arrow_type, value, reason)
                 fields: Any = ((name, check, value.get(name)) for name, check in checks)

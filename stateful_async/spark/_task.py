@@ -149,7 +149,8 @@ def _pair(
 
 
 def _key_difference(keys: Any, names: frozenset[str]) -> str:
-    missing, extra = sorted(names - keys), sorted(keys - names)
+    # repr order: a function's result may have keys that are not strings, or of mixed types
+    missing, extra = sorted(names - keys), sorted(keys - names, key=repr)
     return "; ".join(
         part
         for part in (

@@ -919,6 +919,27 @@ def test_a_result_missing_a_field_names_it_and_the_input_row(spark) -> None:
 @pytest.mark.parametrize(
     ("result", "schema", "message"),
     [
+        ({"id": 0, 1: "x", "z": 2}, "id long", r"unexpected field\(s\) \['z', 1\]"),
+        (
+            {"id": 0, "st": {"a": 1, 1: "x", "z": 2}},
+            "id long, st struct<a: long>",
+            r"unexpected field\(s\) \['z', 1\] would be dropped",
+        ),
+    ],
+    ids=["top-level", "nested"],
+)
+def test_extra_keys_of_mixed_types_are_named(spark, result, schema, message) -> None:
+    # sorting keys of mixed types (1 < 'z') raised TypeError in place of the schema error
+    async def odd_keys(row):  # type: ignore[no-untyped-def]
+        return [result]
+
+    with pytest.raises(Exception, match=message):
+        ordered_wait(spark.range(0, 1, numPartitions=1), odd_keys, schema).collect()
+
+
+@pytest.mark.parametrize(
+    ("result", "schema", "message"),
+    [
         (
             {"score": "high"},
             "id long, score double",
