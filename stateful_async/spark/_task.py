@@ -650,14 +650,30 @@ class _TaskRun:
         if self.position < position or found != fingerprint:
             config = self.spec.checkpoint
             assert config is not None
+            if "batch_id" in self.identity.properties:
+                # A streaming query has no restore_from: every restart replays this batch.
+                advice = (
+                    "A restarted streaming query re-reads this micro-batch, and this "
+                    "partition now reads other records: most likely the batch is split into "
+                    "partitions differently than before the restart (another "
+                    "spark.sql.files.maxPartitionBytes or number of cores, say), or its "
+                    "source files changed. Either restore what decides the split until this "
+                    "batch has completed, or give the enrichment a new operator_id "
+                    "(CheckpointConfig(..., operator_id=...)): the batch then starts over "
+                    "and calls the service again for every row of it."
+                )
+            else:
+                advice = (
+                    "Resuming needs the same input in the same order: fix the input, or "
+                    "start a new run without restore_from (or under a new job_id)."
+                )
             raise InputMismatchError(
                 f"Partition {self.identity.partition} cannot resume from checkpoint {ref} of job "
                 f"{config.job_id!r}: that checkpoint had consumed {position} input records "
                 f"(fingerprint {fingerprint}), but the first {self.position} records read now "
                 f"have fingerprint {found}. The input differs from the one the checkpoint was "
                 "taken on (changed data, or an order that is not deterministic, e.g. after a "
-                "shuffle). Resuming needs the same input in the same order: fix the input, or "
-                "start a new run without restore_from (or under a new job_id)."
+                f"shuffle). {advice}"
             )
 
     async def _checkpoint(self, final: bool = False) -> None:

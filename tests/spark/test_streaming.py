@@ -226,3 +226,54 @@ def test_two_enrichments_sharing_a_checkpoint_in_one_micro_batch_fail_instead_of
         "double": [(i, 2.0 * i) for i in range(50)],
         "negate": [(i, -1.0 * i) for i in range(50)],
     }
+
+
+def test_a_replayed_micro_batch_split_differently_says_how_to_go_on(tmp_path: Path) -> None:
+    # A query restarted mid-batch with another spark.sql.files.maxPartitionBytes (measured:
+    # one partition before, two after) re-reads the batch split differently, and partition 0
+    # no longer starts with the records its checkpoint consumed. The error told a streaming
+    # query to "start a new run without restore_from", which a streaming query refuses, and
+    # every restart replayed the batch into the same error. It now names the likely cause
+    # and the way on. (The task itself, driven as Spark drives it, with a micro-batch's
+    # identity: the split cannot be forced deterministically in a live query.)
+    import pyarrow as pa
+
+    from stateful_async import InputMismatchError, OutputMode
+    from stateful_async._function import as_async_function
+    from stateful_async.spark import CheckpointConfig
+    from stateful_async.spark._task import TaskIdentity, TaskSpec, _TaskRun
+
+    async def echo(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    schema = pa.schema([("id", pa.int64())])
+    config = CheckpointConfig(str(tmp_path / "snapshots"), "stream", interval_records=2)
+    spec = TaskSpec(
+        as_async_function(echo), OutputMode.ORDERED, 4, None, None, schema, schema, None, 0,
+        config, "app",
+    )  # fmt: skip
+
+    def attempt(number: int, rows: int, streaming: bool) -> list:
+        # a restarted query: another run (job group) of the same query and batch
+        properties = {"attempt": "0", "task_attempt_id": str(number), "stage": "5"}
+        properties.update(app_id="app", job_group=f"run-{number}")
+        run_id = "query.batch3" if streaming else "app.stage7"
+        if streaming:
+            properties.update(batch_id="3", query_id="query")
+        identity = TaskIdentity(0, 0, run_id, properties)
+        batches = iter([pa.record_batch([pa.array(range(rows), pa.int64())], schema=schema)])
+        return list(_TaskRun(spec, batches, identity).run())
+
+    assert sum(b.num_rows for b in attempt(1, 6, streaming=True)) == 6
+    with pytest.raises(InputMismatchError) as refused:
+        attempt(2, 4, streaming=True)  # the replayed batch's partition 0 holds fewer rows
+    text = str(refused.value)
+    assert "cannot resume from checkpoint query.batch3:4" in text
+    assert "restore_from" not in text
+    assert "split into partitions differently than before the restart" in text
+    assert "give the enrichment a new operator_id" in text
+
+    # A batch job's retried attempt that reads other input keeps its own advice.
+    assert sum(b.num_rows for b in attempt(3, 6, streaming=False)) == 6
+    with pytest.raises(InputMismatchError, match="start a new run without restore_from"):
+        attempt(4, 4, streaming=False)
