@@ -42,6 +42,10 @@ log = logging.getLogger("stateful_async.spark.sink")
 #: Commit-info key that names the files of a commit (see ``commit_id``).
 COMMIT_ID_KEY = "stateful_async.sink.commitId"
 
+#: Commit-info keys of a streaming commit: its app id, and the query that committed it.
+APP_ID_KEY = "stateful_async.sink.appId"
+QUERY_ID_KEY = "stateful_async.sink.queryId"
+
 #: Executor and committer clocks may disagree; look this far before the oldest file.
 CLOCK_SKEW_MS = 10 * 60 * 1000
 
@@ -327,11 +331,14 @@ def commit_write(
     mode: str,
     app_id: str | None,
     version: int | None,
+    query_id: str | None = None,
 ) -> Outcome:
     """Add ``files`` to the table in one transaction, or refuse a version already there.
 
     ``mode`` is ``append`` or ``overwrite``. With ``app_id``, the transaction records
-    ``(app_id, version)`` and a version at or below the recorded one is refused.
+    ``(app_id, version)`` and a version at or below the recorded one is refused. With the
+    streaming ``query_id`` too, a version refused because *another* query recorded it under
+    the same app id raises instead (see ``_check_same_query``).
     """
     from deltalake.exceptions import CommitFailedError, DeltaError
     from deltalake.transaction import (
@@ -347,8 +354,11 @@ def commit_write(
         for f in files
     ]
     cid = commit_id(files) if files else f"empty-{time.time_ns()}"
+    metadata = {COMMIT_ID_KEY: cid}
+    if app_id is not None and query_id is not None:
+        metadata |= {APP_ID_KEY: app_id, QUERY_ID_KEY: query_id}
     props = CommitProperties(
-        custom_metadata={COMMIT_ID_KEY: cid},
+        custom_metadata=metadata,
         max_commit_retries=opts.max_commit_retries,
         app_transactions=(
             [Transaction(app_id, version)] if app_id is not None and version is not None else None
@@ -381,6 +391,7 @@ def commit_write(
     check_table_features(table, uri, mode)  # again: the table may have changed since planning
     new_fields = check_schema(table, plan.schema, merge=opts.merge_schema, table_uri=uri)
     if _already_committed(table, app_id, version):
+        _check_same_query(table, app_id, version, query_id, uri)
         return _refuse(opts, files, app_id, version)
     if not files and mode == "append":
         return Outcome.NOTHING
@@ -390,6 +401,7 @@ def commit_write(
             log.info("Added the columns %s to %s (mergeSchema).", [f.name for f in new_fields], uri)
             # alter() moved this object to a newer snapshot: check again on that one.
             if _already_committed(table, app_id, version):
+                _check_same_query(table, app_id, version, query_id, uri)
                 return _refuse(opts, files, app_id, version)
         table.create_write_transaction(
             adds,
@@ -428,6 +440,40 @@ def _already_committed(table: Any, app_id: str | None, version: int | None) -> b
         return False
     committed = table.transaction_version(app_id)
     return committed is not None and version <= committed
+
+
+#: How far back ``_check_same_query`` reads the history for the app id's last commit.
+_SAME_QUERY_HISTORY = 1000
+
+
+def _check_same_query(
+    table: Any, app_id: str | None, version: int | None, query_id: str | None, uri: str
+) -> None:
+    """Raise if the app id's recorded version was committed by another streaming query.
+
+    A replay comes from the same query (Spark keeps the query id across restarts from one
+    checkpoint location). A *new* query given another query's ``txnAppId`` starts its batch
+    ids at 0: every batch of it would be refused as a replay, and its rows silently lost.
+    Commits by this sink name their query in their commit info; one that names another
+    query stops this one. Without that record (older commits, or history cleaned up) the
+    refusal stands, as before.
+    """
+    if app_id is None or query_id is None or app_id == query_id:
+        return  # the default app id is the query id itself
+    entry = next(
+        (e for e in table.history(_SAME_QUERY_HISTORY) if e.get(APP_ID_KEY) == app_id), None
+    )
+    other = entry.get(QUERY_ID_KEY) if entry is not None else None
+    if other is None or other == query_id:
+        return
+    raise DeltaSinkError(
+        f"The Delta table at {uri} already holds batch {table.transaction_version(app_id)} of "
+        f"app id {app_id!r}, committed by another streaming query ({other}); this query "
+        f"({query_id}) is at batch {version}, so its batches would be refused as replays and "
+        "their rows never written. Nothing was committed. Give each query its own txnAppId "
+        "(or leave the option out: the query id is used), or restart the other query from "
+        "its own checkpoint location."
+    )
 
 
 def _refuse(

@@ -91,6 +91,7 @@ class _DeltaWriter:
         messages: list[WriterCommitMessage | None],
         app_id: str | None,
         version: int | None,
+        query_id: str | None = None,
     ) -> Outcome:
         received = _messages(messages, self._options.table_uri)
         plan = self._plan
@@ -106,6 +107,7 @@ class _DeltaWriter:
             mode="overwrite" if self._overwrite else "append",
             app_id=app_id,
             version=version,
+            query_id=query_id,
         )
         if outcome is Outcome.COMMITTED and self._options.clean_orphans:
             clean_after_commit(self._options)
@@ -201,22 +203,23 @@ class DeltaStreamWriter(_DeltaWriter, DataSourceStreamArrowWriter):
         return self._write_task(iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        self._commit(messages, self._app_id(messages), batchId)
+        query_id = _query_id(messages, self._options.table_uri)
+        self._commit(messages, self._options.app_id or query_id, batchId, query_id)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         self._abort(messages)
 
-    def _app_id(self, messages: list[WriterCommitMessage | None]) -> str | None:
-        if self._options.app_id is not None:
-            return self._options.app_id
-        ids = {m.query_id for m in messages if isinstance(m, SinkCommitMessage) and m.query_id}
-        if len(ids) > 1:
-            raise DeltaSinkError(
-                f"The tasks of one micro-batch reported different streaming query ids "
-                f"({sorted(ids)}); nothing was committed to {self._options.table_uri}. "
-                "Set the option txnAppId to a fixed id for this query."
-            )
-        return ids.pop() if ids else None
+
+def _query_id(messages: list[WriterCommitMessage | None], table_uri: str) -> str | None:
+    """The streaming query id the tasks of a micro-batch read from their TaskContext."""
+    ids = {m.query_id for m in messages if isinstance(m, SinkCommitMessage) and m.query_id}
+    if len(ids) > 1:
+        raise DeltaSinkError(
+            f"The tasks of one micro-batch reported different streaming query ids "
+            f"({sorted(ids)}); nothing was committed to {table_uri}. Re-run the query; "
+            "if it happens again, report it."
+        )
+    return ids.pop() if ids else None
 
 
 class DeltaRsDataSource(DataSource):

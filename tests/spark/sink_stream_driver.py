@@ -17,15 +17,17 @@ SOURCE_SCHEMA = "id long, name string, amount double, ts timestamp"
 
 
 def start_query(
-    spark: Any, source: str, table: str, checkpoint: str, *, interval: str | None
+    spark: Any, source: str, table: str, checkpoint: str, *, interval: str | None, **options: str
 ) -> Any:
-    """Start the query: a micro-batch every ``interval``, or ``availableNow`` if None."""
+    """Start the query: a micro-batch every ``interval``, or ``availableNow`` if None;
+    ``options`` go to the sink."""
     writer = (
         spark.readStream.schema(SOURCE_SCHEMA)
         .option("maxFilesPerTrigger", 1)
         .parquet(source)
         .writeStream.format("delta_rs")
         .option("checkpointLocation", checkpoint)
+        .options(**options)
     )
     if interval is None:
         writer = writer.trigger(availableNow=True)

@@ -410,6 +410,37 @@ def test_replayed_batch_is_refused_without_duplicates(sink: Any, tmp_path: Path)
     assert _table_files(table) == _live_files(table)  # the replay's files were removed
 
 
+@pytest.mark.spark
+def test_a_new_query_given_another_querys_txn_app_id_fails_instead_of_losing_rows(
+    sink: Any, tmp_path: Path
+) -> None:
+    source, table = tmp_path / "src", tmp_path / "table"
+    expected = _write_source(source, files=3, rows_per_file=100)
+    first = DRIVER.start_query(
+        sink, str(source), str(table), str(tmp_path / "chk1"), interval=None, txnAppId="enrich"
+    )
+    first.awaitTermination()
+    _assert_exactly_once(table, expected)
+    assert DeltaTable(str(table)).transaction_version("enrich") == 2
+
+    # A second query (its own checkpoint, so its own query id and batch ids from 0) with
+    # the same txnAppId: each of its batches was refused as a replay, its rows lost.
+    second = DRIVER.start_query(
+        sink, str(source), str(table), str(tmp_path / "chk2"), interval=None, txnAppId="enrich"
+    )
+    with pytest.raises(StreamingQueryException) as failure:
+        second.awaitTermination()
+    assert re.search(
+        rf"already holds batch 2 of app id 'enrich', committed by another streaming query "
+        rf"\({first.id}\); this query \({second.id}\) is at batch 0, so its batches would be "
+        r"refused as replays",
+        str(failure.value),
+    ), str(failure.value)
+    assert DeltaTable(str(table)).version() == 2
+    _assert_exactly_once(table, expected)
+    assert _table_files(table) == _live_files(table)  # the failed batch's files were removed
+
+
 def _unit_options(table: Path, **extra: str) -> SinkOptions:
     return SinkOptions.parse({"path": str(table), **extra}, streaming=True)
 
@@ -458,6 +489,31 @@ def test_commit_refuses_versions_at_or_below_the_recorded_one(tmp_path: Path) ->
     )
     assert DeltaTable(str(table)).transaction_version("q") == 4
     assert _ids(table) == list(range(150))
+
+
+def test_a_refused_version_is_a_replay_only_for_the_query_that_committed_it(
+    tmp_path: Path,
+) -> None:
+    table = tmp_path / "table"
+    opts = _unit_options(table, txnAppId="shared")
+    plan = plan_write(opts, SOURCE_ARROW)
+
+    def commit(start: int, version: int, query_id: str | None) -> Outcome:
+        files = _unit_write(opts, start, 10, batch_id=version)
+        return commit_write(
+            opts, plan, files, mode="append", app_id="shared", version=version, query_id=query_id
+        )
+
+    assert commit(0, 3, "query-1") is Outcome.COMMITTED
+    assert commit(0, 3, "query-1") is Outcome.REFUSED  # the same query's replay
+    assert commit(0, 2, None) is Outcome.REFUSED  # no query to tell: a replay, as before
+    with pytest.raises(DeltaSinkError, match=r"committed by another streaming query \(query-1\)"):
+        commit(0, 0, "query-2")
+    assert commit(10, 4, "query-2") is Outcome.COMMITTED  # a later version is not a replay
+    with pytest.raises(DeltaSinkError, match=r"another streaming query \(query-2\)"):
+        commit(20, 4, "query-1")
+    assert DeltaTable(str(table)).transaction_version("shared") == 4
+    assert _ids(table) == list(range(20))
 
 
 def test_abort_deletes_only_files_whose_commit_did_not_land(tmp_path: Path) -> None:
