@@ -1103,7 +1103,7 @@ class SubtaskLog:
             f"{self.job_id!r} (operator {self.operator_id!r}) at {self.uri} were "
             f"written with: {'; '.join(_schema_differences(old, new))}. Checkpoints "
             "of one job keep the schemas they were written with (a retried task, a "
-            "restarted streaming query or restore_from resumes them). Two enrichments "
+            "restarted streaming query or restore_from can resume them). Two enrichments "
             "in one job (one chained after the other, say) each need their own "
             "operator_id. Otherwise use a new job_id (or operator_id), or delete every "
             "checkpoint of this job, results included, "
