@@ -774,7 +774,10 @@ def section_spark(
         "(`stateful_async.chaos.MockService`, aiohttp, its own process on 127.0.0.1) with a "
         "constant 20 ms latency. Every competitor enriches the same rows (`id`, `name`) "
         "with the service's `score` and `label` and writes them to Spark's `noop` sink; every "
-        "run is checked against the service's request counter (exactly one request per row). "
+        "run is checked against the service's request counter (exactly one request per row) "
+        "and its output against the input (observed on its way to the sink: every row once, "
+        "with the service's answer for its id), so a competitor that loses or garbles rows "
+        "fails instead of looking fast. "
         f"Concurrency per task is the same everywhere: {CAPACITY} requests in flight "
         f"(capacity {CAPACITY}; {CAPACITY} threads for the thread pool). The competitors are "
         "written as users write them:\n",

@@ -37,7 +37,9 @@ Then, on the same session and service:
 * CPU per row of one task outside Spark (``ordered_wait`` against the hand-written loop)
   and a cProfile of each, summarised by package.
 
-Every Spark run records the CPU time of each of our processes (service, JVM, Python
+Every Spark run checks its output on its way to the sink (every input row once, with the
+service's answer for its id; ``timed_write``) and, against the service, one request per
+row. Every Spark run records the CPU time of each of our processes (service, JVM, Python
 workers, driver) and of everything else on the machine (psutil): rows per CPU-second of
 our processes is reported beside rows/s, because on a shared machine rows/s of a
 CPU-bound case moves with other people's load. Cases run interleaved ``--repeat`` times;
@@ -200,7 +202,41 @@ def build(
     raise ValueError(kind)
 
 
-def timed_write(df: Any, meter: CpuMeter | None = None) -> float:
+def right_rows(answers: str = "service") -> Any:
+    """A Column true where a result row is right: its ``name`` is the input's for its ``id``,
+    and its ``score`` and ``label`` are what the service answers for that id
+    (``stateful_async.chaos.expected_enrichment``, in Spark SQL), or with
+    ``answers="constant"`` the constants ``sleep_20ms`` returns."""
+    from pyspark.sql import functions as F
+
+    right = F.col("name") == F.concat(F.lit("user"), F.col("id").cast("string"))
+    if answers == "constant":
+        return right & (F.col("score") == 0.5) & (F.col("label") == "L")
+    digest = F.crc32(F.col("id").cast("string"))
+    score = (digest % 10_000).cast("double") / 100.0
+    label = F.concat(F.lit("L"), F.lpad((digest % 97).cast("string"), 2, "0"))
+    return right & (F.col("score") == score) & (F.col("label") == label)
+
+
+def timed_write(
+    df: Any, rows: int, what: str, meter: CpuMeter | None = None, answers: str = "service"
+) -> float:
+    """Writes ``df`` to Spark's ``noop`` sink and returns the seconds it took. The output is
+    observed on its way there (a per-row check in the JVM, next to nothing beside a request)
+    and must be ``rows`` rows, ids 0 .. rows - 1 once each (by count, sum and sum of
+    squares) and every row right (``right_rows``): a competitor that drops, repeats or
+    garbles rows fails the run instead of looking fast."""
+    from pyspark.sql import Observation
+    from pyspark.sql import functions as F
+
+    observation = Observation()
+    df = df.observe(
+        observation,
+        F.count(F.lit(1)).alias("rows"),
+        F.sum("id").alias("id_sum"),
+        F.sum(F.col("id") * F.col("id")).alias("id_square_sum"),
+        F.sum(F.when(right_rows(answers), 1).otherwise(0)).alias("right"),
+    )
     if meter is not None:
         meter.start()
     start = time.perf_counter()
@@ -208,7 +244,24 @@ def timed_write(df: Any, meter: CpuMeter | None = None) -> float:
     seconds = time.perf_counter() - start
     if meter is not None:
         meter.stop(seconds)
+    checked_output(observation.get, rows, what)
     return seconds
+
+
+def checked_output(got: dict[str, Any], rows: int, what: str) -> None:
+    """The observed output (``timed_write``) is every input row once, each one right."""
+    expected = {
+        "rows": rows,
+        "id_sum": rows * (rows - 1) // 2,
+        "id_square_sum": (rows - 1) * rows * (2 * rows - 1) // 6,
+        "right": rows,
+    }
+    if {key: got.get(key) for key in expected} != expected:
+        raise AssertionError(
+            f"{what}: the output had {got.get('rows')} rows (id sum {got.get('id_sum')}, "
+            f"{got.get('right')} of them right) for {rows} input rows (id sum "
+            f"{expected['id_sum']})"
+        )
 
 
 def run_case(
@@ -226,7 +279,7 @@ def run_case(
     the CPU of each process (``meter``), after checking one request per row."""
     service.reset()
     df = build(kind, source(spark, rows), service.url, capacity, checkpoint, fn)
-    seconds = timed_write(df, meter)
+    seconds = timed_write(df, rows, what, meter)
     checked(service, rows, what)
     return seconds, meter.last
 
@@ -597,7 +650,8 @@ def checkpoint_sweep(spark: Any, sizes: Sizes, work: str) -> dict[str, Any]:
             df = ordered_wait(
                 source(spark, rows), sleep_20ms, SCHEMA, capacity=SWEEP_CAPACITY, checkpoint=config
             )
-            seconds[str(interval)].append(timed_write(df, meter))
+            what = f"checkpoint every {interval}"
+            seconds[str(interval)].append(timed_write(df, rows, what, meter, "constant"))
             cpu[str(interval)].append(meter.last)
             log(
                 f"  checkpoint every {interval!s:<7} {rows:>8,} rows "
@@ -772,7 +826,7 @@ def failure_cost(
         service.reset()
         fn = disarmed(service.url, crash_at, armed=True)
         df = build("ordered_wait", source(spark, rows), service.url, capacity, config, fn)
-        seconds = timed_write(df)
+        seconds = timed_write(df, rows, f"{mode}, crashed")
         counts = service.counts()
         missing = rows - len(counts)
         if missing:
@@ -1083,7 +1137,7 @@ def run(quick: bool = False, capacity: int = 64, latency_ms: float = 20.0) -> di
             with MockService(ServiceConfig(latency_ms=latency_ms)) as service:
                 log("warm-up (Python workers start, imports)")
                 for kind in KINDS:
-                    timed_write(build(kind, source(spark, 400), service.url, capacity))
+                    timed_write(build(kind, source(spark, 400), service.url, capacity), 400, kind)
                 log(f"throughput at {latency_ms:g} ms, capacity {capacity}")
                 result["throughput"] = throughput(spark, service, sizes, capacity, work)
                 result["littles_law_rows_per_s"] = PARTITIONS * capacity / (latency_ms / 1000)
