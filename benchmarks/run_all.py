@@ -18,6 +18,11 @@ benchmark (``sink_bench``). Then it writes ``docs/benchmarks.md`` (every figure 
 run, ratios against the anchors, the targets met or missed) and PNG plots under
 ``docs/benchmarks/``, and checks that every process it started has stopped and that none
 of them is left listening.
+
+Exit status: 1 when a part failed (a benchmark raised, or a competitor's output or request
+count was wrong; the report's section says why) or a process it started was still running
+or listening at the end; 0 otherwise. A missed target does not change the exit status: the
+report's Targets table and the log name it.
 """
 
 from __future__ import annotations
@@ -267,7 +272,8 @@ def sink_part(quick: bool) -> dict[str, Any]:
         text=True,
     )
     if done.returncode != 0:
-        return {"status": "failed", "reason": done.stderr.strip().splitlines()[-1:]}
+        tail = done.stderr.strip().splitlines()[-1:]
+        return {"status": "failed", "reason": tail[0] if tail else f"exit {done.returncode}"}
     text = done.stdout
     figures: dict[str, Any] = {"status": "ok", "text": text.strip()}
     rows = re.search(r"rows: ([\d,]+)", text)
@@ -281,6 +287,8 @@ def sink_part(quick: bool) -> dict[str, Any]:
             sink_rows_per_s=int(sink.group(2).replace(",", "")),
             ratio=float(ratio.group(1)),
         )
+    else:  # a run whose figures cannot be read measured nothing
+        figures.update(status="failed", reason="its output has no figures: " + text[-200:])
     return figures
 
 
@@ -542,6 +550,12 @@ def render(results: dict[str, Any], plots: Path, doc_dir: Path) -> str:
         "plots\n"
         "./dev bench --quick --out /tmp/bench/benchmarks.md --plots /tmp/bench/plots"
         "  # a smoke run\n```\n"
+    )
+    add(
+        "`./dev bench` exits with status 1 when a part failed (a benchmark raised, or a "
+        "competitor's output or request count was wrong; its section below says why) or a "
+        "process it started was left running or listening; a missed target does not change "
+        "the exit status (the Targets table and the log name it).\n"
     )
     if results.get("quick"):
         add(
@@ -1184,7 +1198,7 @@ def section_pyflink(results: dict[str, Any], by_key: dict[str, Any]) -> str:
         "time is shown too. Best of two runs (one in `--quick`).\n",
     ]
     if not ok(pf):
-        lines.append(f"**Skipped:** {pf.get('reason', 'not run')}\n")
+        lines.append(f"**{pf.get('status', 'not run').capitalize()}:** {pf.get('reason', '')}\n")
         return "\n".join(lines)
     spark = results.get("spark", {})
     ours = ours_cpu = None
@@ -1906,6 +1920,20 @@ def run(quick: bool, skip_pyflink: bool, skip_sink: bool) -> dict[str, Any]:
     return results
 
 
+def failures(results: dict[str, Any]) -> list[str]:
+    """What fails the run (exit status 1): a part that failed, and a process it started that
+    was still running or listening at the end. A missed target does not: the report says."""
+    out = [
+        f"{name} failed: {part.get('reason')}"
+        for name, part in results.items()
+        if isinstance(part, dict) and part.get("status") == "failed"
+    ]
+    cleanup = results.get("cleanup", {})
+    out += [f"still running: pid {p['pid']} {p['cmd']}" for p in cleanup.get("still_running", [])]
+    out += [f"listening: pid {p['pid']} on {p['address']}" for p in cleanup.get("listening", [])]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run of every part")
@@ -1953,7 +1981,13 @@ def main() -> None:
         f"processes started: {cleanup['started']}, still running: "
         f"{len(cleanup['still_running'])}, listening: {len(cleanup['listening'])}"
     )
-    if cleanup["still_running"] or cleanup["listening"]:
+    for check in targets(results):
+        if check["met"] is False:
+            log(f"target missed: {check['target']}: {check['measured']}")
+    problems = failures(results)
+    for problem in problems:
+        log(f"FAILED: {problem}")
+    if problems:
         sys.exit(1)
 
 

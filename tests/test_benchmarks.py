@@ -1,0 +1,102 @@
+"""The benchmark suite's own bookkeeping (benchmarks/run_all.py and its parts), without
+running a benchmark: a part that failed must fail the run, not leave a report and exit 0."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import pyflink_bench  # noqa: E402
+import run_all  # noqa: E402
+
+MACHINE = {
+    "date": "2026-01-01 00:00 UTC",
+    "cpu_model": "test",
+    "cpus": 2,
+    "memory_gib": 1.0,
+    "os": "test",
+    "python": "3",
+    "pyspark": "4",
+    "deltalake": "1",
+    "pyarrow": "1",
+    "aiohttp": "3",
+    "java": "17",
+    "commit": "0000000",
+    "load_start": [0.0, 0.0, 0.0],
+    "load_end": [0.0, 0.0, 0.0],
+}
+
+
+def report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, results: dict[str, Any]) -> None:
+    """run_all's main on a saved run (--from-json); matplotlib stubbed: no part has
+    figures to plot."""
+    matplotlib = types.ModuleType("matplotlib")
+    matplotlib.use = lambda backend: None  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "matplotlib", matplotlib)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", types.ModuleType("matplotlib.pyplot"))
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(results))
+    out = tmp_path / "benchmarks.md"
+    argv = ["run_all.py", "--from-json", str(saved), "--out", str(out), "--plots", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    run_all.main()
+
+
+def saved_run(**parts: Any) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        "quick": True,
+        "machine": MACHINE,
+        "cleanup": {"started": 3, "still_running": [], "listening": []},
+        # parts with figures would need a real run's; these have none
+        "operator": {"status": "skipped", "reason": "not run here"},
+        "store": {"status": "skipped", "reason": "not run here"},
+        "spark": {"status": "skipped", "reason": "not run here"},
+        "pyflink": {"status": "skipped", "reason": "--skip-pyflink was given"},
+        "sink": {"status": "skipped", "reason": "--skip-sink was given"},
+    }
+    results.update(parts)
+    return results
+
+
+def test_a_failed_part_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    failed = {"status": "failed", "reason": "spark_bench.py failed (exit 1)"}
+    with pytest.raises(SystemExit) as exit_:
+        report(tmp_path, monkeypatch, saved_run(spark=failed))
+    assert exit_.value.code == 1
+    assert "_failed: spark_bench.py failed (exit 1)_" in (tmp_path / "benchmarks.md").read_text()
+
+
+def test_skipped_parts_do_not_fail_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    report(tmp_path, monkeypatch, saved_run())  # no SystemExit
+
+
+def test_sink_output_without_figures_is_a_failed_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    def run(args: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(args, 0, stdout="nothing measured\n", stderr="")
+
+    monkeypatch.setattr(run_all.subprocess, "run", run)
+    assert run_all.sink_part(quick=True)["status"] == "failed"
+
+
+def test_a_pyflink_job_that_lost_rows_is_failed_not_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def job(python: Any, url: str, rows: int, capacity: int, outdir: str, pid: Any) -> Any:
+        # the job "ran" without enriching one row (and the service saw no request at all)
+        Path(outdir, "subtask-0.json").write_text(
+            json.dumps({"count": rows - 1, "first": 0.0, "last": 1.0})
+        )
+        return {"wall_s": 1.0, "sampler": None}
+
+    monkeypatch.setattr(pyflink_bench, "ensure_pyflink", lambda log: Path(sys.executable))
+    monkeypatch.setattr(pyflink_bench, "_usable", lambda python: "2.test")
+    monkeypatch.setattr(pyflink_bench, "_run_job", job)
+    result = pyflink_bench.run(rows=10, log=lambda message: None)
+    assert result["status"] == "failed", result
