@@ -195,26 +195,32 @@ def concurrency(committers: list[int], count: int, period: float) -> list[dict[s
                     )
                     for i in range(n)
                 ]
-                for proc in procs:  # every committer is ready; the go file starts them together
-                    assert proc.stdout is not None
-                    while proc.stdout.readline().strip() != "ready":
-                        if proc.poll() is not None:
-                            raise RuntimeError(
-                                proc.stderr.read() if proc.stderr else "committer died"
+                try:
+                    for proc in procs:  # every committer is ready; the go file starts them together
+                        assert proc.stdout is not None
+                        while proc.stdout.readline().strip() != "ready":
+                            if proc.poll() is not None:
+                                raise RuntimeError(
+                                    proc.stderr.read() if proc.stderr else "committer died"
+                                )
+                    Path(go).touch()
+                    latencies: list[float] = []
+                    failures = 0
+                    for proc in procs:
+                        out, err = proc.communicate(timeout=900)
+                        if proc.returncode != 0:
+                            failures += 1
+                            lines = err.strip().splitlines()
+                            sys.stderr.write(
+                                f"{layout} committer failed: {lines[-1] if lines else '?'}\n"
                             )
-                Path(go).touch()
-                latencies: list[float] = []
-                failures = 0
-                for proc in procs:
-                    out, err = proc.communicate(timeout=900)
-                    if proc.returncode != 0:
-                        failures += 1
-                        lines = err.strip().splitlines()
-                        sys.stderr.write(
-                            f"{layout} committer failed: {lines[-1] if lines else '?'}\n"
-                        )
-                        continue
-                    latencies.extend(json.loads(out.strip().splitlines()[-1]))
+                            continue
+                        latencies.extend(json.loads(out.strip().splitlines()[-1]))
+                finally:  # a committer left waiting for a go file that never comes
+                    for proc in procs:
+                        if proc.poll() is None:
+                            proc.kill()
+                            proc.communicate()
                 rows.append(
                     {
                         "layout": layout,

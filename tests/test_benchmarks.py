@@ -3,6 +3,7 @@ running a benchmark: a part that failed must fail the run, not leave a report an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -10,9 +11,11 @@ import types
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import checkpoint_bench  # noqa: E402
 import pyflink_bench  # noqa: E402
 import run_all  # noqa: E402
 
@@ -100,3 +103,26 @@ def test_a_pyflink_job_that_lost_rows_is_failed_not_skipped(
     monkeypatch.setattr(pyflink_bench, "_run_job", job)
     result = pyflink_bench.run(rows=10, log=lambda message: None)
     assert result["status"] == "failed", result
+
+
+def test_a_committer_that_dies_before_ready_leaves_no_committer_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a file where committer 1's table must go: it fails before "ready", committer 0 does not
+    (tmp_path / "bench" / "op").mkdir(parents=True)
+    (tmp_path / "bench" / "op" / "subtask=00001").touch()
+    monkeypatch.setattr(
+        checkpoint_bench.tempfile, "TemporaryDirectory", lambda: contextlib.nullcontext(tmp_path)
+    )
+    me = psutil.Process()
+    try:
+        with pytest.raises(RuntimeError, match="subtask=00001"):
+            checkpoint_bench.concurrency([2], count=1, period=0.1)
+        left = [p for p in me.children(recursive=True) if "--committer" in p.cmdline()]
+        assert left == []  # committer 0 was waiting for a go file that never comes
+    finally:
+        for proc in me.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "--committer" in proc.cmdline():
+                    proc.kill()
+                    proc.wait(10)
