@@ -542,8 +542,9 @@ def render(results: dict[str, Any], plots: Path, doc_dir: Path) -> str:
         "described below, and is quoted as a ratio against an anchor measured in that run: "
         "the machine is shared (other people's test suites run on the same two cores) and "
         "absolute rates move from run to run, while ratios of interleaved runs hold better. "
-        "Where a case was repeated, the best run is kept (the one least disturbed by other "
-        "load), and the text says so.\n"
+        "Where a case was repeated, each section says which run a figure is: the best run "
+        "(the one least disturbed by other load), or the median run where the text says so "
+        "(the Spark comparison with the hand-written loop, and rows per CPU-second).\n"
     )
     add(
         "```bash\n./dev bench          # the whole suite, 20-25 min: rewrites this file and its "

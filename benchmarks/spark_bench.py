@@ -42,8 +42,10 @@ service's answer for its id; ``timed_write``) and, against the service, one requ
 row. Every Spark run records the CPU time of each of our processes (service, JVM, Python
 workers, driver) and of everything else on the machine (psutil): rows per CPU-second of
 our processes is reported beside rows/s, because on a shared machine rows/s of a
-CPU-bound case moves with other people's load. Cases run interleaved ``--repeat`` times;
-rows/s is the best run, rows per CPU-second the median.
+CPU-bound case moves with other people's load. Cases run interleaved (``Sizes``: the main
+comparison and the checkpoint cost on the service workload 5 times, the rest at most 3);
+rows/s of the main comparison is the median run, elsewhere the best run; rows per
+CPU-second is always the median.
 
     python benchmarks/spark_bench.py              # ~15 minutes
     python benchmarks/spark_bench.py --quick      # a smoke run, ~3 minutes
@@ -1173,7 +1175,7 @@ def report(result: dict[str, Any]) -> str:
     lines = [
         f"Spark {result.get('spark_version', '?')} {result['master']}, {result['partitions']} "
         f"partitions, capacity {result['capacity']}, service latency {result['latency_ms']:g} ms, "
-        f"best of {result['repeat']}",
+        f"rows/s the median of {result['throughput_repeat']} runs",
         "",
     ]
     rows = {r["case"]: r for r in result["throughput"]}
@@ -1189,7 +1191,7 @@ def report(result: dict[str, Any]) -> str:
     sc = result["service_checkpoint"]
     lines.append(
         f"checkpoint every {sc['interval']:,} records ({sc['rows']:,} rows, best of "
-        f"{result['repeat']}): {sc['ratio']:.3f}x of ordered_wait without "
+        f"{len(sc['runs_s']['checkpoint'])}): {sc['ratio']:.3f}x of ordered_wait without "
         f"({sc['cost_pct']:.1f} % cost)"
     )
     slow = result["slow"]
