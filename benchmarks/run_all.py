@@ -804,9 +804,11 @@ def section_spark(
         "gathered with a semaphore bounding the requests in flight, then the next batch is "
         "read, so in-flight requests fall to zero at every batch boundary;",
         f"- **{CAPACITY}-thread `mapInPandas`** — a `ThreadPoolExecutor` maps a blocking "
-        "`urllib` call (a new connection per request: what the standard library does) over "
-        "each pandas batch;",
-        "- **one-at-a-time UDF** — a plain Python UDF calling the service per row;",
+        "`http.client` call over each pandas batch, each thread keeping one keep-alive "
+        "connection to the service for the task (as the asyncio competitors reuse their "
+        "pooled connections; `urllib.request` would open a new connection per request);",
+        "- **one-at-a-time UDF** — a plain Python UDF calling the service per row "
+        "(`urllib.request`);",
         "- **Little's-law bound** — capacity / latency per task, times 2 tasks: what the "
         "service allows if nothing else is the limit.\n",
     ]

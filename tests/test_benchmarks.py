@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import checkpoint_bench  # noqa: E402
 import pyflink_bench  # noqa: E402
 import run_all  # noqa: E402
+import spark_bench  # noqa: E402
 
 MACHINE = {
     "date": "2026-01-01 00:00 UTC",
@@ -126,3 +127,32 @@ def test_a_committer_that_dies_before_ready_leaves_no_committer_behind(
                 if "--committer" in proc.cmdline():
                     proc.kill()
                     proc.wait(10)
+
+
+def test_the_thread_pool_competitor_keeps_one_connection_per_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Like the asyncio competitors' pooled aiohttp connections: a new connection per request
+    costs the service and the client a handshake per row that nobody else pays."""
+    import http.client
+
+    import pandas as pd
+
+    from stateful_async.chaos import MockService, ServiceConfig, expected_enrichment
+
+    connects = []
+    connect = http.client.HTTPConnection.connect
+
+    def counted(self: http.client.HTTPConnection) -> None:
+        connects.append(self)
+        connect(self)
+
+    frames = [pd.DataFrame({"id": range(start, start + 40)}) for start in (0, 40)]
+    with MockService(ServiceConfig(latency_ms=1)) as service:
+        monkeypatch.setattr(http.client.HTTPConnection, "connect", counted)
+        out = list(spark_bench.ThreadPoolPandas(service.url, 4)(iter(frames)))
+        monkeypatch.undo()  # the service's own admin calls are not counted
+        assert service.stats()["total"] == 80
+    scores = [score for frame in out for score in frame["score"]]
+    assert scores == [expected_enrichment(str(i))["score"] for i in range(80)]
+    assert 1 <= len(connects) <= 4  # one per thread at most, for the whole task
