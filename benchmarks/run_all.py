@@ -541,9 +541,11 @@ def render(results: dict[str, Any], plots: Path, doc_dir: Path) -> str:
         "do not edit them by hand). Every figure was measured in the same run on the machine "
         "described below, and is quoted as a ratio against an anchor measured in that run: "
         "the machine is shared (other people's test suites run on the same two cores) and "
-        "absolute rates move from run to run, while ratios of interleaved runs hold better. "
-        "Where a case was repeated, each section says which run a figure is: the best run "
-        "(the one least disturbed by other load), or the median run where the text says so "
+        "absolute rates move from run to run, while ratios of interleaved runs hold better "
+        "(in the Spark parts, interleaved cases take turns at running first from one "
+        "repetition to the next). Where a case was repeated, each section says which run a "
+        "figure is: the best run (the one least disturbed by other load), or the median run "
+        "where the text says so "
         "(the Spark comparison with the hand-written loop, and rows per CPU-second).\n"
     )
     add(

@@ -68,9 +68,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, TypeVar
 
 import pyarrow as pa
 
@@ -80,6 +81,16 @@ OUTPUT = pa.schema(
 )
 PARTITIONS = 2
 INPUT = pa.schema([("id", pa.int64()), ("name", pa.string())])
+
+
+T = TypeVar("T")
+
+
+def rotated(items: Sequence[T], rep: int) -> list[T]:
+    """``items`` in repetition ``rep``'s order: each starts a repetition in turn, so no case
+    always runs first (after a cold start or another part's load) or after the same one."""
+    k = rep % len(items) if items else 0
+    return [*items[k:], *items[:k]]
 
 
 def input_batches(rows: int) -> Iterator[pa.RecordBatch]:
@@ -460,7 +471,7 @@ def throughput(
     cpu: dict[str, list[dict[str, float]]] = {case: [] for case in cases}
     meter = CpuMeter(service.pid)
     for rep in range(sizes.throughput_repeat):
-        for case in cases[rep % len(cases) :] + cases[: rep % len(cases)]:
+        for case in rotated(cases, rep):
             if case == "udf_one_at_a_time" and rep > 0:
                 continue  # ~50x slower than the rest: once is enough to place it
             rows = rows_for[case]
@@ -503,8 +514,8 @@ def batch_sweep(spark: Any, service: Any, sizes: Sizes, capacity: int) -> list[d
             spark.conf.set(key, str(batch))
             seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
             cpu: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
-            for _ in range(sizes.repeat):
-                for kind in kinds:
+            for rep in range(sizes.repeat):
+                for kind in rotated(kinds, rep):
                     what = f"{kind} with {batch}-row batches"
                     run_s, run_cpu = run_case(spark, service, kind, rows, capacity, meter, what)
                     seconds[kind].append(run_s)
@@ -565,8 +576,8 @@ def latency_variance(spark: Any, service: Any, sizes: Sizes, capacity: int) -> l
             seconds: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
             cpu: dict[tuple[str, int], list[dict[str, float]]] = {case: [] for case in cases}
             peaks: dict[tuple[str, int], int] = {case: 0 for case in cases}
-            for _ in range(repeat):
-                for kind, cap in cases:
+            for rep in range(repeat):
+                for kind, cap in rotated(cases, rep):
                     what = f"{kind} (capacity {cap}), {name} latency"
                     run_s, run_cpu = run_case(spark, service, kind, rows, cap, meter, what)
                     seconds[(kind, cap)].append(run_s)
@@ -669,7 +680,7 @@ def checkpoint_sweep(spark: Any, sizes: Sizes, work: str) -> dict[str, Any]:
     rows = sizes.sweep_rows
     meter = CpuMeter(None)
     for rep in range(max(2, sizes.repeat - 1) if sizes.repeat > 1 else 1):
-        for interval in intervals:
+        for interval in rotated(intervals, rep):
             config = None
             if interval is not None:
                 config = CheckpointConfig(
@@ -792,7 +803,7 @@ def service_checkpoint(
     commits: list[float] = []
     meter = CpuMeter(service.pid)
     for rep in range(sizes.checkpoint_repeat):
-        for case in ("none", "checkpoint"):
+        for case in rotated(("none", "checkpoint"), rep):
             config = None
             if case == "checkpoint":
                 config = CheckpointConfig(
@@ -1099,8 +1110,8 @@ def cpu_profile(sizes: Sizes, capacity: int, latency_ms: float) -> dict[str, Any
             return figures
 
         runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
-        for _ in range(sizes.repeat):
-            for kind in kinds:
+        for rep in range(sizes.repeat):
+            for kind in rotated(kinds, rep):
                 runs[kind].append(child(kind, False))
                 log(
                     f"  {kind:<22} {runs[kind][-1]['rows_per_s']:8,.0f} rows/s "

@@ -156,3 +156,11 @@ def test_the_thread_pool_competitor_keeps_one_connection_per_thread(
     scores = [score for frame in out for score in frame["score"]]
     assert scores == [expected_enrichment(str(i))["score"] for i in range(80)]
     assert 1 <= len(connects) <= 4  # one per thread at most, for the whole task
+
+
+def test_interleaved_cases_take_turns_at_running_first() -> None:
+    cases = ("none", "every 10k", "every 1k")
+    orders = [spark_bench.rotated(cases, rep) for rep in range(6)]
+    assert all(sorted(order) == sorted(cases) for order in orders)
+    assert [order[0] for order in orders] == [*cases, *cases]
+    assert spark_bench.rotated((), 3) == []
