@@ -624,11 +624,34 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 "The async function failed",
                 handler.element,
                 handler.attempts,
-                "Fix the cause; or retry this exception (retry=RetryStrategy(...), which "
-                "needs a timeout too); or catch it in async_invoke and return a fallback "
-                "result.",
+                self._failure_advice(handler),
                 cause=error,
             ),
+        )
+
+    def _failure_advice(self, handler: _Element) -> str:
+        """What to do about an element whose last attempt raised: retrying it is advice
+        only when it was not retried already until its attempts ran out."""
+        retry = self._retry
+        fallback = "or catch it in async_invoke and return a fallback result."
+        if retry is None:
+            return (
+                "Fix the cause; or retry this exception (retry=RetryStrategy(...), which "
+                f"needs a timeout too); {fallback}"
+            )
+        if not retry.can_retry(handler.attempts):
+            return (
+                f"Its retries are used up (max_attempts={retry.max_attempts}). Fix the "
+                f"cause; or allow more attempts; {fallback}"
+            )
+        if not self._may_retry():
+            return (
+                "The operator was finishing, which ends retries (finish(keep_retrying=True) "
+                f"keeps them). Fix the cause; {fallback}"
+            )
+        return (
+            "The retry strategy's retry_on_exception does not match it. Fix the cause; or "
+            f"make retry_on_exception match it; {fallback}"
         )
 
     def _on_attempt_result(self, handler: _Element, results: Any) -> None:

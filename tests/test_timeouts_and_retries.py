@@ -670,3 +670,29 @@ async def test_a_timeout_keeps_no_element_alive_once_it_is_decided() -> None:
     await op.finish()
     assert [r.value for r in out] == list(range(5000))
     await op.close()
+
+
+async def test_a_failure_advises_retrying_only_an_element_that_was_not_retried() -> None:
+    # An element that failed after every attempt its strategy allows was told "retry this
+    # exception (retry=RetryStrategy(...))", as if no strategy had been given.
+    async def fails(clock, retry):
+        out, op = make(Timed(clock), clock, timeout=100, retry=retry)
+        await op.open()
+        await op.process_element(StreamRecord("a"))
+        await clock.advance(10)
+        with pytest.raises(AsyncFunctionError) as info:
+            await asyncio.wait_for(op.finish(keep_retrying=True), 5)
+        await op.close()
+        return str(info.value)
+
+    used_up = await fails(VirtualClock(), RetryStrategy.fixed_delay(3, 1.0))
+    assert "after 3 attempts" in used_up
+    assert "retries are used up (max_attempts=3)" in used_up
+    assert "retry this exception" not in used_up
+    not_matched = await fails(
+        VirtualClock(), RetryStrategy.fixed_delay(3, 1.0, retry_on_exception=Fatal)
+    )
+    assert "after 1 attempt" in not_matched
+    assert "retry_on_exception does not match it" in not_matched
+    no_strategy = await fails(VirtualClock(), None)
+    assert "retry this exception (retry=RetryStrategy(...)" in no_strategy
