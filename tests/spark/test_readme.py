@@ -65,6 +65,11 @@ def test_the_quickstart_runs_then_resumes_from_its_checkpoints(spark: Any, tmp_p
         assert service.counts() == {str(user["id"]): 1 for user in users}, (
             "the resumed run called the service for results its checkpoints hold"
         )
+        # A driver that died after its write had committed: the same re-run into the same
+        # table adds nothing (the write's app transaction), where a plain append doubled it.
+        rewrite = substitute(again, {repr(str(tmp_path / "again")): repr(str(tmp_path / "first"))})
+        exec(compile(rewrite, "README.md quickstart, resumed after its write", "exec"), {})
+        assert DeltaTable(str(tmp_path / "first")).version() == 0
 
     for output in ("first", "again"):
         written = delta_dataset(DeltaTable(str(tmp_path / output))).to_table().to_pylist()
