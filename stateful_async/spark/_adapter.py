@@ -325,8 +325,9 @@ def _check_checkpoint(
         if not metas:
             raise ConfigurationError(
                 f"restore_from={config.restore_from!r}, but job {config.job_id!r} (operator "
-                f"{config.operator_id!r}) has no checkpoints at {config.location}. Check the "
-                "location and job_id, or drop restore_from to start fresh."
+                f"{config.operator_id!r}) has no checkpoints at {config.location}"
+                f"{_what_is_there(store, config)}. Check the location and job_id, or drop "
+                "restore_from to start fresh."
             )
         if config.restore_from != "latest":
             wanted = int(config.restore_from)
@@ -407,6 +408,23 @@ def _check_local_location(location: str) -> None:
                     "a file. Choose a directory path (it is created if missing)."
                 )
             return
+
+
+def _what_is_there(store: Any, config: CheckpointConfig) -> str:
+    """For the error of a ``restore_from`` with nothing to restore (only then: listing a
+    whole location costs a request per job on object stores): what the location holds
+    instead, so that a mistyped ``job_id`` or ``operator_id`` shows."""
+    try:
+        if not _exists(store):
+            return " (there is nothing at that location)"
+        jobs = store.jobs()
+        if config.job_id in jobs:
+            return (
+                f" (the job has operator(s) {', '.join(map(repr, store.operators(config.job_id)))})"
+            )
+        return f"; jobs there: {', '.join(map(repr, jobs)) if jobs else 'none'}"
+    except Exception:  # the error at hand matters more than this detail
+        return ""
 
 
 def _exists(store: Any) -> bool:

@@ -640,6 +640,19 @@ def test_restore_from_without_checkpoints_is_refused_up_front(spark, tmp_path) -
     with pytest.raises(ConfigurationError, match="has no checkpoints at"):
         ordered_wait(spark.range(3), f, "id long", checkpoint=config)
 
+    # A mistyped job_id or operator_id: the error says what the location does hold.
+    missing = CheckpointConfig(str(tmp_path / "missing"), "score-users", restore_from="latest")
+    with pytest.raises(ConfigurationError, match=r"\(there is nothing at that location\)"):
+        ordered_wait(spark.range(3), f, "id long", checkpoint=missing)
+    first = CheckpointConfig(str(tmp_path), "score-users")
+    assert len(ordered_wait(spark.range(3), f, "id long", checkpoint=first).collect()) == 3
+    typo = CheckpointConfig(str(tmp_path), "score-user", restore_from="latest")
+    with pytest.raises(ConfigurationError, match=r"; jobs there: 'score-users'\. Check"):
+        ordered_wait(spark.range(3), f, "id long", checkpoint=typo)
+    other = CheckpointConfig(str(tmp_path), "score-users", restore_from=1, operator_id="enrich2")
+    with pytest.raises(ConfigurationError, match=r"\(the job has operator\(s\) 'enrich'\)"):
+        ordered_wait(spark.range(3), f, "id long", checkpoint=other)
+
 
 def test_a_checkpoint_location_under_a_file_is_refused_up_front(spark, tmp_path) -> None:
     async def f(row):  # type: ignore[no-untyped-def]
