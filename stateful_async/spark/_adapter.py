@@ -359,12 +359,57 @@ def _check_checkpoint(
                     f"checkpoint {wanted}. Checkpoint ids that exist: {ids}; "
                     "restore_from='latest' resumes from the newest."
                 )
+            _check_every_partition_can_restore(
+                store.checkpoints(config.job_id, config.operator_id, include_expired=True),
+                wanted,
+                config,
+            )
     except CheckpointError as exc:
         if isinstance(exc, SchemaChangedError):
             raise
         raise ConfigurationError(
             f"Cannot use checkpoint location {config.location}: {exc}"
         ) from exc
+
+
+def _check_every_partition_can_restore(
+    metas: list[Any], wanted: int, config: CheckpointConfig
+) -> None:
+    """Each partition numbers and expires its own checkpoints, so an id one partition can
+    restore from may have expired in another: that partition's task would fail (after all
+    of Spark's attempts). Refuse up front, naming the ids every partition can restore from."""
+    by_partition: dict[int, list[Any]] = {}
+    for meta in metas:
+        by_partition.setdefault(meta.subtask, []).append(meta)
+
+    def stuck(at: int) -> list[int]:  # partitions that had checkpoints <= at, none restorable
+        return sorted(
+            p
+            for p, ms in by_partition.items()
+            if any(m.checkpoint_id <= at for m in ms)
+            and not any(m.checkpoint_id <= at and not m.expired for m in ms)
+        )
+
+    partitions = stuck(wanted)
+    if not partitions:
+        return
+    details = "; ".join(
+        f"partition {p}: {_id_ranges([m.checkpoint_id for m in ms if m.checkpoint_id <= wanted])}"
+        f" expired, restorable {_id_ranges([m.checkpoint_id for m in ms if not m.expired])}"
+        for p in partitions[:5]
+        for ms in [by_partition[p]]
+    ) + ("; ..." if len(partitions) > 5 else "")
+    usable = sorted(
+        {m.checkpoint_id for m in metas if not m.expired and not stuck(m.checkpoint_id)}
+    )
+    raise ConfigurationError(
+        f"restore_from={wanted}: {len(partitions)} partition(s) of job {config.job_id!r} have no "
+        f"restorable checkpoint with id {wanted} or lower ({details}). Each partition numbers "
+        "its own checkpoints and `retain` keeps the newest of each, so one id may be "
+        "restorable in one partition and expired in another. Ids every partition can resume "
+        f"from: {_id_ranges(usable) if usable else 'none'}; restore_from='latest' resumes each "
+        "partition from its newest."
+    )
 
 
 def _warn_if_tasks_never_retry(context: Any) -> None:

@@ -737,7 +737,7 @@ def test_restore_from_on_a_streaming_dataframe_is_refused_up_front(spark, tmp_pa
 
 
 def test_a_partition_whose_restore_point_expired_fails_instead_of_starting_fresh(
-    spark, tmp_path
+    spark, tmp_path, monkeypatch
 ) -> None:
     async def double(row):  # type: ignore[no-untyped-def]
         return [{"id": row["id"], "twice": 2 * row["id"]}]
@@ -759,12 +759,27 @@ def test_a_partition_whose_restore_point_expired_fails_instead_of_starting_fresh
         for p in (0, 1)
     }
     assert live == {0: [1, 2, 3], 1: [9, 10, 11]}
+    # 3 is restorable in partition 0 (`checkpoints list` shows it) but expired in partition
+    # 1: refused on the driver, before any task runs, naming the ids both can resume from
+    with pytest.raises(
+        ConfigurationError,
+        match=r"restore_from=3: 1 partition\(s\) of job 'expiring' have no restorable "
+        r"checkpoint with id 3 or lower \(partition 1: 1-3 expired, restorable 9-11\)\..* "
+        r"Ids every partition can resume from: 9-11;",
+    ):
+        ordered_wait(df, double, schema, capacity=4, checkpoint=config(3))
+    # ... and the task checks it too (the checkpoints may expire after the driver looked)
+    import stateful_async.spark._adapter as adapter
+
+    with monkeypatch.context() as patched:
+        patched.setattr(adapter, "_check_every_partition_can_restore", lambda *args: None)
+        late = ordered_wait(df, double, schema, capacity=4, checkpoint=config(3))
     with pytest.raises(
         Exception,
         match=r"Partition 1 cannot resume from restore_from=3: its checkpoint\(s\) \[1, 2, 3\] "
         r"have expired .* Restorable ids of this partition: \[9, 10, 11\]",
     ):
-        ordered_wait(df, double, schema, capacity=4, checkpoint=config(3)).collect()
+        late.collect()
     # an id both partitions can still restore works
     rows = ordered_wait(df, double, schema, capacity=4, checkpoint=config(11)).collect()
     assert sorted((r.id, r.twice) for r in rows) == [
