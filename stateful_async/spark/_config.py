@@ -106,9 +106,14 @@ class CheckpointConfig:
             or restore == "latest"
             or (isinstance(restore, int) and not isinstance(restore, bool) and restore >= 1)
         ):
+            hint = (
+                f" (a checkpoint id is an int: restore_from={int(restore)})"
+                if isinstance(restore, str) and restore.strip().isdecimal()
+                else ""
+            )
             raise ConfigurationError(
                 f"CheckpointConfig restore_from must be None, 'latest' or a checkpoint id >= 1; "
-                f"got {restore!r}."
+                f"got {restore!r}{hint}."
             )
 
 

@@ -1245,6 +1245,8 @@ def test_checkpoint_config_validates_its_fields(tmp_path) -> None:
         CheckpointConfig(str(tmp_path), "job", interval_records=0)
     with pytest.raises(ConfigurationError, match="restore_from must be None, 'latest'"):
         CheckpointConfig(str(tmp_path), "job", restore_from="yesterday")
+    with pytest.raises(ConfigurationError, match=r"got '3' \(a checkpoint id is an int: restore"):
+        CheckpointConfig(str(tmp_path), "job", restore_from="3")  # as argv gives it
     with pytest.raises(ConfigurationError, match="cannot name a checkpoint directory"):
         CheckpointConfig(str(tmp_path), "../up")
     for seconds in ("5", True, float("inf"), float("nan"), 0, -1.0, 10**400):
