@@ -18,6 +18,7 @@ in-flight inputs and carries on. The successful attempt's output is exactly once
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import itertools
 import os
@@ -27,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -93,11 +94,20 @@ class _RowFunctionWithTimeout(_RowFunction):
 
 def _on_rows(retry: RetryStrategy | None) -> RetryStrategy | None:
     """``retry`` for the operator, whose results are ``_RowFunction``'s (result, row) pairs:
-    its result predicate still sees the result rows, as the user's function returned them."""
-    if retry is None or retry.retry_on_result is _never:
+    its result predicate still sees the result rows, as the user's function returned them.
+    A copy whose ``should_retry_result`` unpairs them, so that a subclass that overrides the
+    method, or has its own ``__init__``, is served too."""
+    if retry is None or (
+        retry.retry_on_result is _never
+        and type(retry).should_retry_result is RetryStrategy.should_retry_result
+    ):
         return retry
-    predicate = retry.retry_on_result
-    return replace(retry, retry_on_result=lambda paired: predicate([r for r, _ in paired]))
+    decide = retry.should_retry_result
+    on_rows = copy.copy(retry)  # without calling __init__
+    object.__setattr__(  # a frozen dataclass
+        on_rows, "should_retry_result", lambda paired: decide([r for r, _ in paired])
+    )
+    return on_rows
 
 
 def _record(seq: int, row: dict[str, Any], timestamp: int | None) -> StreamRecord[Any]:

@@ -857,11 +857,36 @@ def test_retries_running_out_fail_the_job_naming_the_row(spark, service) -> None
     assert service.counts()["7"] == 3 * 3
 
 
-def test_a_result_predicate_sees_the_result_rows_the_function_returned(spark, service) -> None:
-    def again(results: list[Any]) -> bool:  # the rows as returned, nothing of the task's
-        return [set(r) for r in results] == [set(SCHEMA_FIELDS)] and results[0]["id"] == 7
+def _row_seven_again(results: list[Any]) -> bool:  # the rows as returned, nothing of the task's
+    return [set(r) for r in results] == [set(SCHEMA_FIELDS)] and results[0]["id"] == 7
 
-    retry = RetryStrategy.fixed_delay(3, 0.01, retry_on_result=again)
+
+class RetriesRowSeven(RetryStrategy):
+    """A strategy that decides in its own should_retry_result."""
+
+    def should_retry_result(self, results: Any) -> bool:
+        return _row_seven_again(results)
+
+
+class RowSevenStrategy(RetryStrategy):
+    """A strategy with its own __init__ (its fields are not its constructor's arguments)."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 0.01, retry_on_result=_row_seven_again)
+
+
+@pytest.mark.parametrize(
+    "retry",
+    [
+        RetryStrategy.fixed_delay(3, 0.01, retry_on_result=_row_seven_again),
+        RetriesRowSeven(3, 0.01),
+        RowSevenStrategy(),
+    ],
+    ids=["predicate", "subclass-method", "subclass-init"],
+)
+def test_a_result_predicate_sees_the_result_rows_the_function_returned(
+    spark, service, retry
+) -> None:
     out = ordered_wait(
         source(spark, 10),
         ServiceEnrichment(service.url),
