@@ -386,23 +386,34 @@ def test_abort_keeps_a_landed_commit_and_deletes_one_that_did_not_land(
 
 
 @pytest.mark.spark
-def test_replayed_batch_is_refused_without_duplicates(sink: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("txn_app_id", [None, "enrich"], ids=["query-id", "txnAppId"])
+def test_replayed_batch_is_refused_without_duplicates(
+    sink: Any, tmp_path: Path, txn_app_id: str | None
+) -> None:
+    # With txnAppId, the refusal also asks which query committed the batch: the same one
+    # (Spark keeps the query id across restarts from a checkpoint), so it is a replay.
     source, table, checkpoint = tmp_path / "src", tmp_path / "table", tmp_path / "chk"
+    options = {} if txn_app_id is None else {"txnAppId": txn_app_id}
     expected = _write_source(source, files=3, rows_per_file=300)
-    first = DRIVER.start_query(sink, str(source), str(table), str(checkpoint), interval=None)
+    first = DRIVER.start_query(
+        sink, str(source), str(table), str(checkpoint), interval=None, **options
+    )
     first.awaitTermination()
     _assert_exactly_once(table, expected)
     last = max(int(p.name) for p in (checkpoint / "commits").iterdir() if p.name.isdigit())
     version_before = DeltaTable(str(table)).version()
-    assert DeltaTable(str(table)).transaction_version(str(first.id)) == last
+    assert DeltaTable(str(table)).transaction_version(txn_app_id or str(first.id)) == last
 
     # Forget that the last batch was committed: Spark replays it with the same batch id.
     (checkpoint / "commits" / str(last)).unlink()
     crc = checkpoint / "commits" / f".{last}.crc"
     if crc.exists():
         crc.unlink()
-    replay = DRIVER.start_query(sink, str(source), str(table), str(checkpoint), interval=None)
+    replay = DRIVER.start_query(
+        sink, str(source), str(table), str(checkpoint), interval=None, **options
+    )
     replay.awaitTermination()
+    assert replay.id == first.id
 
     assert (checkpoint / "commits" / str(last)).exists()  # Spark did run the batch again
     assert DeltaTable(str(table)).version() == version_before  # ... and nothing was committed
