@@ -125,11 +125,11 @@ class TimerService:
     timer, cancelling removes it. One heap; one clock wake-up armed for the earliest timer.
 
     Cancellation is lazy (a cancelled timer stays in the heap until it reaches the top),
-    so register and cancel are O(log n) and O(1), amortized: when cancelled timers outnumber
-    the live ones the heap is compacted, so that it never holds on to more than about twice
-    the live timers' callbacks (an element's timeout, cancelled once the element is decided,
-    would otherwise keep the element alive until its deadline: memory growing with rate
-    times timeout, not with the operator's capacity).
+    so register and cancel are O(log n) and O(1), amortized: a cancel that finds the heap
+    twice as long as after its last compaction (and at least 64) compacts it, so the heap
+    holds at most about twice the peak number of live timers (an element's timeout,
+    cancelled once the element is decided, would otherwise keep the element alive until its
+    deadline: memory growing with rate times timeout, not with the operator's capacity).
     """
 
     def __init__(
