@@ -26,6 +26,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -381,7 +382,8 @@ class _TaskRun:
                 f"stateful-async: partition {self.identity.partition} attempt "
                 f"{self.identity.attempt}: the function's close() raised "
                 f"{type(error).__name__}: {error_text(error)}, after the task had failed with "
-                f"{type(failure).__name__}, which the task reports",
+                f"{type(failure).__name__}, which the task reports. close()'s traceback:\n"
+                + "".join(traceback.format_exception(error)),
                 file=sys.stderr,
                 flush=True,
             )

@@ -955,6 +955,29 @@ def test_a_close_that_raises_after_a_failure_does_not_hide_it(spark) -> None:
     ), str(info.value)
 
 
+def test_the_close_error_a_failed_task_logs_has_its_traceback(capsys) -> None:
+    # The task itself, in this process (an executor's stderr does not reach the test).
+    from stateful_async import OutputMode
+    from stateful_async.spark._task import TaskIdentity, TaskSpec, _TaskRun
+
+    schema = pa.schema([("id", pa.int64())])
+    spec = TaskSpec(
+        FailsAndFailsToClose(), OutputMode.ORDERED, 2, None, None, schema, schema, None, 0, None,
+        "app",
+    )  # fmt: skip
+    batches = iter([pa.record_batch([pa.array(range(5), pa.int64())], schema=schema)])
+    with pytest.raises(Exception, match="connection reset by peer"):
+        list(_TaskRun(spec, batches, TaskIdentity(0, 0, "app.stage1", {})).run())
+    logged = capsys.readouterr().err
+    assert re.search(
+        r"partition 0 attempt 0: the function's close\(\) raised RuntimeError: cannot close a "
+        r"broken connection, after the task had failed with AsyncFunctionError, which the task "
+        r"reports\. close\(\)'s traceback:\nTraceback \(most recent call last\):\n(.|\n)*"
+        r"test_adapter\.py\", line \d+, in close\n",
+        logged,
+    ), logged
+
+
 def test_a_result_missing_a_field_names_it_and_the_input_row(spark) -> None:
     async def incomplete(row):  # type: ignore[no-untyped-def]
         return [{"id": row["id"]}]
