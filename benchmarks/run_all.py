@@ -465,17 +465,15 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         )
         sc = spark["service_checkpoint"]
         cpu_ratio = sc["rows_per_cpu_s_checkpoint"] / sc["rows_per_cpu_s_none"]
-        cost = (1 - cpu_ratio) * 100
-        medians = statistics.median(sc["runs_s"]["none"]) / statistics.median(
-            sc["runs_s"]["checkpoint"]
-        )
+        medians = median_ratio(sc)
+        cost = (1 - medians) * 100  # rows/s, as the target says (median, as for 1.2x)
         add(
             "checkpoint",
-            f"checkpoints every {sc['interval']:,} records cost <= 5 % (`ordered_wait`, the "
-            "service workload)",
-            f"{cost:.1f} % per CPU-second ({cpu_ratio:.3f}x); raw rows/s: "
-            f"{sc['cost_pct']:.1f} % best of {len(sc['runs_s']['checkpoint'])}, "
-            f"{(1 - medians) * 100:.1f} % median",
+            f"checkpoints every {sc['interval']:,} records cost <= 5 % of rows/s "
+            "(`ordered_wait`, the service workload)",
+            f"{cost:.1f} % rows/s ({medians:.3f}x, median of {len(sc['runs_s']['checkpoint'])} "
+            f"runs in a rotating order); best runs {sc['cost_pct']:.1f} %; per CPU-second "
+            f"{(1 - cpu_ratio) * 100:.1f} %",
             cost <= 5,
             f"{cost - 5:.1f} points over" if cost > 5 else "",
         )
@@ -1285,6 +1283,11 @@ def section_pyflink(results: dict[str, Any], by_key: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def median_ratio(sc: dict[str, Any]) -> float:
+    """Rows/s with checkpoints over rows/s without, of the median runs (same rows each)."""
+    return statistics.median(sc["runs_s"]["none"]) / statistics.median(sc["runs_s"]["checkpoint"])
+
+
 def expected_checkpoint_cost(spark: dict[str, Any]) -> str:
     """A cross-check of the service workload's figure, which is a few per cent measured
     under run-to-run noise: the CPU a checkpoint every 10k records adds per row, taken from
@@ -1325,17 +1328,19 @@ def section_checkpoint(
             "function is the "
             "service client inside a disarmed `CrashOnElement`, so that these runs are also "
             "section 5's failure-free runs): `ordered_wait` with a checkpoint every "
-            f"{sc['interval']:,} records did "
-            f"{fmt_rate(sc['rows_per_cpu_s_checkpoint'])} rows per CPU-second (median) against "
-            f"{fmt_rate(sc['rows_per_cpu_s_none'])} without: "
-            f"{sc['rows_per_cpu_s_checkpoint'] / sc['rows_per_cpu_s_none']:.3f}x, a cost of "
-            f"{(1 - sc['rows_per_cpu_s_checkpoint'] / sc['rows_per_cpu_s_none']) * 100:.1f} % "
-            "(target <= 5 %; judged per CPU-second: the work checkpoints add to each row, "
-            "which the other jobs on this shared machine do not move as they move rows/s; "
-            "the sweep below gives the cost where rows are cheap). In rows/s the best runs "
-            "give "
+            f"{sc['interval']:,} records did {median_ratio(sc):.3f}x the rows/s of the runs "
+            f"without (medians), a cost of {(1 - median_ratio(sc)) * 100:.1f} % (target <= 5 %, "
+            "judged on rows/s as the issue states it, by the median run as the comparison "
+            "with the hand-written loop is); the best runs give "
             f"{fmt_rate(sc['rows_per_s_checkpoint'])} against {fmt_rate(sc['rows_per_s_none'])} "
-            f"({sc['ratio']:.3f}x). Runs (s): without "
+            f"rows/s ({sc['ratio']:.3f}x). Per CPU-second of our processes (the work "
+            "checkpoints add to each row, which other jobs on this shared machine move less "
+            "than they move rows/s, but which the JVM's own background work moves from run to "
+            f"run): {fmt_rate(sc['rows_per_cpu_s_checkpoint'])} against "
+            f"{fmt_rate(sc['rows_per_cpu_s_none'])} (medians), "
+            f"{sc['rows_per_cpu_s_checkpoint'] / sc['rows_per_cpu_s_none']:.3f}x, a cost of "
+            f"{(1 - sc['rows_per_cpu_s_checkpoint'] / sc['rows_per_cpu_s_none']) * 100:.1f} %; "
+            "the sweep below gives the cost where rows are cheap. Runs (s): without "
             + ", ".join(f"{x:.1f}" for x in sc["runs_s"]["none"])
             + "; with "
             + ", ".join(f"{x:.1f}" for x in sc["runs_s"]["checkpoint"])
