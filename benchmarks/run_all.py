@@ -1,6 +1,6 @@
 """The whole benchmark suite in one run: writes docs/benchmarks.md and its plots.
 
-    ./dev bench                  # everything, 20-25 minutes on 2 cores
+    ./dev bench                  # everything, 25-35 minutes on 2 cores
     ./dev bench --quick --out /tmp/bench/benchmarks.md --plots /tmp/bench/plots
                                  # a smoke run of every part (~8 minutes), docs left alone
 
@@ -547,8 +547,10 @@ def render(results: dict[str, Any], plots: Path, doc_dir: Path) -> str:
         "(the Spark comparison with the hand-written loop, and rows per CPU-second).\n"
     )
     add(
-        "```bash\n./dev bench          # the whole suite, 20-25 min: rewrites this file and its "
-        "plots\n"
+        "```bash\n./dev bench          # the whole suite, 25-35 min: rewrites this file, its "
+        "plots and their figures (docs/benchmarks/results.json)\n"
+        "./dev bench --from-json docs/benchmarks/results.json  # this report again, from "
+        "those figures\n"
         "./dev bench --quick --out /tmp/bench/benchmarks.md --plots /tmp/bench/plots"
         "  # a smoke run\n```\n"
     )
@@ -1959,11 +1961,18 @@ def main() -> None:
         default=str(ROOT / "docs" / "benchmarks"),
         help="the directory of the PNG plots (default: docs/benchmarks)",
     )
-    parser.add_argument("--json", metavar="PATH", help="also keep every figure as JSON")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="where to keep every figure as JSON (default: results.json in the plots' "
+        "directory; --from-json renders the report from it again)",
+    )
     parser.add_argument(
         "--from-json", metavar="PATH", help="write the report from a saved run; run nothing"
     )
     args = parser.parse_args()
+    if not args.json and not args.from_json:
+        args.json = str(Path(args.plots) / "results.json")
     try:  # the plots are drawn at the end: find out now, not after a run of many minutes
         import matplotlib  # noqa: F401
     except ImportError:
