@@ -280,6 +280,7 @@ class _TaskRun:
             "restored_from": None,
             "restored_results": 0,
             "restored_in_flight": 0,
+            "restored_watermarks": 0,
             "skipped": 0,
             "checkpoints": 0,
         }
@@ -529,7 +530,8 @@ class _TaskRun:
         self.stats.update(
             restored_from=str(meta.ref),
             restored_results=0,
-            restored_in_flight=len(point.elements),
+            restored_in_flight=sum(type(e) is not Watermark for e in point.elements),
+            restored_watermarks=sum(type(e) is Watermark for e in point.elements),
         )
         await self._skip_consumed(meta.position, meta.fingerprint, str(meta.ref))
         # Committed results are re-emitted, not recomputed: read a group of checkpoints'
@@ -787,7 +789,12 @@ class _TaskRun:
                     f"restored from {self.stats['restored_from']} ("
                     f"{self.stats['restored_results']} results re-emitted, "
                     f"{self.stats['restored_in_flight']} in flight re-invoked, "
-                    f"{self.stats['skipped']} inputs skipped)"
+                    + (
+                        f"{n} watermark{'s' if n != 1 else ''} replayed, "
+                        if (n := self.stats["restored_watermarks"])
+                        else ""
+                    )
+                    + f"{self.stats['skipped']} inputs skipped)"
                 )
         print("stateful-async: " + ", ".join(parts), file=sys.stderr, flush=True)
 

@@ -1306,3 +1306,45 @@ def test_checkpoint_config_validates_its_fields(tmp_path) -> None:
     for seconds in (2, 0.5, np.int64(30)):
         kept = CheckpointConfig(str(tmp_path), "j", interval_seconds=seconds).interval_seconds
         assert kept == float(seconds) and type(kept) is float
+
+
+def test_the_resume_log_counts_re_invoked_records_apart_from_replayed_watermarks(
+    tmp_path, capsys
+) -> None:
+    # The task itself, in this process. The log counted every restored element, watermarks
+    # included, as "in flight re-invoked": 2 for one record and one watermark.
+    from stateful_async import OutputMode
+    from stateful_async._function import as_async_function
+    from stateful_async.spark._task import TaskIdentity, TaskSpec, _TaskRun
+
+    first = [True]
+
+    async def enrich(row):  # type: ignore[no-untyped-def]
+        if first[0] and row["id"] == 0:
+            await asyncio.sleep(5)  # in flight, behind the watermark, at checkpoint 1
+        if first[0] and row["id"] == 6:
+            raise ValueError("the first attempt fails after checkpoint 1")
+        return [row]
+
+    schema = pa.schema([("id", pa.int64())])
+    batches = [pa.record_batch([pa.array(range(8), pa.int64())], schema=schema)]
+    config = CheckpointConfig(str(tmp_path), "log", interval_records=4)
+
+    def attempt(fn: Any, number: int) -> list[pa.RecordBatch]:
+        spec = TaskSpec(
+            as_async_function(fn), OutputMode.UNORDERED, 4, None, None, schema, schema, "id", 0,
+            config, "app",
+        )  # fmt: skip
+        identity = TaskIdentity(0, number, "app.stage1", {})
+        return list(_TaskRun(spec, iter(batches), identity).run())
+
+    with pytest.raises(Exception, match="the first attempt fails"):
+        attempt(enrich, 0)
+    capsys.readouterr()
+    first[0] = False
+    out = attempt(enrich, 1)
+    assert sorted(pa.Table.from_batches(out).column("id").to_pylist()) == list(range(8))
+    logged = capsys.readouterr().err
+    assert "(3 results re-emitted, 1 in flight re-invoked, 1 watermark replayed, 4 inputs " in (
+        logged
+    ), logged
