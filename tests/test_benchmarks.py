@@ -115,18 +115,26 @@ def test_a_committer_that_dies_before_ready_leaves_no_committer_behind(
     monkeypatch.setattr(
         checkpoint_bench.tempfile, "TemporaryDirectory", lambda: contextlib.nullcontext(tmp_path)
     )
-    me = psutil.Process()
     try:
         with pytest.raises(RuntimeError, match="subtask=00001"):
             checkpoint_bench.concurrency([2], count=1, period=0.1)
-        left = [p for p in me.children(recursive=True) if "--committer" in p.cmdline()]
-        assert left == []  # committer 0 was waiting for a go file that never comes
+        assert _live_committers() == []  # committer 0 was waiting for a go file never made
     finally:
-        for proc in me.children(recursive=True):
+        for proc in _live_committers():
             with contextlib.suppress(psutil.Error):
-                if "--committer" in proc.cmdline():
-                    proc.kill()
-                    proc.wait(10)
+                proc.kill()
+                proc.wait(10)
+
+
+def _live_committers() -> list[psutil.Process]:
+    """This process's descendants that are checkpoint_bench committers and still running
+    (other tests' descendants may be exiting meanwhile: zombies, or gone, are skipped)."""
+    live = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # ZombieProcess, NoSuchProcess, AccessDenied
+            if "--committer" in proc.cmdline() and proc.status() != psutil.STATUS_ZOMBIE:
+                live.append(proc)
+    return live
 
 
 def test_the_thread_pool_competitor_keeps_one_connection_per_thread(
