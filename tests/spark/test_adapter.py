@@ -496,7 +496,11 @@ def test_interval_seconds_checkpoints_in_the_middle_of_a_slow_chunk(
     positions = sorted(m.position for m in SnapshotStore(tmp_path).checkpoints("timed"))
     assert positions[-1] == rows  # the final checkpoint
     assert len(positions) >= 4, positions  # ~2 s at one per 0.25 s, allowing a slow machine
-    assert positions == sorted(set(positions))
+    # one checkpoint per position, but for the last: a timed one may fall right after the
+    # last record was read (calls still in flight), before the final one (none in flight)
+    periodic = positions[:-1]
+    assert periodic == sorted(set(periodic)), positions
+    assert positions.count(rows) <= 2, positions
 
 
 def test_two_chained_enrichments_sharing_a_checkpoint_config_are_told_so(spark, tmp_path) -> None:
