@@ -321,7 +321,13 @@ def _check_checkpoint(
             log.check_schemas(input_schema, output_schema)
         if config.restore_from is None:
             return
-        metas = store.checkpoints(config.job_id, config.operator_id) if has_job else []
+        # one read of every partition's checkpoints, expired ones too (for the messages)
+        every = (
+            store.checkpoints(config.job_id, config.operator_id, include_expired=True)
+            if has_job
+            else []
+        )
+        metas = [m for m in every if not m.expired]
         if not metas:
             raise ConfigurationError(
                 f"restore_from={config.restore_from!r}, but job {config.job_id!r} (operator "
@@ -334,11 +340,7 @@ def _check_checkpoint(
             ids = sorted({m.checkpoint_id for m in metas})
             if wanted < ids[0]:
                 expired = sorted(
-                    m.checkpoint_id
-                    for m in store.checkpoints(
-                        config.job_id, config.operator_id, include_expired=True
-                    )
-                    if m.expired and m.checkpoint_id <= wanted
+                    m.checkpoint_id for m in every if m.expired and m.checkpoint_id <= wanted
                 )
                 raise ConfigurationError(
                     f"restore_from={wanted}, but job {config.job_id!r} has no restorable "
@@ -359,11 +361,7 @@ def _check_checkpoint(
                     f"checkpoint {wanted}. Checkpoint ids that exist: {ids}; "
                     "restore_from='latest' resumes from the newest."
                 )
-            _check_every_partition_can_restore(
-                store.checkpoints(config.job_id, config.operator_id, include_expired=True),
-                wanted,
-                config,
-            )
+            _check_every_partition_can_restore(every, wanted, config)
     except CheckpointError as exc:
         if isinstance(exc, SchemaChangedError):
             raise
