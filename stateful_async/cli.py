@@ -335,6 +335,7 @@ def list_checkpoints(
                                 "position": 0,
                                 "created": meta.created_at,
                                 "size": 0,
+                                "unsized": 0,
                                 "final": 0,
                                 "expired": 0,
                             },
@@ -344,7 +345,10 @@ def list_checkpoints(
                         g["results"] += meta.result_count
                         g["position"] += meta.position
                         g["created"] = max(g["created"], meta.created_at)
-                        g["size"] += sizes.get(meta.ref, 0)
+                        if meta.ref in sizes:
+                            g["size"] += sizes[meta.ref]
+                        else:  # in files `expire` rewrote, shared with other checkpoints
+                            g["unsized"] += 1
                         g["final"] += meta.final
                         g["expired"] += meta.expired
         if not groups:  # e.g. all deleted by `checkpoints expire --retain 0`
@@ -391,7 +395,7 @@ def list_checkpoints(
                     f"{g['results']:,}",
                     f"{g['position']:,}",
                     g["created"].strftime("%Y-%m-%d %H:%M:%S"),
-                    _size(g["size"]),
+                    "-" if g["unsized"] else _size(g["size"]),
                     state,
                 )
             _print_table(table)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -191,6 +192,40 @@ def test_list_says_how_many_partitions_expired_a_checkpoint(checkpoints) -> None
     assert (
         SnapshotStore(location).subtask("job", "enrich", 0).restore(1).metadata.checkpoint_id == 1
     )
+
+
+def test_list_all_does_not_show_0_bytes_for_expired_checkpoints_whose_results_remain(
+    checkpoints,
+) -> None:
+    # expire rewrites what an expired checkpoint keeps (its results, which checkpoint 2's
+    # chain needs) into files shared with other checkpoints, whose bytes belong to none of
+    # them: the row showed "0 B" though the results were still stored.
+    location, _ = checkpoints
+    store = SnapshotStore(location)
+    for partition in (0, 1):  # a third checkpoint: 1 and 2 then expire into one file
+        log = store.subtask("job", "enrich", partition)
+        log.commit(
+            "run",
+            3,
+            [],
+            [{"id": 9, "greeting": "c"}],
+            input_schema=INPUT,
+            output_schema=OUTPUT,
+            position=9,
+            parent=log.checkpoints()[-1].ref,
+        )
+    assert invoke("checkpoints", "expire", str(location), "--retain", "1").exit_code == 0
+    kept = store.read_job("job").filter(pc.field("kind") == "result").column("checkpoint_id")
+    assert sorted(kept.to_pylist()) == [1, 1, 2, 2, 3, 3]  # results of 1 and 2 are kept
+    result = invoke("checkpoints", "list", str(location), "--all")
+    assert result.exit_code == 0, result.output
+    rows = {
+        line.split()[0]: line.split()
+        for line in result.output.splitlines()
+        if line[:3].strip().isdigit()
+    }
+    assert rows["1"][-2:] == rows["2"][-2:] == ["-", "expired"], rows
+    assert rows["3"][-1] == "KiB", rows  # its own files: sized as before
 
 
 def test_list_after_everything_expired_says_so(checkpoints) -> None:
