@@ -291,13 +291,16 @@ def _job(store: Any, job: str | None) -> str:
 
 
 def _print_table(table: Table) -> None:
-    """A terminal gets the table at its width; a pipe or file gets every column whole
-    (rich would otherwise cut cells to 80 columns)."""
-    if out.is_terminal:
+    """A terminal gets the table at its width if its cells can wrap to fit it; otherwise,
+    and in a pipe or file, every column is printed whole (rich would cut cells, and drop
+    the last columns, to fit the terminal or 80 columns: "final" read "f")."""
+    measure = out.measure(table, options=out.options.update_width(10_000))
+    # rich's minimum counts a no_wrap cell at its longest word, not at its whole text
+    needed = measure.maximum if all(c.no_wrap for c in table.columns) else measure.minimum
+    if out.is_terminal and needed <= out.width:
         out.print(table)
         return
-    needed = out.measure(table, options=out.options.update_width(10_000)).maximum
-    Console(width=max(out.width, needed)).print(table)
+    Console(width=max(out.width, measure.maximum)).print(table)
 
 
 def _size(n: int) -> str:
@@ -363,7 +366,7 @@ def list_checkpoints(
                 title_justify="left",
                 box=box.SIMPLE_HEAD,
                 pad_edge=False,
-                padding=(0, 1),
+                padding=(0, 1, 0, 0),  # two spaces between columns: 80 wide, as a rule
             )
             for column in (
                 "id",

@@ -228,6 +228,30 @@ def test_list_all_does_not_show_0_bytes_for_expired_checkpoints_whose_results_re
     assert rows["3"][-1] == "KiB", rows  # its own files: sized as before
 
 
+@pytest.mark.parametrize("width", [60, 80])
+def test_list_on_a_narrow_terminal_cuts_no_value(checkpoints, monkeypatch, width) -> None:
+    # rich fitted the table to the terminal by cutting its last columns: at 80 columns
+    # "expired" read "expire", "final" read "f" and the creation time lost its seconds.
+    from rich.console import Console
+
+    import stateful_async.cli as cli
+
+    location, _ = checkpoints
+    assert invoke("checkpoints", "expire", str(location), "--retain", "1").exit_code == 0
+    monkeypatch.setattr(cli, "out", Console(force_terminal=True, width=width, color_system=None))
+    result = invoke("checkpoints", "list", str(location), "--all")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "created (UTC) size state" in text, result.output
+    assert len(re.findall(r" 20\d\d-\d\d-\d\d \d\d:\d\d:\d\d \d+\.\d KiB expired", text)) == 1
+    assert len(re.findall(r" 20\d\d-\d\d-\d\d \d\d:\d\d:\d\d \d+\.\d KiB", text)) == 2
+    # a table that fits is laid out at the terminal's width, its values wrapped there
+    shown = invoke("checkpoints", "show", str(location), "2", "--partition", "0")
+    assert shown.exit_code == 0, shown.output
+    assert max(map(len, shown.output.splitlines())) <= width, shown.output
+    assert '"name":' in shown.output
+
+
 def test_list_after_everything_expired_says_so(checkpoints) -> None:
     location, _ = checkpoints
     assert invoke("checkpoints", "expire", str(location), "--retain", "0").exit_code == 0
