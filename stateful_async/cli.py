@@ -354,6 +354,11 @@ def list_checkpoints(
                             g["unsized"] += 1
                         g["final"] += meta.final
                         g["expired"] += meta.expired
+        if not groups and job:  # the location may hold other jobs' checkpoints
+            raise Fail(
+                f"Job {job} has no checkpoints left at {store.location} (all deleted, as "
+                "by `checkpoints expire --retain 0`)."
+            )
         if not groups:  # e.g. all deleted by `checkpoints expire --retain 0`
             raise Fail(f"{store.location} holds no checkpoints.")
         runs: dict[tuple[str, str, str], list[tuple[int, dict[str, Any]]]] = {}

@@ -261,6 +261,24 @@ def test_list_after_everything_expired_says_so(checkpoints) -> None:
         assert f"{location} holds no checkpoints." in result.output
 
 
+def test_list_of_one_job_whose_checkpoints_are_all_gone_names_the_job(checkpoints) -> None:
+    # It said the location held no checkpoints, though its other jobs' were there.
+    location, _ = checkpoints
+    SnapshotStore(location).subtask("other", "enrich", 0).commit(
+        "run", 1, [], [], input_schema=INPUT, output_schema=OUTPUT, position=1
+    )
+    expired = invoke("checkpoints", "expire", str(location), "--job", "other", "--retain", "0")
+    assert expired.exit_code == 0, expired.output
+    for args in ([], ["--all"]):
+        result = invoke("checkpoints", "list", str(location), "--job", "other", *args)
+        assert result.exit_code == 2, result.output
+        assert f"Job other has no checkpoints left at {location}" in " ".join(
+            result.output.split()
+        ), result.output
+        assert "holds no checkpoints" not in result.output
+    assert "job job, operator enrich" in invoke("checkpoints", "list", str(location)).output
+
+
 def test_a_directory_inside_a_location_or_a_delta_table_is_refused_with_the_right_path(
     checkpoints, tmp_path
 ) -> None:
