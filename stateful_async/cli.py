@@ -449,13 +449,27 @@ def show_checkpoint(
             return
         for s in snapshots:
             m = s.metadata
-            table = Table(
-                title=escape(
-                    f"Checkpoint {m.checkpoint_id} of job {m.job_id}, partition {m.subtask} "
-                    f"(run {m.run_id}): {m.in_flight} in flight at input position {m.position:,}"
+            watermarks = sum(map(_is_watermark, s.elements))
+            records = len(s.elements) - watermarks
+            counts = [
+                f"{n} {kind}{'s' if n != 1 else ''}"
+                for n, kind in ((records, "record"), (watermarks, "watermark"))
+                if n
+            ]
+            # a line of its own (a table's title wraps at the table's width), whole in a pipe
+            out.print(
+                escape(
+                    f"{'Final checkpoint' if m.final else 'Checkpoint'} {m.checkpoint_id} of job "
+                    f"{m.job_id}, partition {m.subtask} (run {m.run_id}): "
+                    f"{' and '.join(counts) or 'nothing'} in flight at input position "
+                    f"{m.position:,}"
                 ),
-                title_justify="left",
+                highlight=False,
+                soft_wrap=not out.is_terminal,
             )
+            if not s.elements:
+                continue
+            table = Table()
             for column in ("#", "kind", "input seq", "timestamp", "value"):
                 table.add_column(column)
             for i, (e, seq) in enumerate(zip(s.elements, s.input_seqs, strict=True)):

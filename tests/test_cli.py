@@ -170,6 +170,37 @@ def test_show_lists_in_flight_records_and_watermarks(checkpoints) -> None:
     assert "partition 0" in table.output and "partition 1" in table.output
 
 
+def test_show_says_what_is_in_flight_on_one_line_and_no_empty_table(checkpoints) -> None:
+    # The heading was the table's title: wrapped at the width of the table (three lines for
+    # an empty one, which was still drawn), and its count mixed records and watermarks.
+    location, _ = checkpoints
+    log = SnapshotStore(location).subtask("job", "enrich", 1)
+    run = "local-1795416418499.stage12"
+    log.commit(
+        run,
+        3,
+        [],
+        [],
+        input_schema=INPUT,
+        output_schema=OUTPUT,
+        position=8,
+        parent=log.checkpoints()[-1].ref,
+        final=True,
+    )
+    result = invoke("checkpoints", "show", str(location), "3")
+    assert result.exit_code == 0, result.output
+    assert result.output == (
+        f"Final checkpoint 3 of job job, partition 1 (run {run}): nothing in flight at input "
+        "position 8\n"
+    )
+    result = invoke("checkpoints", "show", str(location), "2", "--partition", "0")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(
+        "Checkpoint 2 of job job, partition 0 (run run): 6 records and 1 watermark in flight "
+        "at input position 8\n"
+    ), result.output
+
+
 def test_expire_keeps_the_newest_and_reports(checkpoints) -> None:
     location, _ = checkpoints
     result = invoke("checkpoints", "expire", str(location), "--retain", "1")
