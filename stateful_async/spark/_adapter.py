@@ -82,9 +82,11 @@ def unordered_wait(
     reordered only between two watermarks, never across one. A watermark is the largest
     event time read so far minus ``max_out_of_orderness`` (just below it), advanced every
     1,024 rows or fewer, and never lowered (a resumed task carries on from the one its
-    checkpoint recorded). Spark rows carry no event time, so what shapes the output is
-    where watermarks fall: wherever the largest event time grew, whatever
-    ``max_out_of_orderness`` is; their values are what checkpoints keep. A row whose event
+    checkpoint recorded; a job resumed with another ``event_time`` column or
+    ``max_out_of_orderness`` starts its watermarks afresh, from its own setting). Spark rows
+    carry no event time, so what shapes the output is where watermarks fall: wherever the
+    largest event time grew, whatever ``max_out_of_orderness`` is; their values are what
+    checkpoints keep. A row whose event
     time is null does not move it; a row older than the last watermark is not dropped: like
     any row, it stays between the watermarks it was read between. Without ``event_time`` a
     finished result leaves at once, so ``capacity`` bounds the calls in flight alone; with

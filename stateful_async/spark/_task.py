@@ -59,6 +59,9 @@ _FLUSH_SECONDS = 0.2  # an idle task still hands its results over this often
 _MAX_QUEUED_BATCHES = 16  # output backpressure: stop reading input past this
 _EXPIRE_EVERY = 20  # a long task expires old checkpoints every this many checkpoints
 _WATERMARK = "watermark"  # checkpoint property: the last watermark the task generated
+_EVENT_TIME = "event_time"  # checkpoint properties: what the watermarks were generated from
+_OUT_OF_ORDERNESS = "max_out_of_orderness"
+_SAME_WATERMARKS = (_EVENT_TIME, _OUT_OF_ORDERNESS)
 
 
 # -- the user's function, seen from the operator --------------------------------------------
@@ -263,6 +266,9 @@ class _TaskRun:
         self.identity = identity
         # recorded on every checkpoint: who wrote it (see _check_same_enrichment)
         self.properties = {**identity.properties, "function": _function_name(spec.fn)}
+        if spec.event_time is not None:
+            self.properties[_EVENT_TIME] = spec.event_time
+            self.properties[_OUT_OF_ORDERNESS] = str(spec.max_out_of_orderness)
         self.out: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.error: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -543,14 +549,17 @@ class _TaskRun:
             for batch in results.to_batches(max_chunksize=_OUTPUT_ROWS):
                 await self._wait_for_room()
                 self.out.put(("batch", batch))
-        if _WATERMARK in meta.properties:
+        # The last watermark generated (the highest, those of the snapshot included) is
+        # carried on only if this task generates them alike: one of another event_time
+        # column (other units) or max_out_of_orderness would hold back its watermarks.
+        if _WATERMARK in meta.properties and all(
+            meta.properties.get(key) == self.properties.get(key) for key in _SAME_WATERMARKS
+        ):
             self.last_watermark = int(meta.properties[_WATERMARK])
         restored: list[StreamElement] = []
         for element, seq in zip(point.elements, point.input_seqs, strict=True):
             if type(element) is Watermark:
                 restored.append(element)
-                if self.last_watermark is None or element.timestamp > self.last_watermark:
-                    self.last_watermark = element.timestamp
             else:
                 restored.append(_record(seq, element.value, element.timestamp))
         return restored

@@ -469,6 +469,58 @@ def test_watermarks_never_go_back_after_a_resume_and_fit_64_bits(spark, tmp_path
     assert {m.properties["watermark"] for m in store.checkpoints("low")} == {str(low)}
 
 
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ({"event_time": "ts"}, {"event_time": "id"}),  # microseconds, then the id's units
+        ({"event_time": "id"}, {"event_time": "id", "max_out_of_orderness": 100}),
+    ],
+)
+def test_a_resume_with_another_event_time_setting_generates_its_own_watermarks(
+    spark, tmp_path, before, after
+) -> None:
+    # A resumed task carried on from the watermark its checkpoint recorded, whatever the
+    # event_time setting: after a job failed with event_time on a timestamp column (its
+    # watermarks in microseconds) and resumed with event_time="id", no id ever passed it,
+    # so the rest of the partition had no watermark and results crossed every chunk's end;
+    # with a larger max_out_of_orderness, the watermarks of two chunks were lost.
+    failing = tmp_path / "failing"  # the first run's function fails while this exists
+    failing.touch()
+
+    async def enrich(row):  # type: ignore[no-untyped-def]
+        if row["id"] == 170 and failing.exists():
+            raise RuntimeError("the first run fails here, on every attempt")
+        await asyncio.sleep(0.3 if row["id"] % 50 == 49 else 0)  # each chunk's last is slow
+        return [{"id": row["id"]}]
+
+    def run(restore_from: str | None, kwargs: dict[str, Any]) -> list[int]:
+        df = spark.range(0, 300, numPartitions=1).selectExpr("id", "timestamp_seconds(id) AS ts")
+        config = CheckpointConfig(
+            str(tmp_path / "ckpt"),
+            "switch",
+            interval_records=50,
+            retain=100,
+            restore_from=restore_from,
+        )
+        out = unordered_wait(df, enrich, "id long", capacity=20, checkpoint=config, **kwargs)
+        return [r.id for r in out.collect()]
+
+    with pytest.raises(Exception, match="the first run fails here"):
+        run(None, before)
+    store = SnapshotStore(tmp_path / "ckpt")
+    assert max(m.position for m in store.checkpoints("switch")) == 150
+    failing.unlink()
+    ids = run("latest", after)
+    assert sorted(ids) == list(range(300))
+    # A watermark follows each chunk of 50 (its largest id grew): a result never crosses it,
+    # so the slow last row of a chunk leaves before every row of the next.
+    segments = [i // 50 for i in ids]
+    assert segments == sorted(segments), ids[190:230]
+    ooo = after.get("max_out_of_orderness", 0)
+    latest = store.checkpoints("switch")[-1]
+    assert latest.final and latest.properties["watermark"] == str(299 - ooo - 1)
+
+
 @pytest.mark.parametrize("event_time", [None, "id"])
 def test_interval_seconds_checkpoints_in_the_middle_of_a_slow_chunk(
     spark, tmp_path, event_time
