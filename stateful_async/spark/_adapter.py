@@ -238,6 +238,10 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
                 "max_out_of_orderness needs event_time: name the column the watermarks come from."
             )
         return 0
+    if not isinstance(column, str):
+        raise ConfigurationError(
+            f"event_time must be a column name: a str such as event_time='ts'; got {column!r}."
+        )
     fields = {f.name: f.dataType for f in df.schema.fields}
     if column not in fields:
         raise ConfigurationError(

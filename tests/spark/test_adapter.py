@@ -1297,6 +1297,16 @@ def test_bad_arguments_fail_before_the_job_starts(spark, kwargs, message) -> Non
         unordered_wait(df, args.pop("fn"), args.pop("schema"), **args)
 
 
+def test_an_event_time_given_as_a_column_is_refused_naming_the_name_to_give(spark) -> None:
+    # It failed with a bare "TypeError: unhashable type: 'Column'".
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [row]
+
+    df = spark.range(3).select("id", F.current_timestamp().alias("ts"))
+    with pytest.raises(ConfigurationError, match=r"event_time must be a column name: a str"):
+        unordered_wait(df, f, "id long", event_time=F.col("ts"))
+
+
 def test_max_out_of_orderness_in_numpy_and_pandas_durations_is_read_in_its_units(spark) -> None:
     import pandas as pd
 
