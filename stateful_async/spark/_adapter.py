@@ -86,11 +86,11 @@ def unordered_wait(
     ``max_out_of_orderness`` starts its watermarks afresh, from its own setting). Spark rows
     carry no event time, so what shapes the output is where watermarks fall: wherever the
     largest event time grew, whatever ``max_out_of_orderness`` is; their values are what
-    checkpoints keep. A row whose event
-    time is null does not move it; a row older than the last watermark is not dropped: like
-    any row, it stays between the watermarks it was read between. Without ``event_time`` a
-    finished result leaves at once, so ``capacity`` bounds the calls in flight alone; with
-    it, results after a watermark wait, in the queue, for every row before the watermark.
+    checkpoints keep. A row whose event time is null does not move it; a row older than the
+    last watermark is not dropped: like any row, it stays between the watermarks it was read
+    between. Without ``event_time`` a finished result leaves at once, so ``capacity`` bounds
+    the calls in flight alone; with it, results after a watermark wait, in the queue, for
+    every row before the watermark.
     """
     return _async_wait(
         df,
