@@ -22,7 +22,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -469,6 +469,7 @@ def show_checkpoint(
             )
             if not s.elements:
                 continue
+            when = _event_time_text(store, m)
             table = Table()
             for column in ("#", "kind", "input seq", "timestamp", "value"):
                 table.add_column(column)
@@ -477,7 +478,7 @@ def show_checkpoint(
                     str(i),
                     "watermark" if _is_watermark(e) else "record",
                     "" if seq is None else str(seq),
-                    "" if e.timestamp is None else str(e.timestamp),
+                    "" if e.timestamp is None else when(e.timestamp),
                     Text("" if _is_watermark(e) else json.dumps(e.value, default=_json_default)),
                 )
             _print_table(table)
@@ -692,6 +693,46 @@ def _snapshots(
         store.subtask(job, operator, p).load(m.checkpoint_id, m.run_id)
         for p, m in sorted(newest.items())
     ]
+
+
+def _event_time_text(store: Any, meta: Any) -> Callable[[int], str]:
+    """How to show a snapshot's timestamps: the event times of a Spark job's timestamp or
+    date ``event_time`` column are held as microseconds or days since the epoch (its
+    checkpoints name the column; their input schema gives its type); anything else, or
+    a value beyond the type's range (the lowest watermark), as the integer it is."""
+    column = meta.properties.get("event_time")
+    schemas = (
+        None
+        if column is None
+        else store.subtask(meta.job_id, meta.operator_id, meta.subtask).schemas()
+    )
+    if schemas is None or column not in schemas[0].names:
+        return str
+    import pyarrow.types as pa_types
+
+    kind = schemas[0].field(column).type
+    epoch = dt.datetime(1970, 1, 1)
+    if pa_types.is_timestamp(kind):
+        zone = dt.timezone.utc if kind.tz else None
+
+        def convert(value: int) -> str:
+            return (epoch + dt.timedelta(microseconds=value)).replace(tzinfo=zone).isoformat()
+
+    elif pa_types.is_date(kind):
+
+        def convert(value: int) -> str:
+            return (epoch.date() + dt.timedelta(days=value)).isoformat()
+
+    else:
+        return str
+
+    def text(value: int) -> str:
+        try:
+            return convert(value)
+        except OverflowError:
+            return str(value)
+
+    return text
 
 
 def _is_watermark(element: Any) -> bool:

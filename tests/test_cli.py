@@ -170,6 +170,44 @@ def test_show_lists_in_flight_records_and_watermarks(checkpoints) -> None:
     assert "partition 0" in table.output and "partition 1" in table.output
 
 
+@pytest.mark.parametrize(
+    ("kind", "stamp", "shown"),
+    [
+        (
+            pa.timestamp("us", tz="UTC"),
+            1_704_067_278_000_000,
+            ["2024-01-01T00:01:18+00:00", "2024-01-01T00:01:17.999999+00:00"],
+        ),
+        (
+            pa.timestamp("us"),
+            1_704_067_278_000_000,
+            ["2024-01-01T00:01:18", "2024-01-01T00:01:17.999999"],
+        ),
+        (pa.date32(), 19_723, ["2024-01-01", "2023-12-31"]),
+        (pa.int16(), 1_000, ["1000", "999"]),
+    ],
+)
+def test_show_gives_event_times_in_the_event_time_column_s_type(tmp_path, kind, stamp, shown):
+    # A Spark job's checkpoints hold event times as microseconds or days since the epoch
+    # and name the event_time column; show printed the integers.
+    lowest = -(2**63)  # a watermark below every event time, beyond any date: kept as it is
+    row = {"id": 1, "ts": None}  # what is shown is the record's timestamp
+    SnapshotStore(tmp_path).subtask("job", "enrich", 0).commit(
+        "run",
+        1,
+        [Watermark(lowest), StreamRecord(row, stamp), Watermark(stamp - 1)],
+        [],
+        input_schema=pa.schema([("id", pa.int64()), ("ts", kind)]),
+        output_schema=OUTPUT,
+        position=1,
+        properties={"event_time": "ts", "max_out_of_orderness": "0"},
+    )
+    result = invoke("checkpoints", "show", str(tmp_path), "1")
+    assert result.exit_code == 0, result.output
+    rows = [line.split("│") for line in result.output.splitlines() if line.count("│") == 6]
+    assert [cells[4].strip() for cells in rows] == [str(lowest), *shown]
+
+
 def test_show_says_what_is_in_flight_on_one_line_and_no_empty_table(checkpoints) -> None:
     # The heading was the table's title: wrapped at the width of the table (three lines for
     # an empty one, which was still drawn), and its count mixed records and watermarks.
