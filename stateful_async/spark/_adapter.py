@@ -43,9 +43,11 @@ def ordered_wait(
     the session's time zone) and returns a list of result rows (dicts with exactly the
     fields of ``schema``, a DDL string or ``StructType``), holding values of the declared
     types: a result that does not match, including a value Arrow would only take with loss
-    (2.5 for an integer field, a struct with keys it does not declare, a Row whose fields
-    are not the struct's in order), fails the task with ``ResultSchemaError`` naming the
-    field and the input row. ``capacity`` bounds the rows
+    or would read as something else (2.5 for an integer field, a struct with keys it does
+    not declare, a Row whose fields are not the struct's in order, a number for a timestamp
+    or date, a naive datetime for a ``TIMESTAMP`` or an aware one for a ``TIMESTAMP_NTZ``, a
+    string for an array), fails the task with ``ResultSchemaError`` naming the field and the
+    input row. ``capacity`` bounds the rows
     in a task's queue: the calls in flight and, as in Flink, the results that wait for an
     earlier row's. Behind a slow call the queue fills with finished results, so against a
     service whose latency varies fewer calls are in flight than ``capacity``: set it well

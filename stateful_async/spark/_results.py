@@ -2,14 +2,18 @@
 ``ResultSchemaError`` that names the field, the value and the input row.
 
 pyarrow converts some values it cannot hold by dropping data (1.5 into a long becomes 1, a
-struct's unknown keys vanish) and lets a null into a field the schema declares NOT NULL
-(which Spark's JVM then fails on with a bare stack trace): both are refused here.
+struct's unknown keys vanish), reads some as something else (an epoch in seconds for a
+timestamp as microseconds, a string for an array as its characters) and lets a null into
+a field the schema declares NOT NULL (which Spark's JVM then fails on with a bare stack
+trace): all are refused here.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import decimal
 import functools
+import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -185,18 +189,47 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
         or pa.types.is_large_list(arrow_type)
         or pa.types.is_fixed_size_list(arrow_type)
     ):
-        element_check = _check_for(arrow_type.value_type)
-        if element_check is None:
-            return None
-        check_element: _Check = element_check
+        check_element = _check_for(arrow_type.value_type)
 
         def check_list(value: Any) -> _Loss | None:
-            for i, element in enumerate(value):
-                if element is not None and (loss := check_element(element)):
-                    return loss.under(f"[{i}]")
+            if isinstance(value, (str, bytes, bytearray)):  # pyarrow splits it up
+                reason = (
+                    "an array field would split it into its characters (or bytes): return a "
+                    "list, e.g. [value]"
+                )
+                return _Loss("", arrow_type, value, reason)
+            if check_element is not None:
+                for i, element in enumerate(value):
+                    if element is not None and (loss := check_element(element)):
+                        return loss.under(f"[{i}]")
             return None
 
         return check_list
+    if pa.types.is_timestamp(arrow_type) or pa.types.is_date(arrow_type):
+        return _check_datetime(arrow_type)
+    if pa.types.is_duration(arrow_type):
+
+        def check_duration(value: Any) -> _Loss | None:
+            if _is_number(value):
+                reason = "an interval field would read a number as microseconds: return a timedelta"
+                return _Loss("", arrow_type, value, reason)
+            return None
+
+        return check_duration
+    if pa.types.is_float32(arrow_type):
+
+        def check_float(value: Any) -> _Loss | None:
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                try:
+                    number = float(value)
+                except OverflowError:
+                    return None  # pyarrow refuses it outright
+                if math.isfinite(number) and abs(number) > _FLOAT32_MAX:
+                    reason = "a FLOAT field (32 bits) would make it infinite: declare it DOUBLE"
+                    return _Loss("", arrow_type, value, reason)
+            return None
+
+        return check_float
     if pa.types.is_map(arrow_type):
         key, item = _check_for(arrow_type.key_type), _check_for(arrow_type.item_type)
         if key is None and item is None:
@@ -212,6 +245,61 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
 
         return check_map
     return None
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (numbers.Number, decimal.Decimal)) and not isinstance(
+        value, (dt.datetime, dt.date, dt.timedelta)
+    )
+
+
+def _check_datetime(arrow_type: pa.DataType) -> _Check:
+    """pyarrow reads a number as a count of the type's units since 1970 (an epoch in
+    seconds becomes a time in January 1970), a naive datetime in a zoned TIMESTAMP as UTC
+    (Spark takes it as local time), an aware one in a TIMESTAMP_NTZ as its UTC time, and
+    drops a datetime's time of day in a DATE: refuse each instead of guessing."""
+    if pa.types.is_date(arrow_type):
+
+        def check_date(value: Any) -> _Loss | None:
+            if isinstance(value, dt.datetime):
+                if value.tzinfo is None and value.time() == dt.time():
+                    return None  # midnight: the date itself, nothing lost
+                reason = "a DATE field would drop its time of day (and zone): return value.date()"
+            elif _is_number(value):
+                reason = "a DATE field would read a number as days since 1970: return a date"
+            else:
+                return None
+            return _Loss("", arrow_type, value, reason)
+
+        return check_date
+    zoned = arrow_type.tz is not None
+
+    def check_timestamp(value: Any) -> _Loss | None:
+        if isinstance(value, dt.datetime):
+            if (value.utcoffset() is not None) == zoned:
+                return None
+            reason = (
+                "a naive datetime does not say which instant it is (pyarrow would take it as "
+                "UTC, Spark as local time): return an aware one, e.g. "
+                "datetime.now(timezone.utc), or declare the field TIMESTAMP_NTZ"
+                if zoned
+                else "a TIMESTAMP_NTZ field holds wall-clock times, and would store an aware "
+                "datetime's UTC time: return a naive one (value.replace(tzinfo=None) keeps its "
+                "wall-clock time), or declare the field TIMESTAMP"
+            )
+        elif _is_number(value):
+            reason = (
+                "a timestamp field would read a number as microseconds since 1970: return a "
+                "datetime, e.g. datetime.fromtimestamp(seconds, timezone.utc)"
+            )
+        else:
+            return None
+        return _Loss("", arrow_type, value, reason)
+
+    return check_timestamp
 
 
 def _map_entries(value: Any) -> Iterator[tuple[Any, Any]]:

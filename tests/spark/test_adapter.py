@@ -10,9 +10,10 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
+from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import numpy as np
 import pyarrow as pa
@@ -1093,8 +1094,15 @@ def test_extra_keys_of_mixed_types_are_named(spark, result, schema, message) -> 
             r"\{'name': 'a', 'weight': 1.0\} \(dict\): unexpected field\(s\) \['weight'\] would be "
             r"dropped \(the struct has \['name'\]\), returned for input row \{'id': 0\}",
         ),
+        # ... and read an epoch in seconds as microseconds: 1970-01-01 00:28:20
+        (
+            {"score": 1_700_000_000},
+            "id long, score timestamp",
+            r"result field 'score' \(timestamp\[us, tz=UTC\]\) cannot hold 1700000000 \(int\): "
+            r"a timestamp field would read a number as microseconds since 1970",
+        ),
     ],
-    ids=["str-for-double", "float-for-long", "extra-nested-key"],
+    ids=["str-for-double", "float-for-long", "extra-nested-key", "epoch-for-timestamp"],
 )
 def test_a_result_of_the_wrong_type_names_the_field_and_the_input_row(
     spark, result, schema, message
@@ -1134,6 +1142,54 @@ def test_result_conversion_refuses_only_what_would_lose_data(value, problem) -> 
     else:
         with pytest.raises(ResultSchemaError, match=problem):
             to_batch([row], [{"id": 0}], schema)
+
+
+UTC_TS = pa.timestamp("us", tz="UTC")
+
+
+@pytest.mark.parametrize(
+    ("arrow_type", "value", "problem"),
+    [
+        # pyarrow read these as something else, silently
+        (UTC_TS, 1_700_000_000, "would read a number as microseconds since 1970"),  # 1970-01-01
+        (UTC_TS, 1.7e9, "would read a number as microseconds since 1970"),
+        (UTC_TS, datetime(2024, 1, 1, 12), "a naive datetime does not say which instant"),
+        (
+            pa.timestamp("us"),
+            datetime(2024, 1, 1, 12, tzinfo=ZoneInfo("America/New_York")),
+            "a TIMESTAMP_NTZ field holds wall-clock times",
+        ),  # was stored as 17:00
+        (pa.date32(), 19_000, "would read a number as days since 1970"),
+        (pa.date32(), 1.5, "would read a number as days since 1970"),  # 1970-01-02
+        (pa.date32(), datetime(2024, 1, 1, 23, 30), "would drop its time of day"),
+        (pa.duration("us"), 5, "would read a number as microseconds: return a timedelta"),
+        (pa.list_(pa.string()), "tag", r"would split it into its characters"),  # ['t','a','g']
+        (pa.list_(pa.int8()), b"ab", r"would split it into its characters \(or bytes\)"),
+        (pa.float32(), 1e300, r"a FLOAT field \(32 bits\) would make it infinite"),  # inf
+        (pa.struct([("t", UTC_TS)]), {"t": 1_700_000_000}, r"'r.t' \(timestamp"),  # nested
+        (pa.map_(pa.string(), pa.list_(pa.string())), {"k": "v"}, r"\"r\['k'\]\""),
+        # what converts as it is
+        (UTC_TS, datetime(2024, 1, 1, 12, tzinfo=timezone.utc), None),
+        (pa.timestamp("us"), datetime(2024, 1, 1, 12), None),
+        (pa.date32(), date(2024, 1, 1), None),
+        (pa.date32(), datetime(2024, 1, 1), None),  # midnight: nothing dropped
+        (pa.duration("us"), timedelta(seconds=5), None),
+        (pa.list_(pa.string()), ("a", "b"), None),
+        (pa.float32(), 0.1, None),
+        (pa.float32(), float("inf"), None),
+    ],
+)
+def test_result_conversion_refuses_what_pyarrow_would_read_as_something_else(
+    arrow_type, value, problem
+) -> None:
+    from stateful_async.spark._results import to_batch
+
+    schema = pa.schema([("r", arrow_type)])
+    if problem is None:
+        assert to_batch([{"r": value}], [{"id": 0}], schema).num_rows == 1
+    else:
+        with pytest.raises(ResultSchemaError, match=problem + r".*input row \{'id': 0\}"):
+            to_batch([{"r": value}], [{"id": 0}], schema)
 
 
 def test_a_struct_returned_in_two_forms_in_one_batch_names_the_row() -> None:
