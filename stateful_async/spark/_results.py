@@ -26,7 +26,14 @@ from .._elements import describe
 from .._exceptions import ResultSchemaError
 
 # what pyarrow raises for a value it cannot convert to a type
-_CONVERSION_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, ValueError)
+_CONVERSION_ERRORS = (
+    pa.ArrowInvalid,
+    pa.ArrowTypeError,
+    pa.ArrowNotImplementedError,  # a numpy number for a timestamp or an interval
+    OverflowError,
+    TypeError,
+    ValueError,
+)
 
 
 def to_batch(

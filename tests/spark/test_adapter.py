@@ -1168,6 +1168,9 @@ UTC_TS = pa.timestamp("us", tz="UTC")
         (pa.float32(), 1e300, r"a FLOAT field \(32 bits\) would make it infinite"),  # inf
         (pa.struct([("t", UTC_TS)]), {"t": 1_700_000_000}, r"'r.t' \(timestamp"),  # nested
         (pa.map_(pa.string(), pa.list_(pa.string())), {"k": "v"}, r"\"r\['k'\]\""),
+        # pyarrow's own refusal escaped without the field and the row
+        (UTC_TS, np.int64(1_700_000_000), r"cannot hold np.int64\(1700000000\) \(int64\)"),
+        (pa.duration("us"), np.float64(5), r"cannot hold np.float64\(5.0\) \(float64\)"),
         # what converts as it is
         (UTC_TS, datetime(2024, 1, 1, 12, tzinfo=timezone.utc), None),
         (pa.timestamp("us"), datetime(2024, 1, 1, 12), None),
