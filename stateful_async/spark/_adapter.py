@@ -38,16 +38,16 @@ def ordered_wait(
     """Enrich every row of ``df`` with ``fn``, many calls in flight per task; results keep
     the input order of each partition (Flink's ``AsyncDataStream.orderedWait``).
 
-    ``fn`` is an ``AsyncFunction`` or an ``async def`` that receives one input row as a
-    dict (its own copy; ``TIMESTAMP`` values as time-zone-aware datetimes in UTC, whatever
-    the session's time zone) and returns a list of result rows (dicts with exactly the
-    fields of ``schema``, a DDL string or ``StructType``), holding values of the declared
-    types: a result that does not match, including a value Arrow would only take with loss
-    or would read as something else (2.5 for an integer field, a struct with keys it does
-    not declare, a Row whose fields are not the struct's in order, a number for a timestamp
-    or date, a naive datetime for a ``TIMESTAMP`` or an aware one for a ``TIMESTAMP_NTZ``, a
-    string for an array), fails the task with ``ResultSchemaError`` naming the field and the
-    input row. ``capacity`` bounds the rows
+    ``fn`` is an ``AsyncFunction`` or an ``async def`` that receives one input row as a dict
+    (its own copy; ``TIMESTAMP`` values as time-zone-aware datetimes in UTC, whatever the
+    session's time zone; ``MAP`` values as dicts) and returns a list of result rows (dicts
+    with exactly the fields of ``schema``, a DDL string or ``StructType``), holding values
+    of the declared types: a result that does not match, including a value Arrow would only
+    take with loss or would read as something else (2.5 for an integer field, a struct with
+    keys it does not declare, a Row whose fields are not the struct's in order, a number for
+    a timestamp or date, a naive datetime for a ``TIMESTAMP`` or an aware one for a
+    ``TIMESTAMP_NTZ``, a string for an array), fails the task with ``ResultSchemaError``
+    naming the field and the input row. ``capacity`` bounds the rows
     in a task's queue: the calls in flight and, as in Flink, the results that wait for an
     earlier row's. Behind a slow call the queue fills with finished results, so against a
     service whose latency varies fewer calls are in flight than ``capacity``: set it well

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -114,10 +114,83 @@ def _on_rows(retry: RetryStrategy | None) -> RetryStrategy | None:
     return on_rows
 
 
-def _record(seq: int, row: dict[str, Any], timestamp: int | None) -> StreamRecord[Any]:
+def _record(
+    seq: int,
+    row: dict[str, Any],
+    timestamp: int | None,
+    argument: Callable[[dict[str, Any]], dict[str, Any]] = dict,
+) -> StreamRecord[Any]:
     """The operator's record of input row number ``seq``: ``(seq, row, argument)``, the
-    argument being the function's own copy of the row (see ``_RowFunction``)."""
-    return StreamRecord((seq, row, dict(row)), timestamp)
+    argument being the function's own copy of the row (see ``_RowFunction``), made by
+    ``argument`` (see ``_argument_maker``)."""
+    return StreamRecord((seq, row, argument(row)), timestamp)
+
+
+_Convert = Callable[[Any], Any]
+
+
+def _argument_maker(schema: pa.Schema) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """How the function's copy of an input row is made. pyarrow gives a MAP value as a list
+    of (key, value) pairs, where a Spark user expects a dict (PySpark's Rows and pandas
+    UDFs give one): ``"k" in row["m"]`` was False, and ``row["m"]["k"]`` a TypeError. The
+    copy holds maps as dicts, at any depth (the last of equal keys wins, as in PySpark); the
+    row a checkpoint saves and the fingerprint keep pyarrow's form."""
+    converts = [(field.name, c) for field in schema if (c := _maps_as_dicts(field.type))]
+    if not converts:
+        return dict
+
+    def argument(row: dict[str, Any]) -> dict[str, Any]:
+        copied = dict(row)
+        for name, convert in converts:
+            value = copied[name]
+            if value is not None:
+                copied[name] = convert(value)
+        return copied
+
+    return argument
+
+
+def _maps_as_dicts(arrow_type: pa.DataType) -> _Convert | None:
+    """A value of ``arrow_type`` as pyarrow gives it -> the same with its maps as dicts;
+    None if it holds no map. A map whose keys are structs, lists or maps (which a dict
+    cannot hold) stays a list of pairs."""
+    if pa.types.is_map(arrow_type):
+        item = _maps_as_dicts(arrow_type.item_type)
+        key = arrow_type.key_type
+        if pa.types.is_nested(key):
+            if item is None:
+                return None
+            return lambda pairs: [(k, None if v is None else item(v)) for k, v in pairs]
+        if item is None:
+            return dict
+        return lambda pairs: {k: None if v is None else item(v) for k, v in pairs}
+    if pa.types.is_struct(arrow_type):
+        children = [
+            (child.name, c)
+            for child in (arrow_type.field(i) for i in range(arrow_type.num_fields))
+            if (c := _maps_as_dicts(child.type))
+        ]
+        if not children:
+            return None
+
+        def struct(value: dict[str, Any]) -> dict[str, Any]:
+            copied = dict(value)
+            for name, convert in children:
+                if copied[name] is not None:
+                    copied[name] = convert(copied[name])
+            return copied
+
+        return struct
+    if (
+        pa.types.is_list(arrow_type)
+        or pa.types.is_large_list(arrow_type)
+        or pa.types.is_fixed_size_list(arrow_type)
+    ):
+        element = _maps_as_dicts(arrow_type.value_type)
+        if element is None:
+            return None
+        return lambda values: [None if v is None else element(v) for v in values]
+    return None
 
 
 def _pair(
@@ -269,6 +342,7 @@ class _TaskRun:
         if spec.event_time is not None:
             self.properties[_EVENT_TIME] = spec.event_time
             self.properties[_OUT_OF_ORDERNESS] = str(spec.max_out_of_orderness)
+        self.argument = _argument_maker(spec.input_schema)  # the function's copy of a row
         self.out: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.error: BaseException | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -419,6 +493,7 @@ class _TaskRun:
         interval = spec.checkpoint.interval_records if spec.checkpoint else None
         seconds = spec.checkpoint.interval_seconds if spec.checkpoint else None
         event_time = spec.event_time
+        argument = self.argument
         self.last_checkpoint = time.monotonic()  # the interval runs from here, not from restore
         while True:
             batch = await self._next_batch()
@@ -439,7 +514,7 @@ class _TaskRun:
                 # take far longer than it); when it is due, the chunk ends there.
                 due = None if seconds is None else self.last_checkpoint + seconds
                 for row, stamp in zip(rows, stamps or itertools.repeat(None), strict=False):
-                    await process(_record(seq, row, stamp))
+                    await process(_record(seq, row, stamp, argument))
                     seq += 1
                     if due is not None and time.monotonic() >= due:
                         break
@@ -561,7 +636,7 @@ class _TaskRun:
             if type(element) is Watermark:
                 restored.append(element)
             else:
-                restored.append(_record(seq, element.value, element.timestamp))
+                restored.append(_record(seq, element.value, element.timestamp, self.argument))
         return restored
 
     def _find_restore_point(self, config: CheckpointConfig) -> Any:

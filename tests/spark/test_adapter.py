@@ -428,6 +428,49 @@ def test_a_function_that_changes_its_row_changes_neither_checkpoints_nor_resume(
     assert [r.asDict() for r in out] == [reference(i) for i in range(rows)]
 
 
+def test_maps_reach_the_function_as_dicts_before_and_after_a_resume(spark, tmp_path) -> None:
+    # pyarrow gives a MAP as a list of (key, value) pairs: "a" in row["m"] was False and
+    # row["m"]["a"] a TypeError, where PySpark's own Rows and pandas UDFs give dicts.
+    async def look_up(row):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.002)  # keeps rows in flight at every checkpoint
+        i, m, s, arr, mm = row["id"], row["m"], row["s"], row["arr"], row["mm"]
+        assert m == {"a": i, "b": -i} and "a" in m, row
+        assert s == {"x": i, "sm": {"k": "v"}} and arr == [{"c": 1}, None, {}], row
+        assert mm == {"outer": {"inner": i}} and row["sk"] == [({"p": 1}, i)], row
+        return [{"id": i, "a": m["a"], "inner": mm["outer"]["inner"]}]
+
+    rows, crash_at = 400, 300
+    df = spark.range(0, rows, numPartitions=1).selectExpr(
+        "id",
+        "map('a', id, 'b', -id) AS m",
+        "named_struct('x', id, 'sm', map('k', 'v')) AS s",
+        "array(map('c', 1), CAST(NULL AS map<string, int>), map()) AS arr",
+        "map('outer', map('inner', id)) AS mm",
+        "map(named_struct('p', 1), id) AS sk",  # struct keys: a dict cannot hold them
+    )
+    config = CheckpointConfig(str(tmp_path), "maps", interval_records=100, retain=100)
+    out = ordered_wait(
+        df,
+        CrashOnElement(look_up, at=[crash_at]),
+        "id long, a long, inner long",
+        capacity=20,
+        checkpoint=config,
+    ).collect()
+    assert [tuple(r) for r in out] == [(i, i, i) for i in range(rows)]
+    store = SnapshotStore(tmp_path)
+    retried = resumed(store, "maps")
+    assert retried and retried[0].parent is not None  # resumed, re-invoking restored rows
+    parent = retried[0].parent
+    assert store.load("maps", "enrich", 0, parent.checkpoint_id, parent.run_id).elements
+
+    # the row as given passes through to a MAP result unchanged
+    async def same(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"], "m": row["m"]}]
+
+    back = ordered_wait(df.limit(3), same, "id long, m map<string, long>").collect()
+    assert [r.m for r in back] == [{"a": i, "b": -i} for i in range(3)]
+
+
 def test_watermarks_never_go_back_after_a_resume_and_fit_64_bits(spark, tmp_path) -> None:
     # The last watermark generated was not kept once emitted: a resumed attempt generated
     # watermarks from the input after the checkpoint alone, lower than before. And an event
