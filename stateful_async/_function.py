@@ -83,6 +83,11 @@ def as_async_function(fn: Any) -> AsyncFunction[Any, Any]:
             for name in ("async_invoke", "timeout", "open", "close"):
                 _check_async_method(fn, name)
         return fn
+    if isinstance(fn, type) and issubclass(fn, AsyncFunction):
+        raise ConfigurationError(
+            f"{fn.__qualname__} is an AsyncFunction class; pass an instance of it: "
+            f"{fn.__qualname__}(...)."
+        )
     if inspect.isasyncgenfunction(fn) or (
         callable(fn) and inspect.isasyncgenfunction(type(fn).__call__)
     ):

@@ -499,6 +499,16 @@ def test_a_regular_function_is_refused_with_advice() -> None:
         AsyncWaitOperator(sync, lambda e: None)
 
 
+def test_an_async_function_class_is_refused_asking_for_an_instance() -> None:
+    # it was called "a regular function" and sent to ThreadPoolAsyncFunction
+    with pytest.raises(
+        ConfigurationError,
+        match=r"ControlledFunction is an AsyncFunction class; "
+        r"pass an instance of it: ControlledFunction\(\.\.\.\)",
+    ):
+        AsyncWaitOperator(ControlledFunction, lambda e: None)
+
+
 def test_mode_accepts_its_name() -> None:
     assert AsyncWaitOperator(_noop, print, "unordered").mode is OutputMode.UNORDERED
 
