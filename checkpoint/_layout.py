@@ -49,7 +49,8 @@ def normalize(location: str | os.PathLike[str]) -> str:
     if is_local(text):
         # file:/abs, file:///abs and file://localhost/abs are all local paths.
         path = urlparse(text).path if urlparse(text).scheme == "file" else text
-        return os.path.abspath(path)
+        # "~/chk" means the home directory, not a directory named "~" in the working one
+        return os.path.abspath(os.path.expanduser(path))
     return text.rstrip("/")
 
 

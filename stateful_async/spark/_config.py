@@ -22,8 +22,9 @@ class CheckpointConfig:
     passed to deltalake) that every executor can reach: on a cluster, an object store or a
     shared filesystem mounted at the same path everywhere. A relative local path is made
     absolute here, against the working directory of the process that builds the config
-    (the driver), so every task uses the same directory. ``job_id`` names the enrichment
-    there; ``operator_id`` tells two enrichments of one job apart.
+    (the driver), so every task uses the same directory (``~`` is the driver's home).
+    ``job_id`` names the enrichment there; ``operator_id`` tells two enrichments of one job
+    apart.
 
     Each task checkpoints every ``interval_records`` input records (and, if set, every
     ``interval_seconds``), and once more when its input ends. Every 20 checkpoints, and

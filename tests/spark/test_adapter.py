@@ -795,11 +795,15 @@ def test_names_differing_only_in_case_are_refused_up_front_with_checkpoints(
         spark.conf.set("spark.sql.caseSensitive", "false")
 
 
-def test_a_relative_checkpoint_location_is_taken_from_the_driver_directory(
+def test_a_relative_checkpoint_location_is_taken_from_the_driver_directory_and_home(
     tmp_path, monkeypatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
     assert CheckpointConfig("checkpoints", "job").location == str(tmp_path / "checkpoints")
+    # ~ was taken as a directory named "~" in the working directory, silently
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert CheckpointConfig("~/chk", "job").location == str(tmp_path / "home" / "chk")
+    assert SnapshotStore("~/chk").location == str(tmp_path / "home" / "chk")
 
 
 def test_file_uris_of_every_spelling_are_the_local_path(tmp_path) -> None:
