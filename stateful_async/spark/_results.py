@@ -142,7 +142,11 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
     if pa.types.is_integer(arrow_type):
 
         def check_integer(value: Any) -> _Loss | None:
-            if type(value) is int or isinstance(value, numbers.Integral):
+            if type(value) is int:
+                return None
+            if isinstance(value, np.bool_):  # pyarrow refuses a bool, but takes numpy's as 1
+                return _Loss("", arrow_type, value, _BOOLEAN_NUMBER)
+            if isinstance(value, numbers.Integral):
                 return None
             if isinstance(value, (numbers.Number, decimal.Decimal)):
                 try:
@@ -223,10 +227,13 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
             return None
 
         return check_duration
-    if pa.types.is_float32(arrow_type):
+    if pa.types.is_floating(arrow_type):
+        single = pa.types.is_float32(arrow_type) or pa.types.is_float16(arrow_type)
 
         def check_float(value: Any) -> _Loss | None:
-            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            if isinstance(value, bool):  # pyarrow takes it as 1.0 or 0.0
+                return _Loss("", arrow_type, value, _BOOLEAN_NUMBER)
+            if single and isinstance(value, numbers.Real):
                 try:
                     number = float(value)
                 except OverflowError:
@@ -255,6 +262,9 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_BOOLEAN_NUMBER = (
+    "a numeric field would take a boolean as 1 or 0: return a number, or declare the field BOOLEAN"
+)
 
 
 def _is_number(value: Any) -> bool:

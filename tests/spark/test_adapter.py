@@ -1215,6 +1215,8 @@ UTC_TS = pa.timestamp("us", tz="UTC")
         (pa.float32(), 1e300, r"a FLOAT field \(32 bits\) would make it infinite"),  # inf
         (pa.struct([("t", UTC_TS)]), {"t": 1_700_000_000}, r"'r.t' \(timestamp"),  # nested
         (pa.map_(pa.string(), pa.list_(pa.string())), {"k": "v"}, r"\"r\['k'\]\""),
+        (pa.float64(), True, "a numeric field would take a boolean as 1 or 0"),  # 1.0
+        (pa.int64(), np.True_, "a numeric field would take a boolean as 1 or 0"),  # 1
         # pyarrow's own refusal escaped without the field and the row
         (UTC_TS, np.int64(1_700_000_000), r"cannot hold np.int64\(1700000000\) \(int64\)"),
         (pa.duration("us"), np.float64(5), r"cannot hold np.float64\(5.0\) \(float64\)"),
@@ -1227,6 +1229,8 @@ UTC_TS = pa.timestamp("us", tz="UTC")
         (pa.list_(pa.string()), ("a", "b"), None),
         (pa.float32(), 0.1, None),
         (pa.float32(), float("inf"), None),
+        (pa.float64(), np.float32(1.5), None),
+        (pa.int64(), np.int64(2), None),
     ],
 )
 def test_result_conversion_refuses_what_pyarrow_would_read_as_something_else(
