@@ -563,7 +563,8 @@ def replay(
         snapshots = _snapshots(store, _job(store, job), checkpoint_id, operator, partition, run)
         results: list[Any] = []
         for s in snapshots:
-            results.extend(asyncio.run(_replay(fn, s.elements, capacity, timeout, mode.value)))
+            elements = _as_the_function_sees_them(store, s)
+            results.extend(asyncio.run(_replay(fn, elements, capacity, timeout, mode.value)))
         if output is None:
             for row in results:
                 sys.stdout.write(json.dumps(row, default=_json_default) + "\n")
@@ -589,6 +590,23 @@ def replay(
             f"{len(snapshots)} partition(s) gave {len(results)} result(s)"
             + (f", written to {escape(str(output))}." if output else ".")
         )
+
+
+def _as_the_function_sees_them(store: Any, snapshot: Any) -> list[Any]:
+    """A snapshot's elements with each record's row as a Spark job's function receives it:
+    the store gives ``MAP`` values as pyarrow does, as lists of (key, value) pairs."""
+    from . import StreamRecord
+    from .spark._task import _argument_maker
+
+    meta = snapshot.metadata
+    schemas = store.subtask(meta.job_id, meta.operator_id, meta.subtask).schemas()
+    if schemas is None:
+        return list(snapshot.elements)
+    argument = _argument_maker(schemas[0])
+    return [
+        e if _is_watermark(e) else StreamRecord(argument(e.value), e.timestamp)
+        for e in snapshot.elements
+    ]
 
 
 async def _replay(

@@ -118,6 +118,9 @@ REPLAY_MODULE = textwrap.dedent(
     async def mixed_types(row):  # a str for odd ids, an int for even ones
         return [{"id": row["id"], "greeting": "odd" if row["id"] % 2 else 0}]
 
+    async def look_up(row):  # a Spark job's function: MAP values are dicts
+        return [{"id": row["id"], "greeting": row["names"]["en"]}]
+
     NOT_A_FUNCTION = 42
     """
 )
@@ -455,6 +458,23 @@ def test_replay_gives_the_results_of_exactly_the_saved_in_flight_inputs(
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert rows == [{"id": r["id"], "greeting": "hello " + r["name"]} for r in in_flight]
     assert f"{len(in_flight)} in-flight record(s) of 1 partition(s)" in result.output
+
+
+def test_replay_hands_map_values_to_the_function_as_dicts(tmp_path, functions) -> None:
+    # As a Spark job's function receives them; the store gives pyarrow's (key, value) pairs.
+    names = pa.map_(pa.string(), pa.string())
+    SnapshotStore(tmp_path / "ckpt").subtask("job", "enrich", 0).commit(
+        "run",
+        2,
+        [StreamRecord({"id": 7, "names": {"en": "seven", "fr": "sept"}})],
+        [],
+        input_schema=pa.schema([("id", pa.int64()), ("names", names)]),
+        output_schema=OUTPUT,
+        position=1,
+    )
+    result = replay(tmp_path / "ckpt", "replay_functions:look_up")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.splitlines()[0]) == {"id": 7, "greeting": "seven"}
 
 
 def test_replay_writes_parquet_and_instantiates_function_classes(
