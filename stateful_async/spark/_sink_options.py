@@ -154,7 +154,7 @@ def _table_uri(path: str | None) -> str:
             "The delta_rs sink needs the table location: df.write.format('delta_rs')"
             ".save('/abs/path/to/table') or writeStream...start('/abs/path/to/table')."
         )
-    path = path.strip()
+    path = os.path.expanduser(path.strip())  # on the driver: its home, as CheckpointConfig's
     if is_uri(path):
         return path.rstrip("/")
     if not os.path.isabs(path):

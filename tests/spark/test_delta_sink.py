@@ -777,6 +777,9 @@ def test_options_are_validated_with_clear_errors() -> None:
         SinkOptions.parse({"path": "/t", "partitonBy": "a"}, streaming=False)
     with pytest.raises(ConfigurationError, match="is relative; give an absolute path"):
         SinkOptions.parse({"path": "relative/table"}, streaming=False)
+    # ~ is the driver's home, as for a CheckpointConfig location (it was refused as relative)
+    home = SinkOptions.parse({"path": "~/tables/t"}, streaming=False).table_uri
+    assert home == os.path.join(os.path.expanduser("~"), "tables", "t")
     with pytest.raises(ConfigurationError, match="needs both txnAppId"):
         SinkOptions.parse({"path": "/t", "txnAppId": "a"}, streaming=False)
     with pytest.raises(ConfigurationError, match="txnVersion applies to batch writes only"):
