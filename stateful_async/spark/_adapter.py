@@ -133,6 +133,7 @@ def _async_wait(
             f"checkpoint must be a CheckpointConfig; got {type(checkpoint).__name__}."
         )
     struct = _output_struct(schema)
+    _check_names_apart(df, struct)
     columns = df.columns
     twice = sorted({name for name in columns if columns.count(name) > 1})
     if twice:
@@ -189,6 +190,23 @@ def _output_struct(schema: Schema) -> Any:
             "once; a result is a dict, so each field needs a name of its own."
         )
     return struct
+
+
+def _check_names_apart(df: Any, struct: Any) -> None:
+    """Spark resolves column names ignoring case unless ``spark.sql.caseSensitive`` is set:
+    output fields that differ only in case would make the enriched DataFrame's columns
+    ambiguous to every later ``select`` (AMBIGUOUS_REFERENCE, after the job has run)."""
+    if df.sparkSession.conf.get("spark.sql.caseSensitive", "false").lower() == "true":
+        return
+    seen: dict[str, str] = {}
+    for field in struct.fields:
+        other = seen.setdefault(field.name.lower(), field.name)
+        if other != field.name:
+            raise ConfigurationError(
+                f"The output schema {struct.simpleString()!r} has the fields {other!r} and "
+                f"{field.name!r}, which Spark takes for one column (it ignores case in "
+                "column names unless spark.sql.caseSensitive is true): rename one of them."
+            )
 
 
 def _parse_output_struct(schema: Schema) -> Any:

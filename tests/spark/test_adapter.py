@@ -1356,6 +1356,10 @@ def test_an_unpicklable_function_fails_before_the_job_starts(spark) -> None:
         ({"schema": ""}, "has no fields"),
         ({"schema": StructType([])}, "has no fields"),
         ({"schema": "id long, id string"}, r"names the field\(s\) \['id'\] more than once"),
+        (  # the job ran, and the first select("id") failed with AMBIGUOUS_REFERENCE
+            {"schema": "id long, ID long"},
+            "has the fields 'id' and 'ID', which Spark takes for one column",
+        ),
         ({"capacity": 0}, "capacity must be an integer >= 1"),
         ({"event_time": "missing"}, "event_time column 'missing' is not in the DataFrame"),
         ({"max_out_of_orderness": 5}, "max_out_of_orderness needs event_time"),
