@@ -229,9 +229,38 @@ def _parse_output_struct(schema: Schema) -> Any:
     )
 
 
+def _variant_field(data_type: Any, path: str = "") -> str | None:
+    """The path of a VARIANT inside ``data_type``, if it holds one."""
+    from pyspark.sql.types import ArrayType, MapType, StructType, VariantType
+
+    if isinstance(data_type, VariantType):
+        return path
+    if isinstance(data_type, StructType):
+        for field in data_type.fields:
+            found = _variant_field(field.dataType, f"{path}.{field.name}" if path else field.name)
+            if found is not None:
+                return found
+    elif isinstance(data_type, ArrayType):
+        return _variant_field(data_type.elementType, f"{path}[]")
+    elif isinstance(data_type, MapType):
+        return _variant_field(data_type.valueType, f"{path}{{}}")
+    return None
+
+
 def _arrow_schema(struct: Any, what: str) -> pa.Schema:
     from pyspark.sql.pandas.types import to_arrow_schema
 
+    variant = _variant_field(struct)
+    if variant is not None:  # Arrow carries it as its encoded bytes: {value, metadata}
+        raise ConfigurationError(
+            f"The {what} field {variant!r} is a VARIANT, which would reach Python as its "
+            "encoded bytes. "
+            + (
+                "Pass it as JSON text instead: select to_json(col) AS col first."
+                if what == "input"
+                else "Return JSON text in a STRING field instead, and parse_json() it after."
+            )
+        )
     try:
         return to_arrow_schema(struct, timezone="UTC")
     except Exception as exc:

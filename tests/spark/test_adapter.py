@@ -1356,6 +1356,10 @@ def test_an_unpicklable_function_fails_before_the_job_starts(spark) -> None:
         ({"schema": ""}, "has no fields"),
         ({"schema": StructType([])}, "has no fields"),
         ({"schema": "id long, id string"}, r"names the field\(s\) \['id'\] more than once"),
+        (  # every result failed in the task, over struct<value: binary, metadata: binary>
+            {"schema": "id long, v struct<tags: array<variant>>"},
+            r"output field 'v.tags\[\]' is a VARIANT.*Return JSON text in a STRING field",
+        ),
         (  # the job ran, and the first select("id") failed with AMBIGUOUS_REFERENCE
             {"schema": "id long, ID long"},
             "has the fields 'id' and 'ID', which Spark takes for one column",
@@ -1409,6 +1413,16 @@ def test_bad_arguments_fail_before_the_job_starts(spark, kwargs, message) -> Non
     args = {"fn": f, "schema": "id long", **kwargs}
     with pytest.raises(ConfigurationError, match=message):
         unordered_wait(df, args.pop("fn"), args.pop("schema"), **args)
+
+
+def test_a_variant_input_column_is_refused_asking_for_json_text(spark) -> None:
+    # It reached the function as its encoded bytes: {"value": b"...", "metadata": b"..."}.
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [row]
+
+    df = spark.range(3).select("id", F.parse_json(F.lit('{"a": 1}')).alias("v"))
+    with pytest.raises(ConfigurationError, match=r"input field 'v' is a VARIANT.*to_json\(col\)"):
+        ordered_wait(df, f, "id long")
 
 
 def test_an_event_time_given_as_a_column_is_refused_naming_the_name_to_give(spark) -> None:
