@@ -159,7 +159,7 @@ def _as_results(
             "Return a list: [result] for one result, [] to emit nothing.",
         )
     try:
-        return list(results)
+        iterator = iter(results)
     except TypeError as exc:
         raise element_error(
             InvalidResultError,
@@ -168,6 +168,9 @@ def _as_results(
             attempts,
             "Return a list: [result] for one result, [] to emit nothing.",
         ) from exc
+    # Outside the try: a TypeError raised while iterating (a generator of results that
+    # raised) is the call's own error, for the caller to treat as a failed call.
+    return list(iterator)
 
 
 class AsyncWaitOperator(Generic[IN, OUT]):

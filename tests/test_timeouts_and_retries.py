@@ -696,3 +696,46 @@ async def test_a_failure_advises_retrying_only_an_element_that_was_not_retried()
     assert "retry_on_exception does not match it" in not_matched
     no_strategy = await fails(VirtualClock(), None)
     assert "retry this exception (retry=RetryStrategy(...)" in no_strategy
+
+
+async def test_results_whose_iteration_raises_type_error_are_a_failed_attempt_not_a_wrong_shape():
+    # A generator of results that hits a TypeError of its own half-way (a bug in it, or a
+    # client raising one) is iterable: its error is the call's, retried like any other,
+    # not "returned generator, which is not iterable" (a wrong shape, never retried).
+    calls = []
+
+    async def fn(value):
+        calls.append(value)
+
+        def results():
+            yield value
+            if len(calls) == 1:
+                raise TypeError("unsupported operand type(s) for +: 'NoneType' and 'int'")
+
+        return results()
+
+    clock = VirtualClock()
+    out, op = make(fn, clock, timeout=10, retry=RetryStrategy.fixed_delay(2, 1.0))
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(1)
+    await asyncio.wait_for(op.finish(), 5.0)
+    assert [e.value for e in out] == ["a"]
+    assert calls == ["a", "a"]
+    await op.close()
+
+    async def never_recovers(value):
+        def results():
+            yield value
+            raise TypeError("bad operand")
+
+        return results()
+
+    op = AsyncWaitOperator(never_recovers, lambda e: None)
+    await op.open()
+    await op.process_element(StreamRecord("b"))
+    with pytest.raises(AsyncFunctionError, match="StreamRecord\\('b'\\)") as info:
+        await asyncio.wait_for(op.finish(), 5.0)
+    assert "not iterable" not in str(info.value)
+    assert isinstance(info.value.__cause__, TypeError)
+    await op.close()
