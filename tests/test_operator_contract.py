@@ -23,6 +23,7 @@ from stateful_async import (
     OutputMode,
     RetryStrategy,
     StreamRecord,
+    TimeoutHandlerError,
     Watermark,
 )
 from stateful_async.testing import ControlledFunction, VirtualClock, settle
@@ -646,5 +647,44 @@ async def test_a_timeout_handler_of_the_wrong_shape_is_named_as_the_handler() ->
     await op.process_element(StreamRecord("x"))
     await clock.advance(1)
     with pytest.raises(InvalidResultError, match="The timeout handler returned dict"):
+        await asyncio.wait_for(op.finish(), 5.0)
+    await op.close()
+
+
+@pytest.mark.parametrize("timeout", [None, 10.0])
+async def test_results_that_raise_a_base_exception_fail_the_element_instead_of_hanging(
+    timeout,
+) -> None:
+    # Like a function raising one (above): consuming its results is part of the call.
+    async def aborts_half_way(value):
+        def results():
+            yield value
+            raise _Abort("stop")
+
+        return results()
+
+    op = AsyncWaitOperator(aborts_half_way, lambda e: None, timeout=timeout)
+    await op.open()
+    await op.process_element(StreamRecord("x"))
+    with pytest.raises(AsyncFunctionError, match="StreamRecord\\('x'\\).*_Abort: stop"):
+        await asyncio.wait_for(op.finish(), 5.0)
+    await op.close()
+
+
+async def test_fallback_results_that_raise_a_base_exception_fail_instead_of_hanging() -> None:
+    class Fallback(ControlledFunction):
+        async def timeout(self, value):
+            def results():
+                yield value
+                raise _Abort("stop")
+
+            return results()
+
+    clock = VirtualClock()
+    op = AsyncWaitOperator(Fallback(), lambda e: None, timeout=1, clock=clock)
+    await op.open()
+    await op.process_element(StreamRecord("x"))
+    await clock.advance(1)
+    with pytest.raises(TimeoutHandlerError, match="StreamRecord\\('x'\\)"):
         await asyncio.wait_for(op.finish(), 5.0)
     await op.close()
