@@ -763,6 +763,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
 
     def _on_timeout_handler_done(self, handler: _TimedElement, task: asyncio.Future[Any]) -> None:
         if handler.decided:
+            if not task.cancelled():
+                task.exception()  # a later outcome, dropped silently: not logged by asyncio
             return
         handler.timeout_task = None
         error = (

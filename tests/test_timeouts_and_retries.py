@@ -739,3 +739,33 @@ async def test_results_whose_iteration_raises_type_error_are_a_failed_attempt_no
     assert "not iterable" not in str(info.value)
     assert isinstance(info.value.__cause__, TypeError)
     await op.close()
+
+
+async def test_a_timeout_handler_error_that_loses_the_race_is_dropped_silently() -> None:
+    # The handler raises and the attempt's result arrives in the same loop iteration: the
+    # result decides the element (one outcome), and the handler's error is dropped without
+    # asyncio logging "Task exception was never retrieved" for it.
+    import gc
+
+    logged: list = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda loop, context: logged.append(context))
+    try:
+        clock = VirtualClock()
+        fn = ControlledTimeoutFunction()
+        out, op = make(fn, clock, timeout=1)
+        await op.open()
+        await op.process_element(StreamRecord("a"))
+        await clock.advance(1)
+        fn.fail_timeout("a", Fatal("handler lost"))
+        fn.complete("a", ["A"])
+        await settle()
+        await op.finish()
+        await op.close()
+        assert [e.value for e in out] == ["A"]
+        del fn, op
+        gc.collect()
+        await settle()
+    finally:
+        loop.set_exception_handler(None)
+    assert [c.get("message") for c in logged] == []
