@@ -366,6 +366,10 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             # it (like an ``async with`` whose __aenter__ raised; see AsyncFunction.open).
             self._set_state(_State.FAILED)
             raise
+        if self._state is _State.CLOSED:
+            # close() ran while the function was opening, too early to close it: close it now.
+            await self._fn.close()
+            raise OperatorStateError("The operator was closed while its function was opening.")
         self._fn_opened = True
         self._restoring = True
         try:

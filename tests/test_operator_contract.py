@@ -688,3 +688,28 @@ async def test_fallback_results_that_raise_a_base_exception_fail_instead_of_hang
     with pytest.raises(TimeoutHandlerError, match="StreamRecord\\('x'\\)"):
         await asyncio.wait_for(op.finish(), 5.0)
     await op.close()
+
+
+async def test_close_during_the_functions_open_still_closes_the_function() -> None:
+    # close() found the function not open yet: open() must close it once it is, and not
+    # return as if the operator were ready (its clients would never be released).
+    class SlowOpen(ControlledFunction):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = asyncio.Event()
+
+        async def open(self):
+            await self.gate.wait()
+            self.opened += 1
+
+    fn = SlowOpen()
+    op = AsyncWaitOperator(fn, lambda e: None)
+    opening = asyncio.ensure_future(op.open(restored=[StreamRecord("a")]))
+    await settle()
+    await op.close()
+    fn.gate.set()
+    with pytest.raises(OperatorStateError, match="closed"):
+        await opening
+    assert (fn.opened, fn.closed, fn.calls) == (1, 1, [])
+    await op.close()
+    assert fn.closed == 1
