@@ -13,12 +13,18 @@ Invariants: never more than ``capacity`` queue entries (in flight and kept for r
 ordered output is a prefix of the input-order output; in unordered mode no record crosses a
 watermark either way; and in the end the committed output equals a failure-free run exactly
 once (as a sequence when ordered, as a multiset per watermark segment when unordered).
+
+``FailureMachine`` adds what this one never does: operator failures (an attempt or a timeout
+handler failing for good) followed by the restore a job's retry makes, timeout handlers that
+race the attempt they replace, results as tuples and generators, and ``finish()`` with calls
+and backoffs in flight, crashed during.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from functools import partial
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -26,13 +32,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from stateful_async import (
     AsyncWaitOperator,
+    OperatorStateError,
     OutputMode,
     RetryStrategy,
     StreamRecord,
     VirtualClock,
     Watermark,
 )
-from stateful_async.testing import ControlledFunction, settle
+from stateful_async.testing import ControlledFunction, ControlledTimeoutFunction, settle
 
 
 class Retryable(Exception):
@@ -300,6 +307,225 @@ def check_unordered_prefix(output: list, inputs: list) -> None:
 TestOperatorStateMachine = OperatorMachine.TestCase
 TestOperatorStateMachine.settings = settings(
     max_examples=200,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+# -- a second machine: failures, slow timeout handlers, finish() mid-run -----------------------
+
+
+class Fatal(Exception):
+    pass
+
+
+class SlowFallbackFunction(ControlledTimeoutFunction):
+    """Its timeout handler waits for the test, so a handler and the attempt it replaces race."""
+
+    def pending_timeouts(self) -> list:
+        return [v for v, fs in self._timeouts.items() for f in fs if not f.done()]
+
+
+def shaped(results: list, shape: str):
+    if shape == "tuple":
+        return tuple(results)
+    if shape == "generator":
+        return (r for r in results)
+    return list(results)
+
+
+SHORT_TIMEOUT = 2.5  # one advance_time(3.0) times out every call in flight
+
+
+class FailureMachine(OperatorMachine):
+    """``OperatorMachine`` (every rule and invariant of it) plus what it never does: attempts
+    that fail for good and timeout handlers that fail (the operator fails; the job restores
+    from the last checkpoint and, the error being transient, the value succeeds then), a
+    timeout handler that takes its time and races the late attempt, results returned as a
+    tuple or a generator, timestamps, and ``finish()`` called while elements are in flight
+    (backoffs pending, with or without ``keep_retrying``), then crashes during it.
+
+    Extra invariant: an operator emits nothing once it has failed or been replaced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generation = 0
+        self.finisher: asyncio.Task | None = None
+
+    def new_operator(self) -> None:
+        self.generation += 1
+        self.fn = SlowFallbackFunction() if self.slow_fallback else ModelFunction()
+        self.op = AsyncWaitOperator(
+            self.fn,
+            partial(self.emitted_by, self.generation),
+            self.mode,
+            capacity=self.capacity,
+            timeout=SHORT_TIMEOUT if self.timed else None,
+            retry=RETRY if self.timed else None,
+            clock=self.clock,
+        )
+
+    def emitted_by(self, generation: int, element) -> None:
+        assert generation == self.generation, "a replaced (closed) operator emitted"
+        assert self.op.failure is None, "a failed operator emitted"
+        self.uncommitted.append(element)
+
+    def failed(self) -> bool:
+        return self.op.failure is not None
+
+    def finishing(self) -> bool:
+        return self.finisher is not None
+
+    @initialize(
+        mode=st.sampled_from([OutputMode.ORDERED, OutputMode.UNORDERED]),
+        capacity=st.integers(1, 6),
+        timed=st.booleans(),
+        slow_fallback=st.booleans(),
+        records=st.integers(1, 8),
+    )
+    def start(
+        self, mode: OutputMode, capacity: int, timed: bool, slow_fallback: bool, records: int
+    ) -> None:
+        self.slow_fallback = slow_fallback and timed
+        super().start(mode, capacity, timed)
+        self.add_records(records)  # rules may be switched off: begin with work in flight
+
+    # -- inputs stop while finishing or failed ------------------------------------------------
+
+    @precondition(lambda self: not self.failed() and not self.finishing())
+    @rule(count=st.integers(1, 4))
+    def add_records(self, count: int) -> None:
+        for _ in range(count):
+            self.to_feed.append(StreamRecord(self.next_value, timestamp=1000 + self.next_value))
+            self.next_value += 1
+        self.start_feeder()
+
+    @precondition(lambda self: not self.failed() and not self.finishing())
+    @rule()
+    def add_watermark(self) -> None:
+        super().add_watermark()
+
+    @precondition(lambda self: not self.restoring() and not self.failed())
+    @rule()
+    def checkpoint(self) -> None:
+        super().checkpoint()
+
+    @precondition(lambda self: self.failed())
+    @rule()
+    def a_failed_operator_refuses_a_snapshot(self) -> None:
+        try:
+            self.op.snapshot_state(10**6)
+        except OperatorStateError:
+            return
+        raise AssertionError("a failed operator took a snapshot")
+
+    # -- outcomes -----------------------------------------------------------------------------
+
+    @rule(data=st.data(), shape=st.sampled_from(["list", "tuple", "generator"]))
+    def complete_one(self, data, shape: str) -> None:
+        pending = sorted(set(self.fn.pending_values()))
+        if not pending:
+            return
+        value = data.draw(st.sampled_from(pending))
+        self.fn._next(value).set_result(shaped(results_of(value), shape))
+        self.run(settle())
+
+    @rule(data=st.data())
+    def fail_one_for_good(self, data) -> None:
+        pending = sorted(set(self.fn.pending_values()))
+        if not pending or data.draw(st.integers(0, 3), label="rarer than the others"):
+            return
+        self.fn.fail(data.draw(st.sampled_from(pending)), Fatal("transient, but not retried"))
+        self.run(settle())
+
+    @precondition(lambda self: self.slow_fallback)
+    @rule(data=st.data(), fail=st.booleans())
+    def end_one_timeout_handler(self, data, fail: bool) -> None:
+        pending = sorted(set(self.fn.pending_timeouts()))
+        if not pending:
+            return
+        value = data.draw(st.sampled_from(pending))
+        if fail:
+            self.fn.fail_timeout(value, Fatal("fallback failed"))
+        else:
+            self.fn.complete_timeout(value, results_of(value))
+        self.run(settle())
+
+    # -- finish() mid-run, crashes ------------------------------------------------------------
+
+    @precondition(
+        lambda self: (
+            not self.failed() and not self.finishing() and not self.restoring() and not self.to_feed
+        )
+    )
+    @rule(keep_retrying=st.booleans())
+    def finish(self, keep_retrying: bool) -> None:
+        if self.feeder is not None:
+            self.feeder.result()
+            self.feeder = None
+        self.finisher = self.loop.create_task(self.op.finish(keep_retrying=keep_retrying))
+        self.run(settle())
+
+    @rule()
+    def crash_and_restore(self) -> None:
+        if self.finisher is not None:
+            self.finisher.cancel()
+            self.run(asyncio.wait([self.finisher]))
+            if not self.finisher.cancelled():
+                self.finisher.exception()  # the failure it raised: the crash's cause
+            self.finisher = None
+        super().crash_and_restore()
+
+    @invariant()
+    def finish_ends_only_drained_or_failed(self) -> None:
+        if self.finisher is not None and self.finisher.done():
+            if self.finisher.cancelled() or self.finisher.exception() is not None:
+                assert self.failed()
+            else:
+                assert self.op.in_flight == 0
+
+    def drain_and_check(self) -> None:
+        if not hasattr(self, "op"):
+            return
+        for _ in range(10_000):
+            if self.failed():
+                self.crash_and_restore()  # the job's retry of the failed task
+                continue
+            if self.finisher is not None:
+                if self.finisher.done():
+                    self.finisher.result()
+                    break
+            else:
+                if self.feeder is None or self.feeder.done():
+                    self.start_feeder()
+                if self.feeder is not None and self.feeder.done():
+                    self.feeder.result()
+                if not self.to_feed and self.op.in_flight == 0 and not self.restoring():
+                    self.run(self.op.finish())
+                    break
+            for value in set(self.fn.pending_values()):
+                self.fn.complete(value, results_of(value))
+            if self.slow_fallback:
+                for value in set(self.fn.pending_timeouts()):
+                    self.fn.complete_timeout(value, results_of(value))
+            self.run(self.clock.advance(1.0))
+        else:
+            raise AssertionError("The operator never drained.")
+        self.committed.extend(self.uncommitted)
+        self.uncommitted.clear()
+        inputs = self.consumed
+        if self.mode is OutputMode.ORDERED:
+            assert self.committed == expected_sequence(inputs)
+        else:
+            assert segments(self.committed) == [
+                (Counter(seg), wm) for seg, wm in expected_segments(inputs)
+            ]
+
+
+TestFailureMachine = FailureMachine.TestCase
+TestFailureMachine.settings = settings(
+    max_examples=1000,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
