@@ -359,20 +359,22 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             else loop.create_task
         )
         self._set_state(_State.OPEN)
-        try:
-            await self._fn.open()
-        except BaseException:
-            # The function is not open: no input, no snapshot, and close() does not close
-            # it (like an ``async with`` whose __aenter__ raised; see AsyncFunction.open).
-            self._set_state(_State.FAILED)
-            raise
-        if self._state is _State.CLOSED:
-            # close() ran while the function was opening, too early to close it: close it now.
-            await self._fn.close()
-            raise OperatorStateError("The operator was closed while its function was opening.")
-        self._fn_opened = True
+        # From here until every restored element is back in the queue a snapshot would miss
+        # them: snapshot_state refuses, also while the function's open() is awaited.
         self._restoring = True
         try:
+            try:
+                await self._fn.open()
+            except BaseException:
+                # The function is not open: no input, no snapshot, and close() does not close
+                # it (like an ``async with`` whose __aenter__ raised; see AsyncFunction.open).
+                self._set_state(_State.FAILED)
+                raise
+            if self._state is _State.CLOSED:
+                # close() ran while the function was opening, too early to close it: now.
+                await self._fn.close()
+                raise OperatorStateError("The operator was closed while its function was opening.")
+            self._fn_opened = True
             await self._restore(restored or ())
         finally:
             self._restoring = False

@@ -713,3 +713,26 @@ async def test_close_during_the_functions_open_still_closes_the_function() -> No
     assert (fn.opened, fn.closed, fn.calls) == (1, 1, [])
     await op.close()
     assert fn.closed == 1
+
+
+async def test_a_snapshot_while_the_function_opens_is_refused() -> None:
+    # The restored elements are not back in the queue yet: an empty snapshot taken then
+    # would drop them from the next checkpoint.
+    class SlowOpen(ControlledFunction):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = asyncio.Event()
+
+        async def open(self):
+            await self.gate.wait()
+
+    fn = SlowOpen()
+    op = AsyncWaitOperator(fn, lambda e: None)
+    opening = asyncio.ensure_future(op.open(restored=[StreamRecord("a"), Watermark(1)]))
+    await settle()
+    with pytest.raises(OperatorStateError, match="still re-adding restored elements"):
+        op.snapshot_state(1)
+    fn.gate.set()
+    await opening
+    assert op.snapshot_state(1) == [StreamRecord("a"), Watermark(1)]
+    await op.close()
