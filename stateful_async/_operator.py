@@ -542,7 +542,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
 
     async def close(self) -> None:
         """Release everything: cancels timers and in-flight calls (without ``finish()``,
-        in-flight elements are discarded), then closes the function. Idempotent."""
+        in-flight elements are discarded), waits up to 5 s (wall clock) for the cancelled
+        calls to end (one that ignores its cancellation is left running, its outcome
+        dropped), then closes the function. Idempotent."""
         if self._state is _State.CLOSED:
             return
         self._set_state(_State.CLOSED)
