@@ -268,8 +268,9 @@ _BOOLEAN_NUMBER = (
 
 
 def _is_number(value: Any) -> bool:
+    # numpy's timedelta64 is one of its integers, but a duration: pyarrow converts it as one
     return isinstance(value, (numbers.Number, decimal.Decimal)) and not isinstance(
-        value, (dt.datetime, dt.date, dt.timedelta)
+        value, (dt.datetime, dt.date, dt.timedelta, np.timedelta64)
     )
 
 

@@ -1246,6 +1246,19 @@ def test_result_conversion_refuses_what_pyarrow_would_read_as_something_else(
             to_batch([{"r": value}], [{"id": 0}], schema)
 
 
+def test_a_numpy_timedelta64_in_an_interval_field_is_not_taken_for_a_number() -> None:
+    # np.timedelta64 is a numpy integer (numbers.Integral): it was refused as "a number"
+    # ("return a timedelta"), though pyarrow converts one in microseconds as it is.
+    from stateful_async.spark._results import to_batch
+
+    schema = pa.schema([("r", pa.duration("us"))])
+    batch = to_batch([{"r": np.timedelta64(5, "us")}], [{"id": 0}], schema)
+    assert batch.column(0).to_pylist() == [timedelta(microseconds=5)]
+    # one pyarrow cannot convert is still refused naming the field and the row
+    with pytest.raises(ResultSchemaError, match=r"'r' \(duration\[us\]\).*input row \{'id': 0\}"):
+        to_batch([{"r": np.timedelta64(5, "ns")}], [{"id": 0}], schema)
+
+
 def test_a_struct_returned_in_two_forms_in_one_batch_names_the_row() -> None:
     from stateful_async.spark._results import to_batch
 
