@@ -283,9 +283,14 @@ def _check_datetime(arrow_type: pa.DataType) -> _Check:
 
         def check_date(value: Any) -> _Loss | None:
             if isinstance(value, dt.datetime):
-                if value.tzinfo is None and value.time() == dt.time():
+                if value != value:  # pandas' NaT, which pyarrow stores as 0001-01-01
+                    reason = "NaT is not a date (pyarrow would store 0001-01-01): return None"
+                elif value.tzinfo is None and value.time() == dt.time():
                     return None  # midnight: the date itself, nothing lost
-                reason = "a DATE field would drop its time of day (and zone): return value.date()"
+                else:
+                    reason = (
+                        "a DATE field would drop its time of day (and zone): return value.date()"
+                    )
             elif _is_number(value):
                 reason = "a DATE field would read a number as days since 1970: return a date"
             else:

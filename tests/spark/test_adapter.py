@@ -1259,6 +1259,20 @@ def test_a_numpy_timedelta64_in_an_interval_field_is_not_taken_for_a_number() ->
         to_batch([{"r": np.timedelta64(5, "ns")}], [{"id": 0}], schema)
 
 
+def test_pandas_nat_in_a_date_field_is_refused_naming_the_field_and_the_row() -> None:
+    # pyarrow stores pandas' NaT in a DATE as 0001-01-01; the time-of-day check then failed
+    # the task with a bare "ValueError: NaTType does not support time", naming neither.
+    import pandas as pd
+
+    from stateful_async.spark._results import to_batch
+
+    schema = pa.schema([("r", pa.date32())])
+    with pytest.raises(ResultSchemaError, match=r"'r' \(date32\[day\]\) cannot hold NaT.*None"):
+        to_batch([{"r": pd.NaT}], [{"id": 0}], schema)
+    midnight = to_batch([{"r": pd.Timestamp("2024-01-01")}], [{"id": 0}], schema)
+    assert midnight.column(0).to_pylist() == [date(2024, 1, 1)]
+
+
 def test_a_struct_returned_in_two_forms_in_one_batch_names_the_row() -> None:
     from stateful_async.spark._results import to_batch
 
