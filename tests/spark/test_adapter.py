@@ -1273,6 +1273,33 @@ def test_pandas_nat_in_a_date_field_is_refused_naming_the_field_and_the_row() ->
     assert midnight.column(0).to_pylist() == [date(2024, 1, 1)]
 
 
+def test_plain_numbers_cost_the_result_checks_no_python_call_per_row() -> None:
+    # The checks of a LONG and a DOUBLE field ran a Python function for every row (the
+    # boolean check added one per DOUBLE field: to_batch went from 0.25 to 0.37 us per row
+    # of 'id long, score double, label string'); a column of ints or floats skips them.
+    from stateful_async.spark import _results
+
+    schema = pa.schema([("id", pa.int64()), ("score", pa.float64()), ("label", pa.string())])
+    rows = [{"id": i, "score": i / 3, "label": str(i)} for i in range(1000)]
+    rows[5]["score"] = None
+    calls = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event == "call" and frame.f_code.co_filename == _results.__file__
+
+    sys.setprofile(count)
+    try:
+        batch = _results.to_batch(rows, [{}] * len(rows), schema)
+    finally:
+        sys.setprofile(None)
+    assert batch.num_rows == 1000 and calls < 100, calls  # not one per row
+    # a value that is not plain is still checked
+    rows[7]["score"] = True
+    with pytest.raises(ResultSchemaError, match=r"'score' \(double\) cannot hold True"):
+        _results.to_batch(rows, [{}] * len(rows), schema)
+
+
 def test_a_struct_returned_in_two_forms_in_one_batch_names_the_row() -> None:
     from stateful_async.spark._results import to_batch
 
