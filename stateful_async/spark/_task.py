@@ -626,9 +626,11 @@ class _TaskRun:
                 self.out.put(("batch", batch))
         # The last watermark generated (the highest, those of the snapshot included) is
         # carried on only if this task generates them alike: one of another event_time
-        # column (other units) or max_out_of_orderness would hold back its watermarks.
-        if _WATERMARK in meta.properties and all(
-            meta.properties.get(key) == self.properties.get(key) for key in _SAME_WATERMARKS
+        # column (other units) or max_out_of_orderness would hold back its watermarks. A
+        # checkpoint that records neither was written before they were recorded: as then.
+        if _WATERMARK in meta.properties and (
+            _EVENT_TIME not in meta.properties
+            or all(meta.properties.get(key) == self.properties.get(key) for key in _SAME_WATERMARKS)
         ):
             self.last_watermark = int(meta.properties[_WATERMARK])
         restored: list[StreamElement] = []

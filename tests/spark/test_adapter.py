@@ -565,6 +565,54 @@ def test_a_resume_with_another_event_time_setting_generates_its_own_watermarks(
     assert latest.final and latest.properties["watermark"] == str(299 - ooo - 1)
 
 
+def test_a_checkpoint_written_before_event_time_was_recorded_still_carries_its_watermark(
+    spark, tmp_path
+) -> None:
+    # Checkpoints record event_time and max_out_of_orderness since watermarks are carried on
+    # only when both match; one written before (its watermark alone) matched nothing, so a
+    # job resumed from it with the same event_time generated watermarks lower than the one
+    # it recorded (58999999 after 148999999 here), which the docs say never happens.
+    from checkpoint import InputFingerprint
+    from stateful_async.spark._adapter import _arrow_schema, _output_struct
+
+    async def enrich(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    df = spark.range(0, 300, numPartitions=1).selectExpr(
+        "id", "timestamp_seconds(CASE WHEN id < 150 THEN id ELSE id - 140 END) AS ts"
+    )
+    input_schema = _arrow_schema(df.schema, "input")
+    output_schema = _arrow_schema(_output_struct("id long"), "output")
+    consumed = pa.Table.from_pandas(df.limit(150).toPandas(), schema=input_schema).to_pylist()
+    fingerprint = InputFingerprint()
+    fingerprint.update(consumed)
+    store = SnapshotStore(tmp_path)
+    store.subtask("old", "enrich", 0).commit(  # as the version before wrote it
+        "an-earlier-run",
+        3,
+        [],
+        [{"id": i} for i in range(150)],
+        input_schema=input_schema,
+        output_schema=output_schema,
+        position=150,
+        fingerprint=fingerprint.hexdigest(),
+        properties={"function": "enrich", "watermark": "148999999"},
+    )
+    config = CheckpointConfig(str(tmp_path), "old", interval_records=50, restore_from="latest")
+    out = unordered_wait(df, enrich, "id long", checkpoint=config, event_time="ts").collect()
+    assert sorted(r.id for r in out) == list(range(300))
+    resumed_ones = [
+        m for m in store.checkpoints("old", include_expired=True) if m.run_id != "an-earlier-run"
+    ]
+    assert [m.position for m in resumed_ones][:3] == [200, 250, 300]
+    # no watermark below the recorded one: none for ids 150-249 (event times 10-109 s)
+    assert [m.properties["watermark"] for m in resumed_ones][:3] == [
+        "148999999",
+        "148999999",
+        "158999999",
+    ]
+
+
 @pytest.mark.parametrize("event_time", [None, "id"])
 def test_interval_seconds_checkpoints_in_the_middle_of_a_slow_chunk(
     spark, tmp_path, event_time
