@@ -195,18 +195,42 @@ def _output_struct(schema: Schema) -> Any:
 def _check_names_apart(df: Any, struct: Any) -> None:
     """Spark resolves column names ignoring case unless ``spark.sql.caseSensitive`` is set:
     output fields that differ only in case would make the enriched DataFrame's columns
-    ambiguous to every later ``select`` (AMBIGUOUS_REFERENCE, after the job has run)."""
+    ambiguous to every later ``select`` (AMBIGUOUS_REFERENCE, after the job has run), as
+    would a struct's fields inside them (AMBIGUOUS_REFERENCE_TO_FIELDS)."""
     if df.sparkSession.conf.get("spark.sql.caseSensitive", "false").lower() == "true":
         return
-    seen: dict[str, str] = {}
-    for field in struct.fields:
-        other = seen.setdefault(field.name.lower(), field.name)
-        if other != field.name:
-            raise ConfigurationError(
-                f"The output schema {struct.simpleString()!r} has the fields {other!r} and "
-                f"{field.name!r}, which Spark takes for one column (it ignores case in "
-                "column names unless spark.sql.caseSensitive is true): rename one of them."
-            )
+    found = _names_alike(struct)
+    if found is not None:
+        other, name = found
+        what = "field" if "." in name else "column"
+        raise ConfigurationError(
+            f"The output schema {struct.simpleString()!r} has the fields {other!r} and "
+            f"{name!r}, which Spark takes for one {what} (it ignores case in names unless "
+            "spark.sql.caseSensitive is true): rename one of them."
+        )
+
+
+def _names_alike(data_type: Any, path: str = "") -> tuple[str, str] | None:
+    """The paths of two fields of a struct inside ``data_type`` whose names differ only in
+    case (or not at all), if it has such a struct."""
+    from pyspark.sql.types import ArrayType, MapType, StructType
+
+    if isinstance(data_type, StructType):
+        seen: dict[str, str] = {}
+        for field in data_type.fields:
+            name = f"{path}.{field.name}" if path else field.name
+            if field.name.lower() in seen:
+                return seen[field.name.lower()], name
+            seen[field.name.lower()] = name
+        for field in data_type.fields:
+            name = f"{path}.{field.name}" if path else field.name
+            if (found := _names_alike(field.dataType, name)) is not None:
+                return found
+    elif isinstance(data_type, ArrayType):
+        return _names_alike(data_type.elementType, f"{path}[]")
+    elif isinstance(data_type, MapType):
+        return _names_alike(data_type.valueType, f"{path}{{}}")
+    return None
 
 
 def _parse_output_struct(schema: Schema) -> Any:

@@ -1466,6 +1466,10 @@ def test_an_unpicklable_function_fails_before_the_job_starts(spark) -> None:
             {"schema": "id long, ID long"},
             "has the fields 'id' and 'ID', which Spark takes for one column",
         ),
+        (  # ... and select("s.a") with AMBIGUOUS_REFERENCE_TO_FIELDS, at any depth
+            {"schema": "id long, s array<struct<a: long, A: long>>"},
+            r"has the fields 's\[\]\.a' and 's\[\]\.A', which Spark takes for one field",
+        ),
         ({"capacity": 0}, "capacity must be an integer >= 1"),
         ({"event_time": "missing"}, "event_time column 'missing' is not in the DataFrame"),
         ({"max_out_of_orderness": 5}, "max_out_of_orderness needs event_time"),
