@@ -45,7 +45,7 @@ def is_local(location: str) -> bool:
 
 
 def normalize(location: str | os.PathLike[str]) -> str:
-    text = os.fspath(location)
+    text = os.fspath(location).strip()  # a pasted space is no part of a directory's name
     if is_local(text):
         # file:/abs, file:///abs and file://localhost/abs are all local paths.
         path = urlparse(text).path if urlparse(text).scheme == "file" else text

@@ -56,7 +56,7 @@ class CheckpointConfig:
         from checkpoint import CheckpointError
         from checkpoint._layout import check_name, normalize
 
-        if not isinstance(self.location, (str, os.PathLike)) or not str(self.location):
+        if not isinstance(self.location, (str, os.PathLike)) or not str(self.location).strip():
             raise ConfigurationError(
                 f"CheckpointConfig location must be a path or URI; got {self.location!r}."
             )

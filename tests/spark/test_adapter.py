@@ -852,6 +852,10 @@ def test_a_relative_checkpoint_location_is_taken_from_the_driver_directory_and_h
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert CheckpointConfig("~/chk", "job").location == str(tmp_path / "home" / "chk")
     assert SnapshotStore("~/chk").location == str(tmp_path / "home" / "chk")
+    # a space pasted around the location was a directory named "chk " (the sink strips it)
+    assert CheckpointConfig(" ~/chk \n", "job").location == str(tmp_path / "home" / "chk")
+    with pytest.raises(ConfigurationError, match="location must be a path or URI; got ' '"):
+        CheckpointConfig(" ", "job")
 
 
 def test_file_uris_of_every_spelling_are_the_local_path(tmp_path) -> None:
