@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import pytest
 
-from checkpoint import CheckpointError, SnapshotStore
+from checkpoint import CheckpointError, CheckpointMetadata, SnapshotStore
 from stateful_async.chaos import (
     DriverProcess,
     JobOptions,
@@ -36,6 +36,8 @@ INTERVAL = 250
 LATENCY_MS = 5.0  # the service's usual latency
 SLOW_LATENCY_MS = 20.0  # while a scenario waits for progress to kill something mid-job
 JOB_TIMEOUT = 420.0  # seconds a driver may take before it counts as hung
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -152,7 +154,14 @@ class Chaos:
         )
         return dataclasses.replace(base, **changes)
 
-    def start(self, options: JobOptions, name: str = "driver") -> DriverProcess:
+    def start(
+        self,
+        options: JobOptions,
+        name: str = "driver",
+        program: Sequence[str] = ("-m", "stateful_async.chaos.job"),
+    ) -> DriverProcess:
+        """Start a driver running ``program`` (by default the reference job; or a script
+        and its own arguments, e.g. ``stream_job.py``) with ``options``'s arguments."""
         import sys
 
         from stateful_async.chaos import to_argv
@@ -160,7 +169,7 @@ class Chaos:
         assert options.report is not None
         Path(options.report).unlink(missing_ok=True)
         driver = DriverProcess(
-            [sys.executable, "-m", "stateful_async.chaos.job", *to_argv(options)],
+            [sys.executable, *program, *to_argv(options)],
             log_dir=Path(options.report).parent,
             name=name,
         )
@@ -187,31 +196,45 @@ class Chaos:
 
         return wait_until(found, timeout, "The driver did not report its application id")
 
-    def wait_for_progress(
-        self, driver: DriverProcess, options: JobOptions, checkpoints: int = 2
-    ) -> None:
-        """Wait until every partition has committed ``checkpoints`` checkpoints and none has
-        finished: the moment to inject a fault mid-job."""
+    def wait_for_checkpoints(
+        self,
+        driver: DriverProcess,
+        options: JobOptions,
+        ready: Callable[[list[CheckpointMetadata]], T | None],
+    ) -> T:
+        """Poll the job's snapshot store until ``ready(checkpoints)`` returns something,
+        and return it; fail if the driver exits first."""
         store = SnapshotStore(options.checkpoint)
 
-        def progressed() -> bool:
+        def progressed() -> T | None:
             if not driver.running():
                 raise AssertionError(
                     f"the job ended before the fault was injected:\n{driver.stderr_tail()}"
                 )
             if not (Path(options.checkpoint) / options.job_id).exists():
-                return False
+                return None
             try:
                 metas = store.checkpoints(options.job_id)
             except CheckpointError:
-                return False  # a table being created right now
+                return None  # a table being created right now
+            return ready(metas)
+
+        return wait_until(progressed, 240, "The job made no durable progress", interval=0.05)
+
+    def wait_for_progress(
+        self, driver: DriverProcess, options: JobOptions, checkpoints: int = 2
+    ) -> None:
+        """Wait until every partition has committed ``checkpoints`` checkpoints and none has
+        finished: the moment to inject a fault mid-job."""
+
+        def ready(metas: list[CheckpointMetadata]) -> bool | None:
             assert not any(m.final for m in metas), (
                 "a partition finished before the fault could be injected: slow the service"
             )
             counts = [sum(m.subtask == p for m in metas) for p in range(options.partitions)]
-            return min(counts) >= checkpoints
+            return min(counts) >= checkpoints or None
 
-        wait_until(progressed, 240, "The job made no durable progress", interval=0.05)
+        self.wait_for_checkpoints(driver, options, ready)
 
     def record(
         self,

@@ -3,7 +3,8 @@
 
 Every scenario runs the reference job (``python -m stateful_async.chaos.job``: 4000 rows
 in two partitions, enriched with checkpoints every 250 records, written through the
-exactly-once ``delta_rs`` sink), injects one failure, and then proves:
+exactly-once ``delta_rs`` sink; scenario 8 runs it as a Structured Streaming query,
+``integration/stream_job.py``), injects one failure, and then proves:
 
 * the output table equals the failure-free run's output row by row: no row lost, none
   duplicated (and, for ``ordered_wait``, each task's file in input order);
@@ -23,6 +24,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +53,7 @@ from stateful_async.chaos import (
     wait_until,
 )
 from stateful_async.chaos.cluster import main as cluster_main
+from stateful_async.spark import clean_orphan_files
 
 if TYPE_CHECKING:
     from conftest import Chaos, Reference
@@ -257,21 +260,23 @@ def check_killed_partition_resumed(
         resumed.created_at.timestamp() - killed_at,
     )
     resumed_partition(store, partition)
-    assert_repeats_bounded_by_restored_checkpoint(options, counts, resumed, partition)
+    assert_repeats_bounded_by_restored_checkpoint(
+        options, counts, resumed, ids_of(options, partition)
+    )
 
 
 def assert_repeats_bounded_by_restored_checkpoint(
-    options: JobOptions, counts: dict[int, int], resumed: CheckpointMetadata, partition: int
+    options: JobOptions, counts: dict[int, int], resumed: CheckpointMetadata, ids: Sequence[int]
 ) -> None:
     """After a kill at an arbitrary moment: every row requested, repeats only in the failed
-    partition, and only among the restored checkpoint's in-flight rows and the at most one
-    interval of input read after it."""
+    partition (whose input is ``ids``, in order), and only among the restored checkpoint's
+    in-flight rows and the at most one interval of input read after it."""
     assert set(counts) == set(range(options.rows)) and max(counts.values()) <= 2
     repeated = {k for k, n in counts.items() if n > 1}
-    assert repeated <= set(ids_of(options, partition))
+    assert repeated <= set(ids)
     snapshot = restored_from(options, resumed)
     position = snapshot.metadata.position
-    read_after = ids_of(options, partition)[position : position + options.interval]
+    read_after = ids[position : position + options.interval]
     assert repeated <= in_flight_ids(snapshot) | set(read_after)
     assert len(repeated) <= options.retry_bound
 
@@ -592,6 +597,135 @@ def test_7_zombie_attempt_commits_late_and_is_refused(chaos: Chaos, reference: R
     assert set(counts) == set(range(options.rows)) and max(counts.values()) == 2
     assert len(repeated) <= options.retry_bound
     assert sum(counts.values()) - options.rows <= options.retry_bound
+
+
+# -- 8. executor JVM killed mid-micro-batch (Structured Streaming) ---------------------------
+
+STREAM_JOB = Path(__file__).with_name("stream_job.py")
+STREAM_FILES = 6  # JSON input files, two per micro-batch: batches 0, 1 and 2
+STREAM_FILE_ROWS = 300  # a file is one partition of its micro-batch
+STREAM_INTERVAL = 50  # records per checkpoint: six per partition and batch
+STREAM_LATENCY_MS = 100.0  # until the kill: ~4 s per partition and batch at capacity 8
+
+
+def write_stream_input(directory: Path, files: int, rows: int) -> None:
+    """``files`` JSON files of ``rows`` rows (``id``, ``name``; file k holds ids
+    k*rows .. (k+1)*rows-1 in order), modified a second apart: the file source takes the
+    oldest first."""
+    directory.mkdir(parents=True)
+    first = time.time() - files
+    for k in range(files):
+        path = directory / f"part-{k:02d}.json"
+        lines = (json.dumps({"id": i, "name": f"user{i}"}) for i in range(k * rows, (k + 1) * rows))
+        path.write_text("\n".join(lines) + "\n")
+        os.utime(path, (first + k, first + k))
+
+
+def mid_batch(metas: list[CheckpointMetadata], partitions: int, checkpoints: int = 2) -> str | None:
+    """A micro-batch after the first in which every partition has committed
+    ``checkpoints`` checkpoints and none has finished (its id), if there is one."""
+    batches: dict[str, list[CheckpointMetadata]] = {}
+    for m in metas:
+        batches.setdefault(m.properties["batch_id"], []).append(m)
+    for batch, mine in sorted(batches.items(), key=lambda item: int(item[0])):
+        counts = [sum(m.subtask == p for m in mine) for p in range(partitions)]
+        if int(batch) >= 1 and not any(m.final for m in mine) and min(counts) >= checkpoints:
+            return batch
+    return None
+
+
+@pytest.mark.cluster
+def test_8_executor_jvm_sigkilled_mid_micro_batch_streaming(chaos: Chaos) -> None:
+    rows = STREAM_FILES * STREAM_FILE_ROWS
+    options = chaos.options("stream-executor-kill", rows=rows, interval=STREAM_INTERVAL)
+    base = Path(options.output).parent
+    write_stream_input(base / "input", STREAM_FILES, STREAM_FILE_ROWS)
+    chaos.service.configure(latency_ms=STREAM_LATENCY_MS)
+    driver = chaos.start(
+        options,
+        program=[
+            str(STREAM_JOB),
+            *("--input", str(base / "input"), "--files-per-trigger", "2"),
+            *("--spark-checkpoint", str(base / "query-checkpoint")),
+        ],
+    )
+    app_id = chaos.app_id(driver)
+    batch = chaos.wait_for_checkpoints(
+        driver, options, lambda metas: mid_batch(metas, options.partitions)
+    )
+    killed_at = time.time()
+    executor = chaos.cluster.kill_executor(app_id, worker=0)
+    assert gone(executor.pid)
+    chaos.service.configure(latency_ms=chaos.latency_ms)
+    report = chaos.finish(driver, options)
+
+    # The kill failed one task attempt of micro-batch `batch`; Spark retried it in the same
+    # batch, and the query went on to the end: one sink commit per micro-batch.
+    [failed] = failed_write_attempts(report)
+    assert failed.executor_id == executor.executor_id
+    assert "ExecutorLostFailure" in (failed.error or "")
+    partition = failed.partition
+    assert any(
+        t.stage_id == failed.stage_id
+        and (t.partition, t.attempt, t.status) == (partition, 1, "SUCCESS")
+        for t in report.tasks
+    )
+    assert report.table_version == STREAM_FILES // 2 - 1  # versions 0, 1, 2: no extra commit
+
+    counts = request_counts(chaos)
+    metas = SnapshotStore(options.checkpoint).checkpoints(options.job_id)
+    resumed = first_checkpoint(metas, partition, 1)
+    expected = expected_output(rows)
+    actual = read_table_rows(options.output)
+    diff = compare_outputs(expected, actual)
+    chaos.record(
+        "8. streaming: executor SIGKILLed mid-batch",
+        len(diff.lost),
+        diff.duplicates,
+        sum(counts.values()) - rows,
+        options.retry_bound,
+        resumed.created_at.timestamp() - killed_at,
+    )
+    assert diff.exact, f"the output differs from the expected one: {diff}"
+    assert actual == expected and report.rows_in_table == rows  # row by row
+    # One file per micro-batch partition, that is per input file, its rows in input order.
+    files = [
+        pq.read_table(uri, columns=["id"]).column("id").to_pylist()
+        for uri in DeltaTable(options.output).file_uris()
+    ]
+    assert sorted(files) == [
+        list(range(k * STREAM_FILE_ROWS, (k + 1) * STREAM_FILE_ROWS)) for k in range(STREAM_FILES)
+    ]
+    assert clean_orphan_files(options.output, older_than=0, dry_run=True) == []
+
+    # The snapshot store is whole: every partition of every micro-batch finished, and its
+    # final checkpoint restores the whole file.
+    store = check_snapshot_store(options.checkpoint, options.job_id)
+    finals = [m for m in store.checkpoints if m.final]
+    assert sorted((m.properties["batch_id"], m.subtask) for m in finals) == [
+        (str(b), p) for b in range(STREAM_FILES // 2) for p in range(options.partitions)
+    ]
+    killed = next(m for m in finals if (m.properties["batch_id"], m.subtask) == (batch, partition))
+    ids = (
+        SnapshotStore(options.checkpoint)
+        .restore(options.job_id, "enrich", partition, killed.checkpoint_id, killed.run_id)
+        .results.column("id")
+        .to_pylist()
+    )
+    assert ids == list(range(ids[0], ids[0] + STREAM_FILE_ROWS))
+    # The failed attempt ran in that batch; the retry resumed attempt 0's checkpoint of it.
+    stages = {m.properties["stage"] for m in store.checkpoints if m.properties["batch_id"] == batch}
+    assert stages == {str(failed.stage_id)}
+    assert resumed_partition(store, partition).properties["batch_id"] == batch
+    log = chaos.cluster.executor_log(report.app_id)
+    assert resumed.parent is not None
+    assert re.search(
+        rf"stateful-async: partition {partition} attempt 1, run {re.escape(killed.run_id)}, "
+        rf".* restored from {re.escape(str(resumed.parent))} \(",
+        log,
+    )
+    assert_repeats_bounded_by_restored_checkpoint(options, counts, resumed, ids)
+    assert sum(counts.values()) - rows <= options.retry_bound
 
 
 # -- the tools themselves --------------------------------------------------------------------

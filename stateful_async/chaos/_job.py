@@ -455,8 +455,10 @@ class JobReport:
         return cls(**data)
 
 
-def build_job(spark: Any, options: JobOptions) -> Any:
-    """The enriched DataFrame (not yet written)."""
+def build_job(spark: Any, options: JobOptions, source: Any = None) -> Any:
+    """The enriched DataFrame (not yet written) of ``source``, by default the generated
+    input (``generate_input``); a streaming DataFrame of the same columns gives a
+    streaming query."""
     from .._retry import RetryStrategy
     from ..spark import CheckpointConfig, ordered_wait, unordered_wait
 
@@ -475,7 +477,7 @@ def build_job(spark: Any, options: JobOptions) -> Any:
     )
     enrich = ordered_wait if options.mode == "ordered" else unordered_wait
     return enrich(
-        generate_input(spark, options.rows, options.partitions),
+        generate_input(spark, options.rows, options.partitions) if source is None else source,
         enrichment_function(options),
         SCHEMA,
         capacity=options.capacity,
@@ -542,13 +544,17 @@ def _table_rows(path: str) -> int:
         return 0
 
 
-def task_attempts(spark: Any, settle: float = 30.0) -> list[TaskAttempt]:
-    """Every task attempt of the application's jobs, from Spark's status store (through
-    py4j: Python has no API for it). Waits up to ``settle`` seconds for attempts still shown
-    running (a speculative loser being killed, events not yet processed). Returns [] with a
-    warning if the status store cannot be read: the report is not worth failing a job."""
+def task_attempts(
+    spark: Any, settle: float = 30.0, job_group: str | None = None
+) -> list[TaskAttempt]:
+    """Every task attempt of the application's jobs outside job groups (or of the jobs of
+    ``job_group``: a streaming query runs its micro-batches in the group of its run id),
+    from Spark's status store (through py4j: Python has no API for it). Waits up to
+    ``settle`` seconds for attempts still shown running (a speculative loser being killed,
+    events not yet processed). Returns [] with a warning if the status store cannot be
+    read: the report is not worth failing a job."""
     try:
-        return _task_attempts(spark, settle)
+        return _task_attempts(spark, settle, job_group)
     except Exception as exc:
         print(
             f"warning: cannot read task attempts from Spark's status store: {exc}",
@@ -557,14 +563,14 @@ def task_attempts(spark: Any, settle: float = 30.0) -> list[TaskAttempt]:
         return []
 
 
-def _task_attempts(spark: Any, settle: float) -> list[TaskAttempt]:
+def _task_attempts(spark: Any, settle: float, job_group: str | None) -> list[TaskAttempt]:
     sc = spark.sparkContext
     store = sc._jsc.sc().statusStore()
     tracker = sc.statusTracker()
     deadline = time.monotonic() + settle
     while True:
         attempts: list[TaskAttempt] = []
-        for job in tracker.getJobIdsForGroup(None):
+        for job in tracker.getJobIdsForGroup(job_group):
             info = tracker.getJobInfo(job)
             for stage_id in info.stageIds if info else []:
                 stage = tracker.getStageInfo(stage_id)
