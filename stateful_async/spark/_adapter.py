@@ -6,6 +6,7 @@ import datetime as dt
 import math
 import numbers
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Union
 
@@ -210,27 +211,38 @@ def _check_names_apart(df: Any, struct: Any) -> None:
         )
 
 
-def _names_alike(data_type: Any, path: str = "") -> tuple[str, str] | None:
+def _names_alike(data_type: Any) -> tuple[str, str] | None:
     """The paths of two fields of a struct inside ``data_type`` whose names differ only in
     case (or not at all), if it has such a struct."""
+    from pyspark.sql.types import StructType
+
+    for path, nested in _nested_types(data_type):
+        if isinstance(nested, StructType):
+            seen: dict[str, str] = {}
+            for field in nested.fields:
+                name = _child_path(path, field.name)
+                if (other := seen.setdefault(field.name.lower(), name)) != name:
+                    return other, name
+    return None
+
+
+def _nested_types(data_type: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """``data_type`` and every type inside it, each with its path (``s.a``, ``tags[]``,
+    ``m{}`` for a map's values), outermost first."""
     from pyspark.sql.types import ArrayType, MapType, StructType
 
+    yield path, data_type
     if isinstance(data_type, StructType):
-        seen: dict[str, str] = {}
         for field in data_type.fields:
-            name = f"{path}.{field.name}" if path else field.name
-            if field.name.lower() in seen:
-                return seen[field.name.lower()], name
-            seen[field.name.lower()] = name
-        for field in data_type.fields:
-            name = f"{path}.{field.name}" if path else field.name
-            if (found := _names_alike(field.dataType, name)) is not None:
-                return found
+            yield from _nested_types(field.dataType, _child_path(path, field.name))
     elif isinstance(data_type, ArrayType):
-        return _names_alike(data_type.elementType, f"{path}[]")
+        yield from _nested_types(data_type.elementType, f"{path}[]")
     elif isinstance(data_type, MapType):
-        return _names_alike(data_type.valueType, f"{path}{{}}")
-    return None
+        yield from _nested_types(data_type.valueType, f"{path}{{}}")
+
+
+def _child_path(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
 
 
 def _parse_output_struct(schema: Schema) -> Any:
@@ -253,22 +265,11 @@ def _parse_output_struct(schema: Schema) -> Any:
     )
 
 
-def _variant_field(data_type: Any, path: str = "") -> str | None:
+def _variant_field(data_type: Any) -> str | None:
     """The path of a VARIANT inside ``data_type``, if it holds one."""
-    from pyspark.sql.types import ArrayType, MapType, StructType, VariantType
+    from pyspark.sql.types import VariantType
 
-    if isinstance(data_type, VariantType):
-        return path
-    if isinstance(data_type, StructType):
-        for field in data_type.fields:
-            found = _variant_field(field.dataType, f"{path}.{field.name}" if path else field.name)
-            if found is not None:
-                return found
-    elif isinstance(data_type, ArrayType):
-        return _variant_field(data_type.elementType, f"{path}[]")
-    elif isinstance(data_type, MapType):
-        return _variant_field(data_type.valueType, f"{path}{{}}")
-    return None
+    return next((p for p, t in _nested_types(data_type) if isinstance(t, VariantType)), None)
 
 
 def _arrow_schema(struct: Any, what: str) -> pa.Schema:
