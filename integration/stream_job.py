@@ -15,32 +15,15 @@ when the query read every row (what the table holds is for the caller to check).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
 
-from stateful_async.chaos import JobReport, session_for
-from stateful_async.chaos._job import build_job, parse_args, task_attempts
+from stateful_async.chaos import session_for
+from stateful_async.chaos._job import build_job, job_report, parse_args, write_report
 from stateful_async.spark import register_delta_sink
 
 INPUT_SCHEMA = "id long, name string"
-
-
-def table_rows(path: str) -> int:
-    from deltalake import DeltaTable
-    from deltalake.exceptions import TableNotFoundError
-
-    try:
-        return int(DeltaTable(path).count())
-    except TableNotFoundError:  # the first micro-batch has not committed yet
-        return 0
-
-
-def table_version(path: str) -> int:
-    from deltalake import DeltaTable
-
-    return int(DeltaTable(path).version())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,24 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         time.sleep(0.5)
     query.stop()
-    report = JobReport(
-        app_id=spark.sparkContext.applicationId,
-        job_id=options.job_id,
-        mode=options.mode,
-        rows=options.rows,
-        partitions=options.partitions,
-        started=started,
-        seconds=time.time() - started,
-        table_version=table_version(options.output),
-        written=True,
-        rows_in_table=table_rows(options.output),
-        tasks=task_attempts(spark, job_group=str(query.runId)),
+    report = job_report(
+        spark, options, started, time.time() - started, None, job_group=str(query.runId)
     )
-    if options.report:
-        tmp = options.report + ".tmp"
-        with open(tmp, "w") as handle:
-            handle.write(report.to_json())
-        os.replace(tmp, options.report)
+    write_report(report, options.report)
     print(f"done: {report.rows_in_table} rows in {options.output}", flush=True)
     spark.stop()
     return 0

@@ -505,7 +505,19 @@ def run_job(spark: Any, options: JobOptions) -> JobReport:
         .option("txnVersion", str(options.txn_version))
         .save(options.output)
     )
-    seconds = time.time() - started
+    return job_report(spark, options, started, time.time() - started, before)
+
+
+def job_report(
+    spark: Any,
+    options: JobOptions,
+    started: float,
+    seconds: float,
+    version_before: int | None,
+    job_group: str | None = None,
+) -> JobReport:
+    """The report of a run of the reference job (batch, or streaming in ``job_group``) that
+    took ``seconds`` from ``started`` and found ``options.output`` at ``version_before``."""
     after = _table_version(options.output)
     return JobReport(
         app_id=spark.sparkContext.applicationId,
@@ -516,9 +528,9 @@ def run_job(spark: Any, options: JobOptions) -> JobReport:
         started=started,
         seconds=seconds,
         table_version=after,
-        written=after is not None and after != before,
+        written=after is not None and after != version_before,
         rows_in_table=_table_rows(options.output),
-        tasks=task_attempts(spark),
+        tasks=task_attempts(spark, job_group=job_group),
     )
 
 
@@ -621,12 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: the job failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         spark.stop()
         return 1
-    text = report.to_json()
-    if options.report:
-        tmp = options.report + ".tmp"
-        with open(tmp, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, options.report)
+    write_report(report, options.report)
     failed = len(report.failed_attempts())
     print(
         f"done: {report.rows_in_table} rows in {options.output} (table version "
@@ -636,6 +643,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     spark.stop()
     return 0
+
+
+def write_report(report: JobReport, path: str | None) -> None:
+    """Write ``report`` to ``path`` (if given) whole or not at all: the caller may be
+    waiting for the file."""
+    if path:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as handle:
+            handle.write(report.to_json())
+        os.replace(tmp, path)
 
 
 # -- checks ----------------------------------------------------------------------------------
