@@ -155,6 +155,15 @@ def _plain_types(arrow_type: pa.DataType) -> tuple[type, ...]:
     return ()
 
 
+def is_list_type(arrow_type: pa.DataType) -> bool:
+    """An Arrow list of any kind: what Spark's ARRAY arrives as."""
+    return (
+        pa.types.is_list(arrow_type)
+        or pa.types.is_large_list(arrow_type)
+        or pa.types.is_fixed_size_list(arrow_type)
+    )
+
+
 def _check_for(arrow_type: pa.DataType) -> _Check | None:
     if pa.types.is_integer(arrow_type):
 
@@ -212,11 +221,7 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
             return None
 
         return check_struct
-    if (
-        pa.types.is_list(arrow_type)
-        or pa.types.is_large_list(arrow_type)
-        or pa.types.is_fixed_size_list(arrow_type)
-    ):
+    if is_list_type(arrow_type):
         check_element = _check_for(arrow_type.value_type)
 
         def check_list(value: Any) -> _Loss | None:
@@ -369,11 +374,7 @@ def _children(arrow_type: pa.DataType) -> list[pa.Field]:
     if pa.types.is_map(arrow_type):  # a list of non-null (key, value) entries
         entries = pa.struct([arrow_type.key_field, arrow_type.item_field])
         return [pa.field("entries", entries, nullable=False)]
-    if (
-        pa.types.is_list(arrow_type)
-        or pa.types.is_large_list(arrow_type)
-        or pa.types.is_fixed_size_list(arrow_type)
-    ):
+    if is_list_type(arrow_type):
         return [arrow_type.value_field]
     return []
 

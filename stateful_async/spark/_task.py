@@ -51,7 +51,7 @@ from .._function import (
 from .._operator import AsyncWaitOperator, OutputMode
 from .._retry import RetryStrategy, _never
 from ._config import CheckpointConfig
-from ._results import to_batch
+from ._results import is_list_type, to_batch
 
 _CHUNK_ROWS = 1024  # rows converted to Python and fed per step (bounds loop latency)
 _OUTPUT_ROWS = 1024  # rows per output Arrow batch
@@ -181,11 +181,7 @@ def _maps_as_dicts(arrow_type: pa.DataType) -> _Convert | None:
             return copied
 
         return struct
-    if (
-        pa.types.is_list(arrow_type)
-        or pa.types.is_large_list(arrow_type)
-        or pa.types.is_fixed_size_list(arrow_type)
-    ):
+    if is_list_type(arrow_type):
         element = _maps_as_dicts(arrow_type.value_type)
         if element is None:
             return None
