@@ -624,11 +624,24 @@ class _Abort(BaseException):
     """Like gevent's Timeout or pytest's outcomes: a BaseException that is not an Exception."""
 
 
-async def test_a_base_exception_from_the_function_fails_the_element_instead_of_hanging() -> None:
-    async def aborts(value):
+async def _aborts(value):
+    raise _Abort("stop")
+
+
+async def _aborts_half_way(value):  # consuming its results is part of the call
+    def results():
+        yield value
         raise _Abort("stop")
 
-    op = AsyncWaitOperator(aborts, lambda e: None)
+    return results()
+
+
+@pytest.mark.parametrize("timeout", [None, 10.0])
+@pytest.mark.parametrize("function", [_aborts, _aborts_half_way])
+async def test_a_base_exception_from_the_function_fails_the_element_instead_of_hanging(
+    function, timeout
+) -> None:
+    op = AsyncWaitOperator(function, lambda e: None, timeout=timeout)
     await op.open()
     await op.process_element(StreamRecord("x"))
     with pytest.raises(AsyncFunctionError, match="StreamRecord\\('x'\\).*_Abort: stop"):
@@ -647,26 +660,6 @@ async def test_a_timeout_handler_of_the_wrong_shape_is_named_as_the_handler() ->
     await op.process_element(StreamRecord("x"))
     await clock.advance(1)
     with pytest.raises(InvalidResultError, match="The timeout handler returned dict"):
-        await asyncio.wait_for(op.finish(), 5.0)
-    await op.close()
-
-
-@pytest.mark.parametrize("timeout", [None, 10.0])
-async def test_results_that_raise_a_base_exception_fail_the_element_instead_of_hanging(
-    timeout,
-) -> None:
-    # Like a function raising one (above): consuming its results is part of the call.
-    async def aborts_half_way(value):
-        def results():
-            yield value
-            raise _Abort("stop")
-
-        return results()
-
-    op = AsyncWaitOperator(aborts_half_way, lambda e: None, timeout=timeout)
-    await op.open()
-    await op.process_element(StreamRecord("x"))
-    with pytest.raises(AsyncFunctionError, match="StreamRecord\\('x'\\).*_Abort: stop"):
         await asyncio.wait_for(op.finish(), 5.0)
     await op.close()
 

@@ -115,6 +115,32 @@ def resumed(store: SnapshotStore, job: str) -> list[Any]:
     return [m for m in store.checkpoints(job) if m.properties.get("attempt") == "1"]
 
 
+def crash_once_and_resume(
+    wait: Any,
+    df: Any,
+    fn: Any,
+    schema: str,
+    location: Path,
+    job: str,
+    *,
+    crash_at: int,
+    interval: int,
+    capacity: int,
+    **options: Any,
+) -> tuple[list[Any], SnapshotStore, Any]:
+    """Run ``wait`` (ordered_wait or unordered_wait) over ``df`` with a checkpoint every
+    ``interval`` records; the worker dies (os._exit) at row ``crash_at`` on attempt 0 and
+    attempt 1 resumes. Returns the output, the store, and the checkpoint attempt 1
+    resumed from (asserted: it resumed, from a checkpoint of attempt 0)."""
+    config = CheckpointConfig(str(location), job, interval_records=interval, retain=100)
+    crashing = CrashOnElement(fn, at=[crash_at])
+    out = wait(df, crashing, schema, capacity=capacity, checkpoint=config, **options).collect()
+    store = SnapshotStore(location)
+    retried = resumed(store, job)
+    assert retried and retried[0].parent is not None, "attempt 1 must have resumed"
+    return out, store, retried[0].parent
+
+
 def partition_ids(rows: int, partitions: int, partition: int) -> range:
     """The ids spark.range(0, rows, numPartitions=partitions) puts in one partition."""
     start = partition * rows // partitions
@@ -332,23 +358,22 @@ def test_a_resume_restores_watermarks_and_null_structs_under_not_null_fields(
         F.when(F.col("id") % 3 == 0, F.lit(None)).otherwise(F.struct(F.col("id").alias("a"))),
     )
     assert not df.schema["id"].nullable and not df.schema["info"].dataType["a"].nullable
-    config = CheckpointConfig(str(tmp_path), "wm", interval_records=50, retain=100)
-    out = unordered_wait(
+    out, store, parent = crash_once_and_resume(
+        unordered_wait,
         df,
-        CrashOnElement(enrich, at=[crash_at]),
+        enrich,
         "id long, s struct<a: bigint not null>",
+        tmp_path,
+        "wm",
+        crash_at=crash_at,
+        interval=50,
         capacity=20,
-        checkpoint=config,
         event_time="id",
         max_out_of_orderness=5,
-    ).collect()
+    )
     assert sorted((r.id, r.s.a if r.s else None) for r in out) == [
         (i, None if i % 2 else i) for i in range(rows)
     ]
-    store = SnapshotStore(tmp_path)
-    retried = resumed(store, "wm")
-    assert retried, "attempt 1 must have resumed and checkpointed"
-    parent = retried[0].parent
     restored = store.load("wm", "enrich", 0, parent.checkpoint_id, parent.run_id)
     assert any(isinstance(e, Watermark) for e in restored.elements)  # the case at stake
 
@@ -379,19 +404,18 @@ def test_zoned_timestamps_reach_the_function_in_utc_before_and_after_a_resume(
             "named_struct('t', timestamp_seconds(id * 3600), 'n', CASE WHEN id % 2 = 0 "
             "THEN NULL ELSE named_struct('z', id) END) AS s",
         )
-        config = CheckpointConfig(str(tmp_path), "tz", interval_records=100, retain=100)
-        out = ordered_wait(
+        out, store, parent = crash_once_and_resume(
+            ordered_wait,
             df,
-            CrashOnElement(hour, at=[crash_at]),
+            hour,
             "id long, seen string",
+            tmp_path,
+            "tz",
+            crash_at=crash_at,
+            interval=100,
             capacity=20,
-            checkpoint=config,
-        ).collect()
+        )
         assert [(r.id, r.seen) for r in out] == expected
-        store = SnapshotStore(tmp_path)
-        retried = resumed(store, "tz")
-        assert retried and retried[0].parent is not None
-        parent = retried[0].parent
         assert store.load("tz", "enrich", 0, parent.checkpoint_id, parent.run_id).elements
 
         spark.conf.set("spark.sql.session.timeZone", "Asia/Tokyo")
@@ -448,19 +472,18 @@ def test_maps_reach_the_function_as_dicts_before_and_after_a_resume(spark, tmp_p
         "map('outer', map('inner', id)) AS mm",
         "map(named_struct('p', 1), id) AS sk",  # struct keys: a dict cannot hold them
     )
-    config = CheckpointConfig(str(tmp_path), "maps", interval_records=100, retain=100)
-    out = ordered_wait(
+    out, store, parent = crash_once_and_resume(
+        ordered_wait,
         df,
-        CrashOnElement(look_up, at=[crash_at]),
+        look_up,
         "id long, a long, inner long",
+        tmp_path,
+        "maps",
+        crash_at=crash_at,
+        interval=100,
         capacity=20,
-        checkpoint=config,
-    ).collect()
+    )
     assert [tuple(r) for r in out] == [(i, i, i) for i in range(rows)]
-    store = SnapshotStore(tmp_path)
-    retried = resumed(store, "maps")
-    assert retried and retried[0].parent is not None  # resumed, re-invoking restored rows
-    parent = retried[0].parent
     assert store.load("maps", "enrich", 0, parent.checkpoint_id, parent.run_id).elements
 
     # the row as given passes through to a MAP result unchanged
@@ -484,19 +507,20 @@ def test_watermarks_never_go_back_after_a_resume_and_fit_64_bits(spark, tmp_path
     df = spark.range(0, rows, numPartitions=1).selectExpr(
         "id", f"CASE WHEN id = 0 THEN 1000000 WHEN id = 1 THEN {low}L ELSE id END AS t"
     )
-    config = CheckpointConfig(str(tmp_path), "wm", interval_records=100, retain=100)
-    out = unordered_wait(
+    out, store, _ = crash_once_and_resume(
+        unordered_wait,
         df,
-        CrashOnElement(enrich, at=[crash_at]),
+        enrich,
         "id long",
+        tmp_path,
+        "wm",
+        crash_at=crash_at,
+        interval=100,
         capacity=200,
-        checkpoint=config,
         event_time="t",
-    ).collect()
+    )
     assert sorted(r.id for r in out) == list(range(rows))
-    store = SnapshotStore(tmp_path)
     metas = store.checkpoints("wm")
-    assert resumed(store, "wm"), "attempt 1 must have resumed"
     stored = []
     for meta in metas:
         snapshot = store.load("wm", "enrich", 0, meta.checkpoint_id, meta.run_id)
