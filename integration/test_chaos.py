@@ -221,20 +221,32 @@ def test_2_executor_jvm_sigkilled_mid_job_unordered(chaos: Chaos, reference: Ref
     app_id = chaos.app_id(driver)
     chaos.wait_for_progress(driver, options)
     killed_at = time.time()
+    _, failed = kill_an_executor_and_finish(chaos, driver, options, app_id)
+    partition = failed.partition
+    title = "2. executor JVM SIGKILLed (unordered_wait)"
+    check_killed_partition_resumed(chaos, options, reference, partition, killed_at, title)
+
+
+def kill_an_executor_and_finish(
+    chaos: Chaos, driver: Any, options: JobOptions, app_id: str
+) -> tuple[JobReport, TaskAttempt]:
+    """SIGKILL the application's executor on worker 0, let the job finish at the normal
+    latency, and check that the kill failed exactly one task attempt (ExecutorLostFailure)
+    and that Spark's next attempt of it, in the same stage, succeeded. Returns the report
+    and the failed attempt."""
     executor = chaos.cluster.kill_executor(app_id, worker=0)
     assert gone(executor.pid)
     chaos.service.configure(latency_ms=chaos.latency_ms)
     report = chaos.finish(driver, options)
-
     [failed] = failed_write_attempts(report)
     assert failed.executor_id == executor.executor_id
     assert "ExecutorLostFailure" in (failed.error or "")
-    partition = failed.partition
     assert any(
-        t.partition == partition and t.attempt == 1 and t.status == "SUCCESS" for t in report.tasks
+        t.stage_id == failed.stage_id
+        and (t.partition, t.attempt, t.status) == (failed.partition, 1, "SUCCESS")
+        for t in report.tasks
     )
-    title = "2. executor JVM SIGKILLed (unordered_wait)"
-    check_killed_partition_resumed(chaos, options, reference, partition, killed_at, title)
+    return report, failed
 
 
 def check_killed_partition_resumed(
@@ -654,22 +666,10 @@ def test_8_executor_jvm_sigkilled_mid_micro_batch_streaming(chaos: Chaos) -> Non
         driver, options, lambda metas: mid_batch(metas, options.partitions)
     )
     killed_at = time.time()
-    executor = chaos.cluster.kill_executor(app_id, worker=0)
-    assert gone(executor.pid)
-    chaos.service.configure(latency_ms=chaos.latency_ms)
-    report = chaos.finish(driver, options)
-
-    # The kill failed one task attempt of micro-batch `batch`; Spark retried it in the same
-    # batch, and the query went on to the end: one sink commit per micro-batch.
-    [failed] = failed_write_attempts(report)
-    assert failed.executor_id == executor.executor_id
-    assert "ExecutorLostFailure" in (failed.error or "")
+    # The kill fails one task attempt of micro-batch `batch`; Spark retries it in the same
+    # batch, and the query goes on to the end: one sink commit per micro-batch.
+    report, failed = kill_an_executor_and_finish(chaos, driver, options, app_id)
     partition = failed.partition
-    assert any(
-        t.stage_id == failed.stage_id
-        and (t.partition, t.attempt, t.status) == (partition, 1, "SUCCESS")
-        for t in report.tasks
-    )
     assert report.table_version == STREAM_FILES // 2 - 1  # versions 0, 1, 2: no extra commit
 
     counts = request_counts(chaos)
