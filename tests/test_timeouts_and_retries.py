@@ -41,6 +41,19 @@ def make(fn, clock, *, mode=OutputMode.ORDERED, capacity=10, timeout=None, retry
     return out, op
 
 
+async def timed_out_a(retry=None):  # type: ignore[no-untyped-def]
+    """An operator (timeout 1) whose element "a" has just timed out: its attempt is still
+    running, and so is the timeout handler, both waiting on the test. Returns (clock, fn,
+    out, op)."""
+    clock = VirtualClock()
+    fn = ControlledTimeoutFunction()
+    out, op = make(fn, clock, timeout=1, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(1)
+    return clock, fn, out, op
+
+
 class Timed(AsyncFunction):
     """Records the virtual time of every attempt; fails while ``fail_until`` says so."""
 
@@ -120,12 +133,7 @@ async def test_the_timeout_clock_starts_when_the_element_enters_the_queue() -> N
 
 
 async def test_a_result_arriving_while_the_timeout_handler_runs_wins() -> None:
-    clock = VirtualClock()
-    fn = ControlledTimeoutFunction()
-    out, op = make(fn, clock, timeout=1)
-    await op.open()
-    await op.process_element(StreamRecord("a"))
-    await clock.advance(1)
+    clock, fn, out, op = await timed_out_a()
     assert fn.timeout_calls == ["a"]  # the handler is running (waiting on the test)
     fn.complete("a", ["real"])  # the attempt finishes first: it wins
     await settle()
@@ -138,12 +146,7 @@ async def test_a_result_arriving_while_the_timeout_handler_runs_wins() -> None:
 
 
 async def test_a_timeout_handler_finishing_first_wins_and_cancels_the_attempt() -> None:
-    clock = VirtualClock()
-    fn = ControlledTimeoutFunction()
-    out, op = make(fn, clock, timeout=1)
-    await op.open()
-    await op.process_element(StreamRecord("a"))
-    await clock.advance(1)
+    clock, fn, out, op = await timed_out_a()
     fn.complete_timeout("a", ["fallback"])
     await settle()
     assert [e.value for e in out] == ["fallback"]
@@ -153,12 +156,7 @@ async def test_a_timeout_handler_finishing_first_wins_and_cancels_the_attempt() 
 
 
 async def test_a_failing_attempt_cannot_beat_a_running_timeout_handler() -> None:
-    clock = VirtualClock()
-    fn = ControlledTimeoutFunction()
-    out, op = make(fn, clock, timeout=1)
-    await op.open()
-    await op.process_element(StreamRecord("a"))
-    await clock.advance(1)
+    clock, fn, out, op = await timed_out_a()
     fn.fail("a", Fatal("late failure"))
     await settle()
     assert op.failure is None
@@ -169,13 +167,7 @@ async def test_a_failing_attempt_cannot_beat_a_running_timeout_handler() -> None
 
 
 async def test_a_failing_timeout_handler_is_not_retried() -> None:
-    clock = VirtualClock()
-    fn = ControlledTimeoutFunction()
-    retry = RetryStrategy.fixed_delay(10, 0.1)
-    out, op = make(fn, clock, timeout=1, retry=retry)
-    await op.open()
-    await op.process_element(StreamRecord("a"))
-    await clock.advance(1)
+    clock, fn, out, op = await timed_out_a(RetryStrategy.fixed_delay(10, 0.1))
     fn.fail_timeout("a", Flaky("handler broke"))
     await clock.advance(10)
     assert fn.timeout_calls == ["a"]
@@ -751,12 +743,7 @@ async def test_a_timeout_handler_error_that_loses_the_race_is_dropped_silently()
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(lambda loop, context: logged.append(context))
     try:
-        clock = VirtualClock()
-        fn = ControlledTimeoutFunction()
-        out, op = make(fn, clock, timeout=1)
-        await op.open()
-        await op.process_element(StreamRecord("a"))
-        await clock.advance(1)
+        clock, fn, out, op = await timed_out_a()
         fn.fail_timeout("a", Fatal("handler lost"))
         fn.complete("a", ["A"])
         await settle()
