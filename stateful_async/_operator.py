@@ -671,9 +671,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         except InvalidResultError as exc:
             self._decide_failure(handler, exc)
             return
+        except (KeyboardInterrupt, SystemExit):
+            raise  # as in _on_attempt_raised: not an outcome of the element
         except BaseException as exc:  # a generator of results that raised: the call failed
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise  # as in _on_attempt_raised: not an outcome of the element
             self._on_attempt_error(handler, exc)
             return
         retry = self._retry
@@ -788,9 +788,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             except InvalidResultError as exc:
                 self._decide_failure(handler, exc)
                 return
+            except (KeyboardInterrupt, SystemExit):
+                raise
             except BaseException as exc:  # a generator of fallback results that raised
-                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                    raise
                 error = exc
             else:
                 self._decide(handler, results)

@@ -718,7 +718,9 @@ def _event_time_text(store: Any, meta: Any) -> Callable[[int], str]:
     date ``event_time`` column are held as microseconds or days since the epoch (its
     checkpoints name the column; their input schema gives its type); anything else, or
     a value beyond the type's range (the lowest watermark), as the integer it is."""
-    column = meta.properties.get("event_time")
+    from .spark._task import EVENT_TIME_PROPERTY
+
+    column = meta.properties.get(EVENT_TIME_PROPERTY)
     schemas = (
         None
         if column is None

@@ -59,9 +59,9 @@ _FLUSH_SECONDS = 0.2  # an idle task still hands its results over this often
 _MAX_QUEUED_BATCHES = 16  # output backpressure: stop reading input past this
 _EXPIRE_EVERY = 20  # a long task expires old checkpoints every this many checkpoints
 _WATERMARK = "watermark"  # checkpoint property: the last watermark the task generated
-_EVENT_TIME = "event_time"  # checkpoint properties: what the watermarks were generated from
+EVENT_TIME_PROPERTY = "event_time"  # checkpoint properties: what watermarks came from
 _OUT_OF_ORDERNESS = "max_out_of_orderness"
-_SAME_WATERMARKS = (_EVENT_TIME, _OUT_OF_ORDERNESS)
+_SAME_WATERMARKS = (EVENT_TIME_PROPERTY, _OUT_OF_ORDERNESS)
 
 
 # -- the user's function, seen from the operator --------------------------------------------
@@ -336,7 +336,7 @@ class _TaskRun:
         # recorded on every checkpoint: who wrote it (see _check_same_enrichment)
         self.properties = {**identity.properties, "function": _function_name(spec.fn)}
         if spec.event_time is not None:
-            self.properties[_EVENT_TIME] = spec.event_time
+            self.properties[EVENT_TIME_PROPERTY] = spec.event_time
             self.properties[_OUT_OF_ORDERNESS] = str(spec.max_out_of_orderness)
         self.argument = _argument_maker(spec.input_schema)  # the function's copy of a row
         self.out: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -625,7 +625,7 @@ class _TaskRun:
         # column (other units) or max_out_of_orderness would hold back its watermarks. A
         # checkpoint that records neither was written before they were recorded: as then.
         if _WATERMARK in meta.properties and (
-            _EVENT_TIME not in meta.properties
+            EVENT_TIME_PROPERTY not in meta.properties
             or all(meta.properties.get(key) == self.properties.get(key) for key in _SAME_WATERMARKS)
         ):
             self.last_watermark = int(meta.properties[_WATERMARK])
