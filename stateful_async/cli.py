@@ -598,11 +598,10 @@ def _as_the_function_sees_them(store: Any, snapshot: Any) -> list[Any]:
     from . import StreamRecord
     from .spark._task import _argument_maker
 
-    meta = snapshot.metadata
-    schemas = store.subtask(meta.job_id, meta.operator_id, meta.subtask).schemas()
-    if schemas is None:
+    schema = _input_schema(store, snapshot.metadata)
+    if schema is None:
         return list(snapshot.elements)
-    argument = _argument_maker(schemas[0])
+    argument = _argument_maker(schema)
     return [
         e if _is_watermark(e) else StreamRecord(argument(e.value), e.timestamp)
         for e in snapshot.elements
@@ -713,6 +712,12 @@ def _snapshots(
     ]
 
 
+def _input_schema(store: Any, meta: Any) -> Any:
+    """The input schema a checkpoint's partition was written with (None if unreadable)."""
+    schemas = store.subtask(meta.job_id, meta.operator_id, meta.subtask).schemas()
+    return None if schemas is None else schemas[0]
+
+
 def _event_time_text(store: Any, meta: Any) -> Callable[[int], str]:
     """How to show a snapshot's timestamps: the event times of a Spark job's timestamp or
     date ``event_time`` column are held as microseconds or days since the epoch (its
@@ -721,16 +726,12 @@ def _event_time_text(store: Any, meta: Any) -> Callable[[int], str]:
     from .spark._task import EVENT_TIME_PROPERTY
 
     column = meta.properties.get(EVENT_TIME_PROPERTY)
-    schemas = (
-        None
-        if column is None
-        else store.subtask(meta.job_id, meta.operator_id, meta.subtask).schemas()
-    )
-    if schemas is None or column not in schemas[0].names:
+    schema = None if column is None else _input_schema(store, meta)
+    if schema is None or column not in schema.names:
         return str
     import pyarrow.types as pa_types
 
-    kind = schemas[0].field(column).type
+    kind = schema.field(column).type
     epoch = dt.datetime(1970, 1, 1)
     if pa_types.is_timestamp(kind):
         zone = dt.timezone.utc if kind.tz else None

@@ -148,11 +148,14 @@ def _lossy_checks(schema: pa.Schema) -> tuple[tuple[str, _Check, frozenset[type]
 def _plain_types(arrow_type: pa.DataType) -> tuple[type, ...]:
     if pa.types.is_integer(arrow_type):
         return (int,)
-    if pa.types.is_floating(arrow_type) and not (
-        pa.types.is_float32(arrow_type) or pa.types.is_float16(arrow_type)
-    ):
+    if pa.types.is_floating(arrow_type) and not _is_single(arrow_type):
         return (float, int)
     return ()
+
+
+def _is_single(arrow_type: pa.DataType) -> bool:
+    """A float of 32 bits or fewer: a Python float may be beyond its range."""
+    return pa.types.is_float32(arrow_type) or pa.types.is_float16(arrow_type)
 
 
 def is_list_type(arrow_type: pa.DataType) -> bool:
@@ -250,7 +253,7 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
 
         return check_duration
     if pa.types.is_floating(arrow_type):
-        single = pa.types.is_float32(arrow_type) or pa.types.is_float16(arrow_type)
+        single = _is_single(arrow_type)
 
         def check_float(value: Any) -> _Loss | None:
             if isinstance(value, bool):  # pyarrow takes it as 1.0 or 0.0
