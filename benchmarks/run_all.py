@@ -1116,17 +1116,19 @@ def section_latency_variance(
         f"{variance[0]['rows']:,} rows ({variance[0]['rows'] // partitions:,} per task), best of "
         f"{variance[0].get('repeat', 1)} interleaved run(s), against the service with an "
         "exponential latency (mean 20 ms) and a lognormal one (median 20 ms, sigma 1: mean "
-        "33 ms, 1 % of requests over 205 ms). `ordered_wait` runs at the same capacity and at "
-        f"{WIDE} times it; *peak in flight* is the most requests the service held at once "
-        "(both tasks):\n",
+        "33 ms, 1 % of requests over 205 ms). `ordered_wait` runs at the same capacity, at "
+        f"{WIDE} times it, and at {WIDE} times it with `max_in_flight` at the capacity; *peak "
+        "in flight* is the most requests the service held at once (both tasks):\n",
     ]
     body = []
     for shape in variance:
         for r in shape["table"]:
+            calls = r.get("max_in_flight")
             body.append(
                 [
                     shape["shape"],
-                    f"{r['label']}, capacity {r['capacity']:,}",
+                    f"{r['label']}, capacity {r['capacity']:,}"
+                    + (f", max_in_flight {calls:,}" if calls else ""),
                     fmt_rate(r["rows_per_s"]),
                     f"{r['vs_handwritten']:.2f}x",
                     fmt_rate(r["rows_per_cpu_s"]),
@@ -1149,18 +1151,43 @@ def section_latency_variance(
         + "\n"
     )
 
-    def find(shape: dict[str, Any], case: str, wide: bool = False) -> dict[str, Any]:
-        caps = sorted({r["capacity"] for r in shape["table"]})
+    def find(
+        shape: dict[str, Any], case: str, wide: bool = False, bounded: bool = False
+    ) -> dict[str, Any] | None:
+        """The row of ``case`` at the lowest capacity, or the highest (``wide``), with
+        ``max_in_flight`` set (``bounded``) or not; None where the run had no such case."""
+        rows = [
+            r
+            for r in shape["table"]
+            if r["case"] == case and bool(r.get("max_in_flight")) == bounded
+        ]
+        caps = sorted(r["capacity"] for r in rows)
+        if not caps:
+            return None
         cap = caps[-1] if wide else caps[0]
-        return next(r for r in shape["table"] if r["case"] == case and r["capacity"] == cap)
+        return next(r for r in rows if r["capacity"] == cap)
 
-    def each(case: str, key: str, wide: bool = False, fmt: str = "{:.2f}x") -> str:
-        return " and ".join(
-            fmt.format(find(shape, case, wide)[key]) + f" ({shape['shape']})" for shape in variance
-        )
+    def each(
+        case: str, key: str, wide: bool = False, fmt: str = "{:.2f}x", bounded: bool = False
+    ) -> str:
+        found = [(find(shape, case, wide, bounded), shape["shape"]) for shape in variance]
+        return " and ".join(fmt.format(r[key]) + f" ({name})" for r, name in found if r)
 
-    hand_peak = max(find(shape, "handwritten_asyncio")["peak_in_flight"] for shape in variance)
-    wide_peak = max(find(shape, "ordered_wait", True)["peak_in_flight"] for shape in variance)
+    def peak(case: str, wide: bool = False, bounded: bool = False) -> int:
+        found = [find(shape, case, wide, bounded) for shape in variance]
+        return max((r["peak_in_flight"] for r in found if r), default=0)
+
+    hand_peak = peak("handwritten_asyncio")
+    wide_peak = peak("ordered_wait", True)
+    bounded = each("ordered_wait", "vs_handwritten", True, bounded=True)
+    bounded_text = (
+        f" With `max_in_flight` at the capacity and `capacity` at {WIDE} times it, "
+        f"`ordered_wait` runs at {bounded} the hand-written loop, and the service sees at "
+        f"most {peak('ordered_wait', True, True):,} requests at once: calls stay at "
+        "`max_in_flight` while up to `capacity` finished results wait for their turn."
+        if bounded
+        else ""
+    )
     lines.append(
         "The hand-written loop now waits at every batch boundary for its batch's slowest "
         "request; `unordered_wait`, which streams across batches and emits each result as it "
@@ -1174,13 +1201,12 @@ def section_latency_variance(
         f"results ({batch:,} rows) and emits them in order only when the batch is done. "
         f"At {WIDE} times the capacity `ordered_wait` runs at "
         f"{each('ordered_wait', 'vs_handwritten', True)}, but then up to {wide_peak:,} "
-        f"requests reach the service at once, against the hand-written loop's {hand_peak:,}. "
-        "So for ordered output from a service whose latency varies: raise `capacity` well "
-        "above the concurrency the service should see on average (memory stays bounded by "
-        "it: one input row and its results per entry), or use `unordered_wait` where the "
-        "order does not matter. Keeping the requests in flight at `capacity` while holding "
-        "more finished results for ordering would need a second bound besides `capacity`, "
-        "which DESIGN §3 does not have.\n"
+        f"requests reach the service at once, against the hand-written loop's {hand_peak:,}."
+        + bounded_text
+        + " So for ordered output from a service whose latency varies: set `max_in_flight` "
+        "to the concurrency the service should see and `capacity` well above it (memory "
+        "stays bounded by `capacity`: one input row and its results per entry), or use "
+        "`unordered_wait` where the order does not matter.\n"
     )
     return "\n".join(lines)
 
@@ -1698,12 +1724,10 @@ CLOSING = {
     "batches at a constant latency. Where latency varies (section 2) the drain weighs more, "
     "but `ordered_wait` at the same capacity then loses more to head-of-line blocking (a "
     "finished result holds its queue place until every earlier element is done, as in "
-    "Flink). Closing it needs a regime where the drain matters — small Arrow batches "
-    "(`maxRecordsPerBatch` near the capacity) — and, for latency that varies, a second "
-    "bound in ordered mode (requests in flight at `capacity`, more finished results held "
-    "for ordering: a change to DESIGN §3's capacity), or a cheaper client path than the "
-    "one both sides share (a leaner `ServiceEnrichment`: pre-built URL, no per-row dict "
-    "merge, no JSON decode of fields it drops).",
+    "Flink), which `max_in_flight` below `capacity` takes back (section 2). Closing it "
+    "needs a regime where the drain matters — small Arrow batches (`maxRecordsPerBatch` "
+    "near the capacity) — or a cheaper client path than the one both sides share, which "
+    "would be a gain of the function, not of the operator.",
     "pyflink": "**3x PyFlink**: needs PyFlink to spend 3x our CPU per row; the HTTP work "
     "common to both dilutes the ratio (see section 3). Lowering our own CPU per row (the "
     "client path above, columnar conversion of input and output) raises it; so would a "

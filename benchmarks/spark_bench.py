@@ -21,8 +21,9 @@ Then, on the same session and service:
 
 * latency that varies (exponential, mean 20 ms; lognormal, median 20 ms, sigma 1), at
   Spark's default Arrow batches: the hand-written loop against ``ordered_wait`` at the same
-  capacity and at 16x it, and ``unordered_wait``, with the service's peak of requests in
-  flight (an ordered queue holds results that wait for an earlier element);
+  capacity, at 16x it, and at 16x it with ``max_in_flight`` at the capacity, and
+  ``unordered_wait``, with the service's peak of requests in flight (an ordered queue holds
+  results that wait for an earlier element);
 * checkpoint cost: ``ordered_wait`` with a checkpoint every 10k records against none on
   the service workload (60k rows, interleaved), and an interval sweep (1k / 10k / 100k /
   none) of a 20 ms ``asyncio.sleep`` function at capacity 1000 (400k rows: the worst
@@ -223,16 +224,23 @@ def source(spark: Any, rows: int) -> Any:
 
 
 def build(
-    kind: str, df: Any, url: str, capacity: int, checkpoint: Any = None, fn: Any = None
+    kind: str,
+    df: Any,
+    url: str,
+    capacity: int,
+    checkpoint: Any = None,
+    fn: Any = None,
+    max_in_flight: int | None = None,
 ) -> Any:
     from stateful_async.chaos import ServiceEnrichment
     from stateful_async.spark import ordered_wait, unordered_wait
 
     fn = fn if fn is not None else ServiceEnrichment(url)
+    ours = {"capacity": capacity, "max_in_flight": max_in_flight, "checkpoint": checkpoint}
     if kind == "ordered_wait":
-        return ordered_wait(df, fn, SCHEMA, capacity=capacity, checkpoint=checkpoint)
+        return ordered_wait(df, fn, SCHEMA, **ours)
     if kind == "unordered_wait":
-        return unordered_wait(df, fn, SCHEMA, capacity=capacity, checkpoint=checkpoint)
+        return unordered_wait(df, fn, SCHEMA, **ours)
     if kind == "handwritten_asyncio":
         return df.mapInArrow(HandwrittenAsyncio(url, capacity), SCHEMA)
     if kind == "threads_mapInPandas":
@@ -315,11 +323,12 @@ def run_case(
     what: str,
     checkpoint: Any = None,
     fn: Any = None,
+    max_in_flight: int | None = None,
 ) -> tuple[float, dict[str, float]]:
     """One measured run of a competitor against a freshly reset service: its wall time and
     the CPU of each process (``meter``), after checking one request per row."""
     service.reset()
-    df = build(kind, source(spark, rows), service.url, capacity, checkpoint, fn)
+    df = build(kind, source(spark, rows), service.url, capacity, checkpoint, fn, max_in_flight)
     seconds = timed_write(df, rows, what, meter)
     checked(service, rows, what)
     return seconds, meter.last
@@ -557,13 +566,17 @@ def latency_variance(spark: Any, service: Any, sizes: Sizes, capacity: int) -> l
     that waits for an earlier one against its capacity (Flink's queue), so fewer requests
     are in flight than ``capacity`` allows; ``unordered_wait`` is neither drained nor
     blocked. Also ``ordered_wait`` at ``WIDE_CAPACITY`` x the capacity, with the service's
-    peak of requests in flight to show what that costs it. Interleaved, at most twice
-    (the ordered case at the same capacity runs several times slower than the rest)."""
-    cases = [
-        ("handwritten_asyncio", capacity),
-        ("ordered_wait", capacity),
-        ("ordered_wait", capacity * WIDE_CAPACITY),
-        ("unordered_wait", capacity),
+    peak of requests in flight to show what that costs it, and the same with
+    ``max_in_flight`` at the capacity (the service's concurrency of the others).
+    Interleaved, at most twice (the ordered case at the same capacity runs several times
+    slower than the rest). A case is (kind, capacity, max_in_flight)."""
+    wide = capacity * WIDE_CAPACITY
+    cases: list[tuple[str, int, int | None]] = [
+        ("handwritten_asyncio", capacity, None),
+        ("ordered_wait", capacity, None),
+        ("ordered_wait", wide, None),
+        ("ordered_wait", wide, capacity),
+        ("unordered_wait", capacity, None),
     ]
     # more than two Arrow batches per task, so the hand-written loop drains mid-task
     rows = sizes.throughput_rows * 2
@@ -573,32 +586,37 @@ def latency_variance(spark: Any, service: Any, sizes: Sizes, capacity: int) -> l
     try:
         for name, config, mean_ms in LATENCY_SHAPES:
             service.configure(latency_ms=20, **config)
-            seconds: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
-            cpu: dict[tuple[str, int], list[dict[str, float]]] = {case: [] for case in cases}
-            peaks: dict[tuple[str, int], int] = {case: 0 for case in cases}
+            seconds: dict[tuple[str, int, int | None], list[float]] = {c: [] for c in cases}
+            cpu: dict[tuple[str, int, int | None], list[dict[str, float]]] = {c: [] for c in cases}
+            peaks: dict[tuple[str, int, int | None], int] = {c: 0 for c in cases}
             for rep in range(repeat):
-                for kind, cap in rotated(cases, rep):
-                    what = f"{kind} (capacity {cap}), {name} latency"
-                    run_s, run_cpu = run_case(spark, service, kind, rows, cap, meter, what)
-                    seconds[(kind, cap)].append(run_s)
-                    cpu[(kind, cap)].append(run_cpu)
-                    peak = service.stats()["peak_in_flight"]
-                    peaks[(kind, cap)] = max(peaks[(kind, cap)], peak)
-                    log(f"  {kind:<22} capacity {cap:>5} {name:<12} {run_s:7.2f} s")
+                for case in rotated(cases, rep):
+                    kind, cap, calls = case
+                    bounds = f"capacity {cap:>5}" + (f", max_in_flight {calls}" if calls else "")
+                    what = f"{kind} ({bounds}), {name} latency"
+                    run_s, run_cpu = run_case(
+                        spark, service, kind, rows, cap, meter, what, max_in_flight=calls
+                    )
+                    seconds[case].append(run_s)
+                    cpu[case].append(run_cpu)
+                    peaks[case] = max(peaks[case], service.stats()["peak_in_flight"])
+                    log(f"  {kind:<22} {bounds:<34} {name:<12} {run_s:7.2f} s")
             anchor = rows / min(seconds[cases[0]])
             measured = []
-            for kind, cap in cases:
-                rate = rows / min(seconds[(kind, cap)])
+            for case in cases:
+                kind, cap, calls = case
+                rate = rows / min(seconds[case])
                 measured.append(
                     {
                         "case": kind,
                         "label": LABELS[kind],
                         "capacity": cap,
+                        "max_in_flight": calls,
                         "rows_per_s": rate,
                         "vs_handwritten": rate / anchor,
-                        "rows_per_cpu_s": median_rows_per_cpu_s(rows, cpu[(kind, cap)]),
-                        "peak_in_flight": peaks[(kind, cap)],
-                        "runs_s": seconds[(kind, cap)],
+                        "rows_per_cpu_s": median_rows_per_cpu_s(rows, cpu[case]),
+                        "peak_in_flight": peaks[case],
+                        "runs_s": seconds[case],
                     }
                 )
             out.append(

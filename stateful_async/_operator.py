@@ -6,6 +6,7 @@ import asyncio
 import datetime
 import enum
 import math
+from collections import deque
 from functools import partial
 from threading import get_ident
 from typing import Any, Awaitable, Callable, Generic, Iterable, Sequence, TypeVar, cast
@@ -187,10 +188,21 @@ class AsyncWaitOperator(Generic[IN, OUT]):
     completions, timers and emission keep running) when it is full, so memory is bounded
     by capacity, not by input size.
 
-    ``timeout`` (seconds, or a ``timedelta``) is per element, starts when the element
-    enters the queue and covers every retry. At the deadline ``fn.timeout(value)``
-    decides the element (results, or failure); a result of the running attempt that
-    arrives before the handler returns wins instead. No retry starts at or after the deadline.
+    ``max_in_flight`` (default: ``capacity``) bounds the elements whose calls have started
+    and are not yet decided; the rest of the queue holds elements waiting for a call slot
+    and finished results waiting for their turn to leave. In ordered mode a finished result
+    keeps its queue entry until every earlier element is done, so behind one slow call the
+    queue fills with finished results and the calls in flight fall below ``capacity``:
+    ``capacity`` well above ``max_in_flight`` keeps the calls in flight at
+    ``max_in_flight`` (what the service sees) through such stalls, memory still bounded by
+    ``capacity``. Elements start their calls in input order.
+
+    ``timeout`` (seconds, or a ``timedelta``) is per element, starts with the element's
+    first call (as it enters the queue, or with ``max_in_flight`` once a call slot is free
+    for it: time spent waiting for room does not count) and covers every retry. At the
+    deadline ``fn.timeout(value)`` decides the element (results, or failure); a result of
+    the running attempt that arrives before the handler returns wins instead. No retry
+    starts at or after the deadline.
 
     ``retry`` decides whether a failed attempt (or an unwanted result) is tried again,
     after a per-element backoff. The first outcome of an element wins — a result, the
@@ -216,6 +228,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         timeout: float | datetime.timedelta | None = None,
         retry: RetryStrategy | None = None,
         *,
+        max_in_flight: int | None = None,
         clock: Clock | None = None,
     ) -> None:
         self._fn = as_async_function(fn)
@@ -228,6 +241,16 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ConfigurationError(
                 f"capacity must be an integer >= 1 (queue entries in flight); got {capacity!r}."
+            )
+        if max_in_flight is not None and (
+            isinstance(max_in_flight, bool)
+            or not isinstance(max_in_flight, int)
+            or not 1 <= max_in_flight <= capacity
+        ):
+            raise ConfigurationError(
+                f"max_in_flight must be an integer from 1 to capacity ({capacity}), or None for "
+                f"capacity; got {max_in_flight!r}. It bounds the calls in flight among the "
+                "queue's entries, so it cannot exceed them: raise capacity too."
             )
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
@@ -253,6 +276,12 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 )
         self._output = output
         self._capacity = capacity
+        self._max_in_flight = capacity if max_in_flight is None else max_in_flight
+        # Below capacity, calls are counted and elements past the bound wait, in input order,
+        # for a slot (_admit); at capacity the queue's own bound is the only one needed.
+        self._limited = self._max_in_flight < capacity
+        self._calls = 0
+        self._waiting: deque[_Element] = deque()
         self._timeout = None if timeout is None else float(timeout)
         self._retry = retry
         self._has_timeout_handler = has_timeout_handler(self._fn)
@@ -308,6 +337,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
     @property
     def capacity(self) -> int:
         return self._capacity
+
+    @property
+    def max_in_flight(self) -> int:
+        """The most elements whose calls are in flight at once (``capacity`` unless set)."""
+        return self._max_in_flight
 
     @property
     def function(self) -> Any:
@@ -419,7 +453,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             # The waiter is registered now, not when the coroutine first runs: if the caller
             # forgets to await it, the next call is refused instead of this record being lost.
             return self._put_when_room(record, self._register_capacity_waiter())
-        if self._timeout is None:  # _start without a timeout, inlined: the hot path
+        if self._limited:
+            self._admit(entry)  # type: ignore[arg-type]
+        elif self._timeout is None:  # _start without a timeout, inlined: the hot path
             self.metrics.records_in += 1
             entry.task = self._new_task(self._attempt_once(entry))  # type: ignore[arg-type, attr-defined]
         else:
@@ -430,7 +466,29 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         await self._await_capacity(waiter)
         while (entry := self._queue.try_put(record)) is None:
             await self._wait_for_capacity()
-        self._start(entry)  # type: ignore[arg-type]
+        if self._limited:
+            self._admit(entry)  # type: ignore[arg-type]
+        else:
+            self._start(entry)  # type: ignore[arg-type]
+
+    def _admit(self, entry: _Element) -> None:
+        """With ``max_in_flight`` below capacity: start the entry's call if a slot is free,
+        else keep it waiting (in the queue, so in snapshots) for ``_call_ended``."""
+        if self._calls < self._max_in_flight:
+            self._calls += 1
+            self._start(entry)
+        else:
+            self._waiting.append(entry)
+
+    def _call_ended(self) -> None:
+        """An element holding a call slot was decided: its slot goes to the oldest waiting
+        element, unless the operator failed or closed (waiting elements are then never
+        called). Retry backoffs and the timeout handler keep the slot: the element is in
+        flight until decided."""
+        self._calls -= 1
+        if self._waiting and self._failure is None and self._state is not _State.CLOSED:
+            self._calls += 1
+            self._start(self._waiting.popleft())
 
     def _reuse_entry(self, element: StreamElement, done: bool) -> _Element:
         """A queue entry for ``element``: an emitted one reused, or a new one.
@@ -579,6 +637,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             return  # the operator failed or closed meanwhile: dropped
         if type(results) is list:
             handler.decided = True  # nothing to release: no timers, no other attempts
+            if self._limited:
+                self._call_ended()
             entry = self._complete_and_poll(handler, results)
             if entry is not None and self._failure is None:
                 self._emit(entry)
@@ -835,6 +895,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
     def _release(self, handler: _Element) -> None:
         """The element is decided: cancel its timers and its other running calls."""
         handler.decided = True
+        if self._limited:
+            self._call_ended()
         if self._timeout is None:
             return  # no timers, no timeout handler; the attempt that decided has finished
         timed = cast(_TimedElement, handler)
@@ -1008,12 +1070,21 @@ def _check_mode(mode: OutputMode | str) -> OutputMode:
 
 
 def check_capacity_and_timeout(
-    capacity: int, timeout: float | datetime.timedelta | None, retry: Any
+    capacity: int,
+    timeout: float | datetime.timedelta | None,
+    retry: Any,
+    max_in_flight: int | None = None,
 ) -> float | None:
     """Validate operator options without running an operator (the Spark adapter checks
     them on the driver, before a job starts); return the timeout in seconds."""
     operator = AsyncWaitOperator(
-        _noop_function, _discard, OutputMode.ORDERED, capacity, timeout, retry
+        _noop_function,
+        _discard,
+        OutputMode.ORDERED,
+        capacity,
+        timeout,
+        retry,
+        max_in_flight=max_in_flight,
     )
     return operator._timeout
 

@@ -203,6 +203,158 @@ async def test_a_finished_result_waiting_for_an_earlier_one_keeps_its_entry_in_o
     assert fn.calls == ["slow", "fast", "next"]
 
 
+# -- max_in_flight: calls in flight bounded apart from the queue -----------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_max_in_flight_bounds_the_calls_and_starts_them_in_input_order(
+    mode: OutputMode,
+) -> None:
+    fn, out, op = make(mode, capacity=5, max_in_flight=2)
+    assert op.max_in_flight == 2
+    await op.open()
+    await feed(op, ["a", "b", "c", "d", "e"])  # all five enter the queue at once
+    await settle()
+    assert op.in_flight == 5
+    assert fn.calls == ["a", "b"]
+    fn.complete("b", ["B"])
+    await settle()
+    assert fn.calls == ["a", "b", "c"]  # b's slot goes to the oldest waiting element
+    fn.complete("a", ["A"])
+    await settle()
+    assert fn.calls == ["a", "b", "c", "d"]
+    assert sorted(fn.pending_values()) == ["c", "d"]
+    assert values(out) == (["A", "B"] if mode is OutputMode.ORDERED else ["B", "A"])
+    for value in ["d", "c", "e"]:
+        await settle()
+        fn.complete(value, [value.upper()])
+    finish = asyncio.ensure_future(op.finish())
+    await settle()
+    assert finish.done()
+    assert fn.calls == ["a", "b", "c", "d", "e"]
+    if mode is OutputMode.ORDERED:
+        assert values(out) == ["A", "B", "C", "D", "E"]
+    else:
+        assert values(out) == ["B", "A", "D", "C", "E"]
+
+
+async def test_max_in_flight_keeps_calls_going_while_finished_results_wait_in_order() -> None:
+    # The case it is for: a slow head in ordered mode. With capacity alone (the test above
+    # on "slow", "fast") the queue fills with finished results and calls stop; with capacity
+    # above max_in_flight, calls stay at max_in_flight while finished results wait.
+    fn, out, op = make(OutputMode.ORDERED, capacity=6, max_in_flight=2)
+    await op.open()
+    await feed(op, ["slow", "b", "c", "d", "e", "f"])
+    await settle()
+    for value in ["b", "c", "d", "e"]:
+        fn.complete(value, [value.upper()])
+        await settle()
+        assert len(fn.pending_values()) == 2  # "slow" and the next one
+    assert fn.calls == ["slow", "b", "c", "d", "e", "f"]
+    assert values(out) == []  # everything waits for "slow", in order
+    seventh = asyncio.ensure_future(op.process_element(StreamRecord("g")))
+    await settle()
+    assert not seventh.done()  # capacity still bounds the queue
+    fn.complete("slow", ["SLOW"])
+    await settle()
+    assert seventh.done()
+    assert values(out) == ["SLOW", "B", "C", "D", "E"]
+    assert fn.calls[-1] == "g"
+
+
+async def test_with_max_in_flight_the_timeout_starts_with_the_first_call() -> None:
+    clock = VirtualClock()
+    fn, out, op = make(OutputMode.ORDERED, capacity=3, max_in_flight=1, timeout=5, clock=clock)
+    await op.open()
+    await feed(op, ["a", "b"])
+    await settle()
+    await clock.advance(4)  # "b" has waited 4 s for a slot: not its time
+    fn.complete("a", ["A"])
+    await settle()
+    assert fn.calls == ["a", "b"]
+    await clock.advance(4.5)  # 8.5 s after "b" entered the queue, 4.5 s after its call started
+    await settle()
+    assert fn.pending("b") == 1
+    assert op.failure is None
+    await clock.advance(0.5)
+    await settle()
+    assert "did not complete within the 5 s timeout" in str(op.failure)
+    await op.close()
+
+
+async def test_a_retry_backoff_keeps_its_call_slot() -> None:
+    clock = VirtualClock()
+    fn, out, op = make(
+        OutputMode.UNORDERED,
+        capacity=3,
+        max_in_flight=1,
+        timeout=60,
+        retry=RetryStrategy.fixed_delay(3, 2.0),
+        clock=clock,
+    )
+    await op.open()
+    await feed(op, ["a", "b"])
+    await settle()
+    fn.fail("a", ConnectionError("reset"))
+    await settle()
+    assert fn.calls == ["a"]  # "a" waits 2 s to retry, still holding the one slot
+    await clock.advance(2)
+    await settle()
+    assert fn.calls == ["a", "a"]
+    fn.complete("a", ["A"])
+    await settle()
+    assert fn.calls == ["a", "a", "b"]
+    fn.complete("b", ["B"])
+    await op.finish()
+    assert values(out) == ["A", "B"]
+    await op.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_elements_waiting_for_a_call_slot_are_in_snapshots_and_restored(
+    mode: OutputMode,
+) -> None:
+    fn, out, op = make(mode, capacity=4, max_in_flight=1)
+    await op.open()
+    await feed(op, ["a", Watermark(1), "b", "c"])
+    await settle()
+    assert fn.calls == ["a"]
+    snapshot = op.snapshot_state(1)
+    assert [("wm", e.timestamp) if isinstance(e, Watermark) else e.value for e in snapshot] == [
+        "a",
+        ("wm", 1),
+        "b",
+        "c",
+    ]
+    await op.close()
+    assert fn.calls == ["a"]  # closed: the waiting ones are never called
+
+    fn2, out2, op2 = make(mode, capacity=2, max_in_flight=1)  # fewer slots than restored
+    opening = asyncio.ensure_future(op2.open(restored=snapshot))
+    for value in ["a", "b", "c"]:
+        await settle()
+        assert fn2.pending_values() == [value]
+        fn2.complete(value, [value.upper()])
+    await settle()
+    assert opening.done()
+    await op2.finish()
+    assert values(out2) == ["A", ("wm", 1), "B", "C"]
+    assert fn2.calls == ["a", "b", "c"]
+
+
+async def test_elements_waiting_for_a_call_slot_are_never_called_after_a_failure() -> None:
+    fn, out, op = make(OutputMode.ORDERED, capacity=4, max_in_flight=1)
+    await op.open()
+    await feed(op, ["a", "b", "c"])
+    await settle()
+    fn.fail("a", ValueError("bad row"))
+    await settle()
+    assert isinstance(op.failure, AsyncFunctionError)
+    assert fn.calls == ["a"]
+    await op.close()
+    assert fn.calls == ["a"]
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_watermarks_take_capacity(mode: OutputMode) -> None:
     fn, out, op = make(mode, capacity=2)
@@ -485,6 +637,10 @@ async def _noop(value):
         ({"retry": RetryStrategy.fixed_delay(3, 0.1)}, "A retry strategy needs a timeout"),
         ({"mode": "sideways"}, "mode must be OutputMode.ORDERED or OutputMode.UNORDERED"),
         ({"retry": 3, "timeout": 1}, "retry must be a RetryStrategy"),
+        ({"max_in_flight": 0}, r"max_in_flight must be an integer from 1 to capacity \(100\)"),
+        ({"capacity": 8, "max_in_flight": 9}, "cannot exceed them: raise capacity too"),
+        ({"max_in_flight": 2.0}, "max_in_flight must be an integer"),
+        ({"max_in_flight": True}, "max_in_flight must be an integer"),
     ],
 )
 def test_invalid_arguments_fail_at_construction(kwargs: dict, message: str) -> None:

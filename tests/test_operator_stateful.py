@@ -7,9 +7,11 @@ adapter uses: output since the last checkpoint is uncommitted and a crash discar
 consumed after the checkpoint are fed again after the restore.
 
 Half the runs have no timeout and no retries (the fast path, which reuses the entries of
-emitted elements); the other half have both.
+emitted elements); the other half have both. Most runs bound the calls in flight below
+capacity (``max_in_flight``), so elements also wait in the queue for a call slot.
 
-Invariants: never more than ``capacity`` queue entries (in flight and kept for reuse);
+Invariants: never more than ``capacity`` queue entries (in flight and kept for reuse), nor
+more than ``max_in_flight`` calls, and no call slot idle while an element waits for one;
 ordered output is a prefix of the input-order output; in unordered mode no record crosses a
 watermark either way; and in the end the committed output equals a failure-free run exactly
 once (as a sequence when ordered, as a multiset per watermark segment when unordered).
@@ -94,6 +96,7 @@ class OperatorMachine(RuleBasedStateMachine):
             capacity=self.capacity,
             timeout=TIMEOUT if self.timed else None,
             retry=RETRY if self.timed else None,
+            max_in_flight=self.max_calls,
             clock=self.clock,
         )
 
@@ -128,13 +131,16 @@ class OperatorMachine(RuleBasedStateMachine):
         mode=st.sampled_from([OutputMode.ORDERED, OutputMode.UNORDERED]),
         capacity=st.integers(1, 6),
         timed=st.booleans(),
+        max_calls=st.integers(0, 6),
     )
-    def start(self, mode: OutputMode, capacity: int, timed: bool) -> None:
+    def start(self, mode: OutputMode, capacity: int, timed: bool, max_calls: int = 0) -> None:
         """``timed``: with a timeout and retries; else neither, where the operator reuses
-        the entries of emitted elements for new ones."""
+        the entries of emitted elements for new ones. ``max_calls``: the operator's
+        ``max_in_flight`` (0 for none; capped at ``capacity``)."""
         self.mode = mode
         self.capacity = capacity
         self.timed = timed
+        self.max_calls = min(max_calls, capacity) or None
         self.new_operator()
         self.run(self.op.open())
 
@@ -204,6 +210,15 @@ class OperatorMachine(RuleBasedStateMachine):
         assert self.op.in_flight <= self.capacity
         # entries kept for reuse count too: memory stays bounded by capacity
         assert self.op.in_flight + len(self.op._spare) <= self.capacity
+
+    @invariant()
+    def calls_within_max_in_flight(self) -> None:
+        op = self.op
+        assert len(self.fn.pending_values()) <= op.max_in_flight
+        if op._limited:
+            assert op._calls <= op.max_in_flight
+            if op._waiting and op.failure is None:
+                assert op._calls == op.max_in_flight, "a call slot is idle while elements wait"
 
     @invariant()
     def completed_count_is_exact(self) -> None:
@@ -369,6 +384,7 @@ class FailureMachine(OperatorMachine):
             capacity=self.capacity,
             timeout=SHORT_TIMEOUT if self.timed else None,
             retry=RETRY if self.timed else None,
+            max_in_flight=self.max_calls,
             clock=self.clock,
         )
 
@@ -387,14 +403,21 @@ class FailureMachine(OperatorMachine):
         mode=st.sampled_from([OutputMode.ORDERED, OutputMode.UNORDERED]),
         capacity=st.integers(1, 6),
         timed=st.booleans(),
+        max_calls=st.integers(0, 6),
         slow_fallback=st.booleans(),
         records=st.integers(1, 8),
     )
-    def start(
-        self, mode: OutputMode, capacity: int, timed: bool, slow_fallback: bool, records: int
+    def start(  # type: ignore[override]
+        self,
+        mode: OutputMode,
+        capacity: int,
+        timed: bool,
+        max_calls: int,
+        slow_fallback: bool,
+        records: int,
     ) -> None:
         self.slow_fallback = slow_fallback and timed
-        super().start(mode, capacity, timed)
+        super().start(mode, capacity, timed, max_calls)
         self.add_records(records)  # rules may be switched off: begin with work in flight
 
     # -- inputs stop while finishing or failed ------------------------------------------------

@@ -32,6 +32,7 @@ def ordered_wait(
     schema: Schema,
     *,
     capacity: int = 100,
+    max_in_flight: int | None = None,
     timeout: float | dt.timedelta | None = None,
     retry: RetryStrategy | None = None,
     checkpoint: CheckpointConfig | None = None,
@@ -51,15 +52,26 @@ def ordered_wait(
     naming the field and the input row. ``capacity`` bounds the rows
     in a task's queue: the calls in flight and, as in Flink, the results that wait for an
     earlier row's. Behind a slow call the queue fills with finished results, so against a
-    service whose latency varies fewer calls are in flight than ``capacity``: set it well
-    above the concurrency the service should see on average (README, "Ordering modes");
-    ``timeout`` (seconds or a ``timedelta``, per row, covering retries) and ``retry`` are as
-    in ``AsyncWaitOperator``. With ``checkpoint``, each task checkpoints its progress to Delta
-    and a failed task or a killed job resumes instead of starting over (see
-    ``CheckpointConfig``). Works on batch and streaming DataFrames.
+    service whose latency varies fewer calls are in flight than ``capacity``;
+    ``max_in_flight`` (default: ``capacity``) bounds the calls alone, so with ``capacity``
+    well above it the service sees ``max_in_flight`` calls per task through such stalls
+    (README, "Ordering modes"); ``timeout`` (seconds or a ``timedelta``, per row, covering
+    retries) and ``retry`` are as in ``AsyncWaitOperator``. With ``checkpoint``, each task
+    checkpoints its progress to Delta and a failed task or a killed job resumes instead of
+    starting over (see ``CheckpointConfig``). Works on batch and streaming DataFrames.
     """
     return _async_wait(
-        df, fn, schema, OutputMode.ORDERED, capacity, timeout, retry, checkpoint, None, None
+        df,
+        fn,
+        schema,
+        OutputMode.ORDERED,
+        capacity,
+        max_in_flight,
+        timeout,
+        retry,
+        checkpoint,
+        None,
+        None,
     )
 
 
@@ -69,6 +81,7 @@ def unordered_wait(
     schema: Schema,
     *,
     capacity: int = 100,
+    max_in_flight: int | None = None,
     timeout: float | dt.timedelta | None = None,
     retry: RetryStrategy | None = None,
     checkpoint: CheckpointConfig | None = None,
@@ -93,7 +106,8 @@ def unordered_wait(
     last watermark is not dropped: like any row, it stays between the watermarks it was read
     between. Without ``event_time`` a finished result leaves at once, so ``capacity`` bounds
     the calls in flight alone; with it, results after a watermark wait, in the queue, for
-    every row before the watermark.
+    every row before the watermark, and ``max_in_flight`` below ``capacity`` keeps the calls
+    in flight up meanwhile, as in ``ordered_wait``.
     """
     return _async_wait(
         df,
@@ -101,6 +115,7 @@ def unordered_wait(
         schema,
         OutputMode.UNORDERED,
         capacity,
+        max_in_flight,
         timeout,
         retry,
         checkpoint,
@@ -115,6 +130,7 @@ def _async_wait(
     schema: Schema,
     mode: OutputMode,
     capacity: int,
+    max_in_flight: int | None,
     timeout: float | dt.timedelta | None,
     retry: RetryStrategy | None,
     checkpoint: CheckpointConfig | None,
@@ -128,7 +144,7 @@ def _async_wait(
             f"The first argument must be a pyspark DataFrame; got {type(df).__name__}."
         )
     function = as_async_function(fn)
-    seconds = check_capacity_and_timeout(capacity, timeout, retry)
+    seconds = check_capacity_and_timeout(capacity, timeout, retry, max_in_flight)
     if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
         raise ConfigurationError(
             f"checkpoint must be a CheckpointConfig; got {type(checkpoint).__name__}."
@@ -162,6 +178,7 @@ def _async_wait(
         fn=function,
         mode=mode,
         capacity=capacity,
+        max_in_flight=max_in_flight,
         timeout=seconds,
         retry=retry,
         input_schema=input_schema,

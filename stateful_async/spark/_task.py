@@ -262,6 +262,7 @@ class TaskSpec:
     max_out_of_orderness: int
     checkpoint: CheckpointConfig | None
     app_id: str
+    max_in_flight: int | None = None
 
 
 class PartitionTask:
@@ -421,7 +422,13 @@ class _TaskRun:
         fn_class = _RowFunctionWithTimeout if has_timeout_handler(spec.fn) else _RowFunction
         function = fn_class(spec.fn, frozenset(spec.output_schema.names))
         self.op = AsyncWaitOperator(
-            function, self._on_output, spec.mode, spec.capacity, spec.timeout, _on_rows(spec.retry)
+            function,
+            self._on_output,
+            spec.mode,
+            spec.capacity,
+            spec.timeout,
+            _on_rows(spec.retry),
+            max_in_flight=spec.max_in_flight,
         )
         restored: list[StreamElement] = []
         self.checkpointing = spec.checkpoint is not None

@@ -259,18 +259,25 @@ class CountsOpenAndClose(ServiceEnrichment):
 
 
 @pytest.mark.parametrize("wait", [ordered_wait, unordered_wait], ids=["ordered", "unordered"])
-def test_each_task_keeps_at_most_capacity_requests_in_flight(spark, service, wait) -> None:
-    # 100 ms per request, 150 rows per task: each task is ~5 s at its capacity limit, so the
-    # two tasks local[2] runs at once overlap with full pipelines, even when one's Python
-    # worker starts seconds after the other's on a loaded machine.
-    rows, partitions, capacity = 300, 2, 3
-    service.configure(latency_ms=100)
+@pytest.mark.parametrize(
+    "bound", [{"capacity": 3}, {"capacity": 12, "max_in_flight": 3}], ids=["capacity", "max"]
+)
+def test_each_task_keeps_at_most_capacity_requests_in_flight(spark, service, wait, bound) -> None:
+    # 100 ms per request, 150 rows per task: each task is ~5 s at its limit of 3 calls, so
+    # the two tasks local[2] runs at once overlap with full pipelines, even when one's Python
+    # worker starts seconds after the other's on a loaded machine. With max_in_flight, every
+    # 7th request is 300 ms slower: in ordered mode finished results wait behind it in the
+    # queue (capacity 12) while the calls stay at 3.
+    rows, partitions, calls = 300, 2, 3
+    service.configure(
+        latency_ms=100, spike_every=7 if "max_in_flight" in bound else 0, spike_ms=300
+    )
     out = wait(
         source(spark, rows, partitions),
         ServiceEnrichment(service.url),
         SCHEMA,
-        capacity=capacity,
         timeout=10.0,
+        **bound,
     )
     parts = by_partition(out)
     assert sorted(parts) == [0, 1]
@@ -279,10 +286,10 @@ def test_each_task_keeps_at_most_capacity_requests_in_flight(spark, service, wai
         assert (got if wait is ordered_wait else sorted(got, key=lambda r: r["id"])) == want
     stats = service.stats()
     assert stats["total"] == rows and stats["in_flight"] == 0
-    # Never more than capacity per task, with both tasks running at once ...
-    assert stats["peak_in_flight"] <= capacity * partitions
+    # Never more than 3 calls per task, with both tasks running at once ...
+    assert stats["peak_in_flight"] <= calls * partitions
     # ... and both tasks really did overlap, each with more than one request in flight.
-    assert stats["peak_in_flight"] >= capacity + 1
+    assert stats["peak_in_flight"] >= calls + 1
 
 
 @pytest.mark.parametrize("wait", [ordered_wait, unordered_wait], ids=["ordered", "unordered"])
@@ -1499,6 +1506,7 @@ def test_an_unpicklable_function_fails_before_the_job_starts(spark) -> None:
             r"has the fields 's\[\]\.a' and 's\[\]\.A', which Spark takes for one field",
         ),
         ({"capacity": 0}, "capacity must be an integer >= 1"),
+        ({"capacity": 10, "max_in_flight": 20}, r"from 1 to capacity \(10\).*raise capacity too"),
         ({"event_time": "missing"}, "event_time column 'missing' is not in the DataFrame"),
         ({"max_out_of_orderness": 5}, "max_out_of_orderness needs event_time"),
         ({"fn": len}, "is a regular function"),
