@@ -320,7 +320,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
 
     def _set_state(self, state: _State) -> None:
         self._state = state
-        self._accepting_thread = self._thread_id if state is _State.OPEN else None
+        accepting = state is _State.OPEN and self._fn_opened
+        self._accepting_thread = self._thread_id if accepting else None
 
     def _may_retry(self) -> bool:
         """Whether a failed or rejected attempt may be retried: while input is accepted,
@@ -409,6 +410,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 await self._fn.close()
                 raise OperatorStateError("The operator was closed while its function was opening.")
             self._fn_opened = True
+            self._set_state(self._state)  # input is accepted from here (the restore's first)
             await self._restore(restored or ())
         finally:
             self._restoring = False
@@ -1054,6 +1056,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             }.get(self._state, "")
             raise OperatorStateError(
                 f"{what} was called on an operator that is {self._state.value}: {hint}."
+            )
+        if not self._fn_opened:
+            raise OperatorStateError(
+                f"{what} was called while open() was still awaiting the function's open(): a "
+                "call would reach a function that is not open yet. Await open() first."
             )
         self._check_thread(what)
 

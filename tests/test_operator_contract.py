@@ -885,3 +885,38 @@ async def test_a_snapshot_while_the_function_opens_is_refused() -> None:
     await opening
     assert op.snapshot_state(1) == [StreamRecord("a"), Watermark(1)]
     await op.close()
+
+
+async def test_input_while_the_function_opens_is_refused() -> None:
+    # It would call a function that is not open yet, and overtake the restored elements.
+    class SlowOpen(ControlledFunction):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = asyncio.Event()
+
+        async def open(self):
+            await self.gate.wait()
+
+    fn = SlowOpen()
+    out: list = []
+    op = AsyncWaitOperator(fn, out.append)
+    opening = asyncio.ensure_future(op.open(restored=[StreamRecord("a")]))
+    await settle()
+    message = r"while open\(\) was still awaiting the function's open\(\).*Await open\(\) first"
+    with pytest.raises(OperatorStateError, match=r"process_element\(\) was called " + message):
+        op.process_element(StreamRecord("b"))
+    with pytest.raises(OperatorStateError, match=r"process_watermark\(\) was called " + message):
+        await op.process_watermark(Watermark(1))
+    with pytest.raises(OperatorStateError, match=r"finish\(\) was called " + message):
+        await op.finish()
+    assert fn.calls == []
+    fn.gate.set()
+    await opening
+    await op.process_element(StreamRecord("b"))
+    await settle()
+    assert fn.calls == ["a", "b"]
+    fn.complete("b", ["B"])
+    fn.complete("a", ["A"])
+    await op.finish()
+    assert values(out) == ["A", "B"]
+    await op.close()
