@@ -617,7 +617,8 @@ class _TaskRun:
             restored_in_flight=sum(type(e) is not Watermark for e in point.elements),
             restored_watermarks=sum(type(e) is Watermark for e in point.elements),
         )
-        await self._skip_consumed(meta.position, meta.fingerprint, str(meta.ref))
+        same_run = meta.run_id == self.identity.run_id
+        await self._skip_consumed(meta.position, meta.fingerprint, str(meta.ref), same_run)
         # Committed results are re-emitted, not recomputed: read a group of checkpoints'
         # results at a time, and only as fast as Spark takes them.
         groups = self.log.chain_results(meta)
@@ -738,7 +739,9 @@ class _TaskRun:
             "more than once."
         )
 
-    async def _skip_consumed(self, position: int, fingerprint: str, ref: str) -> None:
+    async def _skip_consumed(
+        self, position: int, fingerprint: str, ref: str, same_run: bool
+    ) -> None:
         while self.position < position:
             batch = await self._next_batch()
             if batch is None:
@@ -764,6 +767,19 @@ class _TaskRun:
                     "batch has completed, or give the enrichment a new operator_id "
                     "(CheckpointConfig(..., operator_id=...)): the batch then starts over "
                     "and calls the service again for every row of it."
+                )
+            elif same_run:
+                # Not a choice the user made (restore_from): Spark retried the task, and the
+                # retry read what the first attempt did not.
+                advice = (
+                    "This attempt is Spark's retry of a task of the same run, so the "
+                    "partition's input is not deterministic: after a shuffle (repartition, "
+                    "join, groupBy), the order in which a task fetches its rows can differ "
+                    "from one attempt to the next; a source that changed under the job, or a "
+                    "non-deterministic expression (rand(), a UDF), does the same. Every retry "
+                    "of this task is refused alike. Make the input deterministic before the "
+                    "enrichment (after a shuffle: df.sortWithinPartitions(<a unique key>)) "
+                    "and run the job again."
                 )
             else:
                 advice = (
