@@ -839,18 +839,21 @@ async def test_fallback_results_that_raise_a_base_exception_fail_instead_of_hang
     await op.close()
 
 
+class SlowOpen(ControlledFunction):
+    """Its open() returns once the test sets ``gate``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def open(self):
+        await self.gate.wait()
+        self.opened += 1
+
+
 async def test_close_during_the_functions_open_still_closes_the_function() -> None:
     # close() found the function not open yet: open() must close it once it is, and not
     # return as if the operator were ready (its clients would never be released).
-    class SlowOpen(ControlledFunction):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate = asyncio.Event()
-
-        async def open(self):
-            await self.gate.wait()
-            self.opened += 1
-
     fn = SlowOpen()
     op = AsyncWaitOperator(fn, lambda e: None)
     opening = asyncio.ensure_future(op.open(restored=[StreamRecord("a")]))
@@ -867,14 +870,6 @@ async def test_close_during_the_functions_open_still_closes_the_function() -> No
 async def test_a_snapshot_while_the_function_opens_is_refused() -> None:
     # The restored elements are not back in the queue yet: an empty snapshot taken then
     # would drop them from the next checkpoint.
-    class SlowOpen(ControlledFunction):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate = asyncio.Event()
-
-        async def open(self):
-            await self.gate.wait()
-
     fn = SlowOpen()
     op = AsyncWaitOperator(fn, lambda e: None)
     opening = asyncio.ensure_future(op.open(restored=[StreamRecord("a"), Watermark(1)]))
@@ -889,14 +884,6 @@ async def test_a_snapshot_while_the_function_opens_is_refused() -> None:
 
 async def test_input_while_the_function_opens_is_refused() -> None:
     # It would call a function that is not open yet, and overtake the restored elements.
-    class SlowOpen(ControlledFunction):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate = asyncio.Event()
-
-        async def open(self):
-            await self.gate.wait()
-
     fn = SlowOpen()
     out: list = []
     op = AsyncWaitOperator(fn, out.append)
