@@ -138,7 +138,8 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
     thread; its outcome comes back to the event loop as a mail
     (``loop.call_soon_threadsafe``), so the operator's state is only ever touched on the
     loop thread. At most ``max_workers`` calls run at once; more wait in the pool's queue
-    (their timeout clock is already running: size the pool to the operator's capacity).
+    (their timeout clock is already running: size the pool to the operator's calls in
+    flight, ``max_in_flight``, which is ``capacity`` unless set).
 
     A timeout decides the element but cannot stop its thread: a call that never returns
     keeps its thread (and pool slot) until the process exits; give blocking clients their

@@ -126,7 +126,7 @@ class _Element(QueueEntry):
         self.results: list[Any] | None = None
         self.done = done
         self.segment = None
-        self.attempts = 1  # an entry's first attempt starts as it enters the queue
+        self.attempts = 1  # without a timeout, the one attempt (_TimedElement counts its own)
         self.task: asyncio.Future[Any] | None = None
         self.decided = False
 
@@ -429,7 +429,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             self.metrics.restored += 1
 
     def process_element(self, record: StreamRecord[IN]) -> Awaitable[None]:
-        """Add a record and start its first attempt; await the returned awaitable.
+        """Add a record and start its first attempt (with ``max_in_flight``, once a call
+        slot is free); await the returned awaitable.
 
         Use it as ``await op.process_element(record)``. When the queue has room the record
         is added at once and an already-completed awaitable is returned; when it is full, the
@@ -516,7 +517,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         return entry  # attempts is 1 still; an unordered queue sets segment
 
     def _start(self, entry: _Element) -> None:
-        """A record entered the queue: its timeout clock starts, and its first attempt.
+        """A record's first attempt starts, and its timeout clock: as it enters the queue,
+        or with ``max_in_flight`` once a call slot is free for it.
         (``process_element`` inlines the case without a timeout.)"""
         self.metrics.records_in += 1
         if self._timeout is None:
@@ -920,8 +922,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._output_completed()
 
     def _decide_failure(self, handler: _Element, error: StatefulAsyncError) -> None:
-        self._release(handler)
+        # Failed first: the call slot _release frees must not start a waiting element.
         self._fail(error)
+        self._release(handler)
 
     def _fail(self, error: StatefulAsyncError) -> None:
         if self._failure is not None:

@@ -351,6 +351,7 @@ async def test_elements_waiting_for_a_call_slot_are_never_called_after_a_failure
     await settle()
     assert isinstance(op.failure, AsyncFunctionError)
     assert fn.calls == ["a"]
+    assert op.metrics.attempts == 1  # "b" was not started (and cancelled) either
     await op.close()
     assert fn.calls == ["a"]
 
