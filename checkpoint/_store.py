@@ -889,7 +889,7 @@ class SubtaskLog:
         by_ref = {m.ref: m for m in metas}
         intact = _intact_chains(metas, by_ref)
         live = [m for m in metas if not m.expired and intact[m.ref]]
-        keep = live[len(live) - retain :] if retain else []
+        keep = live[-retain:] if retain else []  # all of them when there are fewer
         needed: set[CheckpointRef] = set()
         for meta in keep:
             needed.update(m.ref for m in self.chain(meta, by_ref))

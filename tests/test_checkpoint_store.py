@@ -733,6 +733,21 @@ def test_retention_keeps_the_last_n_and_reclaims_storage(tmp_path: Path) -> None
         log.load(6)
 
 
+@pytest.mark.parametrize("retain", [1, 3, 4, 5, 7, 9])
+def test_retention_keeps_every_checkpoint_of_a_partition_that_has_fewer(
+    tmp_path: Path, retain: int
+) -> None:
+    # retain=7 kept only 7 - 5 = 2 of 5 checkpoints (a slice from a negative start), and the
+    # resume from one the docs promised to keep was refused as expired.
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    parent = None
+    for ckpt in range(1, 6):
+        parent = commit(log, "run", ckpt, n=3, parent=parent, position=ckpt * 10).ref
+    log.expire(retain)
+    kept = [m.checkpoint_id for m in log.checkpoints(include_expired=False)]
+    assert kept == [1, 2, 3, 4, 5][-retain:]
+
+
 def test_a_log_that_commits_and_expires_knows_its_checkpoints_without_rereading(
     tmp_path: Path,
 ) -> None:
