@@ -21,6 +21,7 @@ import asyncio
 import copy
 import functools
 import itertools
+import math
 import os
 import queue
 import sys
@@ -36,6 +37,7 @@ import pyarrow as pa
 
 from .._elements import StreamElement, StreamRecord, Watermark, describe
 from .._exceptions import (
+    ConfigurationError,
     ElementFailedError,
     InputMismatchError,
     InvalidResultError,
@@ -57,6 +59,7 @@ _CHUNK_ROWS = 1024  # rows converted to Python and fed per step (bounds loop lat
 _OUTPUT_ROWS = 1024  # rows per output Arrow batch
 _FLUSH_SECONDS = 0.2  # an idle task still hands its results over this often
 _MAX_QUEUED_BATCHES = 16  # output backpressure: stop reading input past this
+_PROGRESS_SECONDS = 60.0  # a task logs its progress this often (STATEFUL_ASYNC_PROGRESS_SECONDS)
 _EXPIRE_EVERY = 20  # a long task expires old checkpoints every this many checkpoints
 _WATERMARK = "watermark"  # checkpoint property: the last watermark the task generated
 EVENT_TIME_PROPERTY = "event_time"  # checkpoint properties: what watermarks came from
@@ -435,6 +438,14 @@ class _TaskRun:
         if self.checkpointing:
             restored = await self._restore()
         self.tick = self.loop.call_later(_FLUSH_SECONDS, self._tick)  # type: ignore[union-attr]
+        self.progress = _progress_seconds()
+        self.started = self.progress_at = time.monotonic()
+        self.progress_records = 0
+        self.progress_timer: asyncio.TimerHandle | None = None
+        if self.progress:
+            self.progress_timer = self.loop.call_later(  # type: ignore[union-attr]
+                self.progress, self._log_progress
+            )
         try:
             await self.op.open(restored=restored)
             await self._consume()
@@ -448,12 +459,17 @@ class _TaskRun:
                 retain = spec.checkpoint.retain  # type: ignore[union-attr]
                 await self._in_io(self.log.expire, retain, run_id=self.identity.run_id)
         except BaseException as failure:
-            self.tick.cancel()
+            self._stop_timers()
             await self._close_after(failure)
             raise
-        self.tick.cancel()
+        self._stop_timers()
         await self.op.close()
         self._flush()
+
+    def _stop_timers(self) -> None:
+        self.tick.cancel()
+        if self.progress_timer is not None:
+            self.progress_timer.cancel()
 
     async def _close_after(self, failure: BaseException) -> None:
         """Close the operator of a failed task. A ``close()`` that raises too (often for the
@@ -870,25 +886,47 @@ class _TaskRun:
                 f"{latest.properties.get('function')}"
             ) from None
 
-    def _log_summary(self, seconds: float) -> None:
-        if os.environ.get("STATEFUL_ASYNC_TASK_LOG", "1") == "0":
-            return
+    def _log_progress(self) -> None:
+        """Every ``STATEFUL_ASYNC_PROGRESS_SECONDS`` while the task runs: where it is, so that
+        a long task's executor log shows it moving (or stuck behind a slow service)."""
+        now = time.monotonic()
+        records = self.op.metrics.records_in
+        rate = (records - self.progress_records) / max(now - self.progress_at, 1e-9)
+        self.progress_at, self.progress_records = now, records
+        parts = self._task_parts(now - self.started)
+        parts[2] += f" ({rate:,.0f}/s lately)"
+        parts.insert(4, f"{self.op.in_flight} in the queue")
+        if self.checkpointing and self.stats["checkpoints"]:
+            parts[-1] += f", the last {now - self.last_checkpoint:.0f} s ago"
+        print("stateful-async: " + ", ".join(parts) + " (in progress)", file=sys.stderr, flush=True)
+        self.progress_timer = self.loop.call_later(  # type: ignore[union-attr]
+            self.progress, self._log_progress
+        )
+
+    def _task_parts(self, seconds: float) -> list[str]:
+        """The task's line: who it is, then what this attempt did (a resumed attempt's
+        re-emitted results are counted apart, by _log_summary)."""
         metrics = self.op.metrics
         parts = [
             f"partition {self.identity.partition} attempt {self.identity.attempt}",
             f"run {self.identity.run_id}",
-            f"{metrics.records_in} records",
-            f"{metrics.results_out} results",
-            f"{metrics.retries} retries",
-            f"{metrics.timeouts} timeouts",
+            _count(metrics.records_in, "record") + " invoked",
+            _count(metrics.results_out, "result") + " computed",
+            _count(metrics.retries, "retry", "retries"),
+            _count(metrics.timeouts, "timeout"),
             f"{seconds:.1f} s",
         ]
         if self.checkpointing:
-            parts.append(f"{self.stats['checkpoints']} checkpoints")
+            parts.append(_count(self.stats["checkpoints"], "checkpoint"))
+        return parts
+
+    def _log_summary(self, seconds: float) -> None:
+        if os.environ.get("STATEFUL_ASYNC_TASK_LOG", "1") == "0":
+            return
+        parts = self._task_parts(seconds)
+        if self.checkpointing:
             if self.stats.get("claim"):
-                parts.append(
-                    f"took the run over from earlier attempts (claim {self.stats['claim']})"
-                )
+                parts.append("took the run over from earlier attempts")
             if self.stats["restored_from"]:
                 parts.append(
                     f"restored from {self.stats['restored_from']} ("
@@ -902,6 +940,29 @@ class _TaskRun:
                     + f"{self.stats['skipped']} inputs skipped)"
                 )
         print("stateful-async: " + ", ".join(parts), file=sys.stderr, flush=True)
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n:,} {one if n == 1 else many or one + 's'}"
+
+
+def _progress_seconds() -> float:
+    """The task's progress interval, from the executor's environment; 0 turns it off."""
+    text = os.environ.get("STATEFUL_ASYNC_PROGRESS_SECONDS")
+    if os.environ.get("STATEFUL_ASYNC_TASK_LOG", "1") == "0":
+        return 0.0
+    if text is None:
+        return _PROGRESS_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < math.inf:
+        raise ConfigurationError(
+            f"STATEFUL_ASYNC_PROGRESS_SECONDS must be a number of seconds >= 0 (0: no progress "
+            f"lines); the executor has {text!r}."
+        )
+    return seconds
 
 
 def _naming_the_row(error: BaseException, partition: int) -> BaseException:

@@ -1166,6 +1166,49 @@ def test_the_close_error_a_failed_task_logs_has_its_traceback(capsys) -> None:
     ), logged
 
 
+def test_a_long_task_logs_its_progress(capsys, monkeypatch, tmp_path) -> None:
+    # The task itself, in this process (an executor's stderr does not reach the test): 40
+    # rows at 5 ms each, two at a time, take about 0.1 s; a progress line every 0.03 s.
+    from stateful_async import OutputMode
+    from stateful_async._function import as_async_function
+    from stateful_async.spark._task import TaskIdentity, TaskSpec, _TaskRun
+
+    async def slow(row):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.005)
+        return [row]
+
+    schema = pa.schema([("id", pa.int64())])
+    config = CheckpointConfig(str(tmp_path / "chk"), "progress", interval_records=10)
+    spec = TaskSpec(
+        as_async_function(slow), OutputMode.ORDERED, 2, None, None, schema, schema, None, 0,
+        config, "app",
+    )  # fmt: skip
+
+    def run(rows: int) -> str:
+        batches = iter([pa.record_batch([pa.array(range(rows), pa.int64())], schema=schema)])
+        identity = TaskIdentity(3, 1, f"app.stage{rows}", {})
+        assert sum(b.num_rows for b in _TaskRun(spec, batches, identity).run()) == rows
+        return capsys.readouterr().err
+
+    monkeypatch.setenv("STATEFUL_ASYNC_PROGRESS_SECONDS", "0.03")
+    lines = [line for line in run(40).splitlines() if line.endswith("(in progress)")]
+    assert lines, "no progress line"
+    assert re.fullmatch(
+        r"stateful-async: partition 3 attempt 1, run app\.stage40, \d+ records? invoked "
+        r"\([\d,]+/s lately\), \d+ results? computed, \d+ in the queue, 0 retries, 0 timeouts, "
+        r"[\d.]+ s, \d+ checkpoints?(, the last \d+ s ago)? \(in progress\)",
+        lines[0],
+    ), lines[0]
+    counts = [int(re.search(r"(\d+) records? invoked", line).group(1)) for line in lines]  # type: ignore[union-attr]
+    assert counts == sorted(counts) and counts[-1] <= 40
+
+    monkeypatch.setenv("STATEFUL_ASYNC_PROGRESS_SECONDS", "0")
+    assert "(in progress)" not in run(41)
+    monkeypatch.setenv("STATEFUL_ASYNC_PROGRESS_SECONDS", "soon")
+    with pytest.raises(ConfigurationError, match="PROGRESS_SECONDS must be a number of seconds"):
+        run(42)
+
+
 def test_a_result_missing_a_field_names_it_and_the_input_row(spark) -> None:
     async def incomplete(row):  # type: ignore[no-untyped-def]
         return [{"id": row["id"]}]
