@@ -100,6 +100,14 @@ _META_COLUMNS = [f.name for f in _KEY_FIELDS] + [f.name for f in _META_FIELDS]
 # delta-rs retries a commit that lost to a concurrent append on another app id; a subtask's
 # table has one committer at a time, so this only matters for zombies and maintenance.
 _COMMIT_RETRIES = 100
+# A checkpoint table is only ever read at its latest version (no time travel), and a job
+# that checkpoints often commits to it often (a streaming query: every micro-batch is a run,
+# with at least one commit per partition): keep one day of Delta log, not the default 30,
+# so that delta-rs's automatic log checkpoints (every 100 commits) also drop older entries.
+_TABLE_CONFIGURATION = {
+    "delta.logRetentionDuration": "interval 1 day",
+    "delta.enableExpiredLogCleanup": "true",
+}
 _EXPIRE_TRIES = 10  # an expiry reads every checkpoint again on each try
 _RESTORE_GROUP_ROWS = 100_000  # results a resuming task reads (and holds) at a time
 
@@ -1041,6 +1049,7 @@ class SubtaskLog:
                 data,
                 mode="error",
                 description=_description(input_schema, output_schema),
+                configuration=_TABLE_CONFIGURATION,
                 storage_options=self._storage_options,
                 commit_properties=commit_properties,
                 name=f"{self.job_id}/{self.operator_id}/subtask={self.subtask:05d}",

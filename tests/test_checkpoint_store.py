@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import os
+import time
 from pathlib import Path
 
 import duckdb
@@ -356,6 +357,39 @@ def commit(
         position=position,
         parent=parent,
     )
+
+
+def test_a_checkpoint_table_drops_its_delta_log_after_a_day_not_thirty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A streaming query commits to every partition's table in every micro-batch: with
+    # Delta's default 30 days of log, a query a minute left ~6,000 log files per partition
+    # per day, for 30 days. The store's tables keep one day (here: 1 s, and a log checkpoint
+    # every 5 commits, so that the test need not wait a day or make 100 commits).
+    import checkpoint._store as store_module
+
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    commit(log, "run", 1)
+    config = DeltaTable(log.uri).metadata().configuration
+    assert config["delta.logRetentionDuration"] == "interval 1 day"
+    assert config["delta.enableExpiredLogCleanup"] == "true"
+
+    short = {**store_module._TABLE_CONFIGURATION, "delta.logRetentionDuration": "interval 1 second"}
+    monkeypatch.setattr(
+        store_module, "_TABLE_CONFIGURATION", {**short, "delta.checkpointInterval": "5"}
+    )
+    log = SnapshotStore(tmp_path).subtask("job", "op", 1)
+    parent = None
+    for ckpt in range(1, 7):
+        parent = commit(log, "run", ckpt, parent=parent, position=ckpt).ref
+    time.sleep(1.5)
+    for ckpt in range(7, 13):
+        parent = commit(log, "run", ckpt, parent=parent, position=ckpt).ref
+    logs = sorted(p.name for p in (Path(log.uri) / "_delta_log").glob("*.json"))
+    assert logs[0] >= "00000000000000000004.json", logs  # the first commits' entries are gone
+    fresh = SnapshotStore(tmp_path).subtask("job", "op", 1)  # and the table reads whole
+    assert [m.checkpoint_id for m in fresh.checkpoints()] == list(range(1, 13))
+    assert fresh.restore(12).results.column("id").to_pylist() == list(range(1, 13))
 
 
 def test_an_equal_or_older_checkpoint_id_is_refused_without_duplicates(tmp_path: Path) -> None:
