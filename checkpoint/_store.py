@@ -915,6 +915,9 @@ class SubtaskLog:
             max_commit_retries=_COMMIT_RETRIES,
         )
         predicate = _refs_predicate(to_expire + to_delete)
+        # What the vacuum below deletes of this table's files (it also lists files whose
+        # removal is still in the Delta log, which an earlier vacuum deleted already).
+        files = {os.path.basename(uri) for uri in table.file_uris()} if vacuum else set()
         try:
             if to_expire:
                 # The rows that survive (the results and metadata row of each expired
@@ -935,7 +938,7 @@ class SubtaskLog:
                 removed = table.vacuum(
                     retention_hours=0, enforce_retention_duration=False, dry_run=False
                 )
-                report.files_removed = len(removed)
+                report.files_removed = sum(os.path.basename(f) in files for f in removed)
         except CheckpointError:
             raise
         except CommitFailedError as exc:
