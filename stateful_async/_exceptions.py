@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import sysconfig
 import traceback
-from typing import Any
+from typing import Any, Iterable
 
 from ._elements import describe
 
@@ -111,6 +111,17 @@ def raised_at(error: BaseException) -> str:
         return ""
     frame = next((f for f in reversed(frames) if not f.filename.startswith(_LIBRARIES)), frames[-1])
     return f" (raised at {frame.filename}:{frame.lineno}, in {frame.name})"
+
+
+def id_ranges(ids: Iterable[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5' (ids and partition numbers in messages); 'none' if empty."""
+    ranges: list[list[int]] = []
+    for i in sorted(set(ids)):
+        if ranges and i == ranges[-1][1] + 1:
+            ranges[-1][1] = i
+        else:
+            ranges.append([i, i])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in ranges) or "none"
 
 
 def error_text(error: BaseException) -> str:

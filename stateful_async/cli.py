@@ -36,7 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from ._exceptions import StatefulAsyncError
+from ._exceptions import StatefulAsyncError, id_ranges
 
 app = typer.Typer(
     help="Flink's async I/O operator for PySpark, with durable snapshots in Delta tables.",
@@ -681,16 +681,20 @@ def _snapshots(
         raise Fail(f"Job {job} has no operator {operator!r}; it has {', '.join(operators)}.")
     subtasks = store.subtasks(job, operator)
     if partition is not None and partition not in subtasks:
-        raise Fail(f"Job {job} has no partition {partition}; it has partitions {subtasks}.")
-    every = store.checkpoints(job, operator)
+        raise Fail(
+            f"Job {job} has no partition {partition}; it has partitions {id_ranges(subtasks)}."
+        )
+    # one partition's table alone when one is asked for: a job may have thousands
+    every = (
+        store.checkpoints(job, operator)
+        if partition is None
+        else store.subtask(job, operator, partition).checkpoints(include_expired=False)
+    )
     runs = sorted({m.run_id for m in every})
     if run is not None and run not in runs:
-        raise Fail(f"Job {job} has no run {run!r}; its runs: {', '.join(runs) or 'none'}.")
-    chosen = [
-        m
-        for m in every
-        if (run is None or m.run_id == run) and (partition is None or m.subtask == partition)
-    ]
+        whose = f"Job {job}" + (f", partition {partition}," if partition is not None else "")
+        raise Fail(f"{whose} has no run {run!r}; its runs: {', '.join(runs) or 'none'}.")
+    chosen = [m for m in every if run is None or m.run_id == run]
     metas = [m for m in chosen if m.checkpoint_id == checkpoint_id]
     if not metas:
         ids = sorted({m.checkpoint_id for m in chosen})
@@ -701,7 +705,7 @@ def _snapshots(
         )
         raise Fail(
             f"There is no checkpoint {checkpoint_id} of {where} at {store.location}. "
-            f"Checkpoint ids that exist: {', '.join(map(str, ids)) or 'none'}."
+            f"Checkpoint ids that exist: {id_ranges(ids)}."
         )
     newest: dict[int, Any] = {}
     for m in metas:  # sorted oldest first: the newest with this id wins per partition

@@ -587,7 +587,7 @@ def test_an_unknown_id_lists_the_ids_that_exist(checkpoints) -> None:
     result = invoke("checkpoints", "show", str(location), "7")
     assert result.exit_code == 2
     assert "There is no checkpoint 7 of job job" in result.output
-    assert "Checkpoint ids that exist: 1, 2." in result.output
+    assert "Checkpoint ids that exist: 1-2." in result.output
 
 
 def test_an_unknown_run_or_an_id_missing_from_a_run_says_which(checkpoints) -> None:
@@ -610,7 +610,13 @@ def test_an_unknown_run_or_an_id_missing_from_a_run_says_which(checkpoints) -> N
     result = invoke("checkpoints", "show", str(location), "3", "--partition", "0")
     assert result.exit_code == 2
     assert "There is no checkpoint 3 of job job, partition 0" in result.output
-    assert "Checkpoint ids that exist: 1, 2." in result.output  # partition 0's, not 1's
+    assert "Checkpoint ids that exist: 1-2." in result.output  # partition 0's, not 1's
+    result = invoke("checkpoints", "show", str(location), "2", "--partition", "0", "--run", "r")
+    assert result.exit_code == 2
+    assert "Job job, partition 0, has no run 'r'; its runs: run." in result.output
+    result = invoke("checkpoints", "show", str(location), "2", "--partition", "7")
+    assert result.exit_code == 2
+    assert "Job job has no partition 7; it has partitions 0-1." in result.output
 
 
 def test_an_unknown_job_lists_the_jobs(checkpoints) -> None:

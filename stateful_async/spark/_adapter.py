@@ -12,7 +12,7 @@ from typing import Any, Union
 
 import pyarrow as pa
 
-from .._exceptions import ConfigurationError, FunctionNotSerializableError
+from .._exceptions import ConfigurationError, FunctionNotSerializableError, id_ranges
 from .._function import as_async_function
 from .._operator import OutputMode, check_capacity_and_timeout
 from .._retry import RetryStrategy
@@ -444,18 +444,18 @@ def _check_checkpoint(
                     f"checkpoint with id {wanted} or lower"
                     + (
                         f" ({'checkpoint' if len(set(expired)) == 1 else 'checkpoints'} "
-                        f"{_id_ranges(expired)} "
+                        f"{id_ranges(expired)} "
                         f"{'has' if len(set(expired)) == 1 else 'have'} expired: `retain` "
                         "keeps only the newest of each partition)"
                         if expired
                         else ""
                     )
-                    + f". Restorable checkpoint ids: {ids}."
+                    + f". Restorable checkpoint ids: {id_ranges(ids)}."
                 )
             if wanted > ids[-1]:  # a typo, most likely: no partition got that far
                 raise ConfigurationError(
                     f"restore_from={wanted}, but no partition of job {config.job_id!r} reached "
-                    f"checkpoint {wanted}. Checkpoint ids that exist: {ids}; "
+                    f"checkpoint {wanted}. Checkpoint ids that exist: {id_ranges(ids)}; "
                     "restore_from='latest' resumes from the newest."
                 )
             _check_every_partition_can_restore(every, wanted, config)
@@ -489,8 +489,8 @@ def _check_every_partition_can_restore(
     if not partitions:
         return
     details = "; ".join(
-        f"partition {p}: {_id_ranges([m.checkpoint_id for m in ms if m.checkpoint_id <= wanted])}"
-        f" expired, restorable {_id_ranges([m.checkpoint_id for m in ms if not m.expired])}"
+        f"partition {p}: {id_ranges([m.checkpoint_id for m in ms if m.checkpoint_id <= wanted])}"
+        f" expired, restorable {id_ranges([m.checkpoint_id for m in ms if not m.expired])}"
         for p in partitions[:5]
         for ms in [by_partition[p]]
     ) + ("; ..." if len(partitions) > 5 else "")
@@ -502,7 +502,7 @@ def _check_every_partition_can_restore(
         f"restorable checkpoint with id {wanted} or lower ({details}). Each partition numbers "
         "its own checkpoints and `retain` keeps the newest of each, so one id may be "
         "restorable in one partition and expired in another. Ids every partition can resume "
-        f"from: {_id_ranges(usable) if usable else 'none'}; restore_from='latest' resumes each "
+        f"from: {id_ranges(usable)}; restore_from='latest' resumes each "
         "partition from its newest."
     )
 
@@ -519,17 +519,6 @@ def _warn_if_tasks_never_retry(context: Any) -> None:
         UserWarning,
         stacklevel=4,  # the call of ordered_wait / unordered_wait
     )
-
-
-def _id_ranges(ids: list[int]) -> str:
-    """[1, 2, 3, 5] -> '1-3, 5'."""
-    ranges: list[list[int]] = []
-    for i in sorted(set(ids)):
-        if ranges and i == ranges[-1][1] + 1:
-            ranges[-1][1] = i
-        else:
-            ranges.append([i, i])
-    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in ranges)
 
 
 def _check_local_location(location: str) -> None:

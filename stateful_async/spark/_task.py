@@ -43,6 +43,7 @@ from .._exceptions import (
     InvalidResultError,
     ResultSchemaError,
     error_text,
+    id_ranges,
 )
 from .._function import (
     AsyncFunction,
@@ -680,10 +681,11 @@ class _TaskRun:
                     restorable = sorted({m.checkpoint_id for m in metas if not m.expired})
                     raise CheckpointNotFoundError(
                         f"Partition {self.identity.partition} cannot resume from "
-                        f"restore_from={config.restore_from!r}: its checkpoint(s) {gone} have "
-                        f"expired (retain={config.retain} keeps the newest per partition). "
-                        f"Restorable ids of this partition: {restorable or 'none'}. Pick one "
-                        "of those, or drop restore_from to start this job fresh."
+                        f"restore_from={config.restore_from!r}: its checkpoint(s) "
+                        f"{id_ranges(gone)} have expired (retain={config.retain} keeps the "
+                        "newest per partition). Restorable ids of this partition: "
+                        f"{id_ranges(restorable)}. Pick one of those, or drop restore_from to "
+                        "start this job fresh."
                     )
         if meta is None:
             return None
