@@ -469,15 +469,15 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         await self._await_capacity(waiter)
         while (entry := self._queue.try_put(record)) is None:
             await self._wait_for_capacity()
-        if self._limited:
-            self._admit(entry)  # type: ignore[arg-type]
-        else:
-            self._start(entry)  # type: ignore[arg-type]
+        self._admit(entry)  # type: ignore[arg-type]
 
     def _admit(self, entry: _Element) -> None:
-        """With ``max_in_flight`` below capacity: start the entry's call if a slot is free,
-        else keep it waiting (in the queue, so in snapshots) for ``_call_ended``."""
-        if self._calls < self._max_in_flight:
+        """A record entered the queue: start its call, or with ``max_in_flight`` below
+        capacity and no slot free, keep it waiting (in the queue, so in snapshots) for
+        ``_call_ended``."""
+        if not self._limited:
+            self._start(entry)
+        elif self._calls < self._max_in_flight:
             self._calls += 1
             self._start(entry)
         else:
