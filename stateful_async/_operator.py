@@ -282,6 +282,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._limited = self._max_in_flight < capacity
         self._calls = 0
         self._waiting: deque[_Element] = deque()
+        self._handing_over = False  # _call_ended is handing slots to waiting elements
         self._timeout = None if timeout is None else float(timeout)
         self._retry = retry
         self._has_timeout_handler = has_timeout_handler(self._fn)
@@ -487,11 +488,26 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         """An element holding a call slot was decided: its slot goes to the oldest waiting
         element, unless the operator failed or closed (waiting elements are then never
         called). Retry backoffs and the timeout handler keep the slot: the element is in
-        flight until decided."""
+        flight until decided.
+
+        A loop, not a call per slot: with an eager task factory (Python 3.12+) a started
+        call that finishes without suspending is decided inside ``_start``, and calls made
+        from here would nest one level per waiting element."""
         self._calls -= 1
-        if self._waiting and self._failure is None and self._state is not _State.CLOSED:
-            self._calls += 1
-            self._start(self._waiting.popleft())
+        if self._handing_over:
+            return  # the loop below, further up this stack, hands this slot over too
+        self._handing_over = True
+        try:
+            while (
+                self._waiting
+                and self._calls < self._max_in_flight
+                and self._failure is None
+                and self._state is not _State.CLOSED
+            ):
+                self._calls += 1
+                self._start(self._waiting.popleft())
+        finally:
+            self._handing_over = False
 
     def _reuse_entry(self, element: StreamElement, done: bool) -> _Element:
         """A queue entry for ``element``: an emitted one reused, or a new one.

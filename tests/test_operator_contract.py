@@ -10,6 +10,7 @@ import asyncio
 import json
 import linecache
 import re
+import sys
 
 import pytest
 
@@ -340,6 +341,42 @@ async def test_elements_waiting_for_a_call_slot_are_in_snapshots_and_restored(
     await op2.finish()
     assert values(out2) == ["A", ("wm", 1), "B", "C"]
     assert fn2.calls == ["a", "b", "c"]
+
+
+async def test_slots_are_handed_over_in_a_loop_not_one_nested_call_per_waiting_element() -> None:
+    # With an eager task factory (Python 3.12+) a call that finishes without suspending is
+    # decided while it is being started, inside the hand-over of the slot it took. Emulated
+    # here (this may run on 3.11): calls after the first run to the end as they start.
+    gate = asyncio.Event()
+
+    async def fn(value):
+        if value == 0:
+            await gate.wait()
+        return [value]
+
+    out: list = []
+    waiting = 3 * sys.getrecursionlimit()
+    op = AsyncWaitOperator(
+        fn, out.append, OutputMode.ORDERED, capacity=waiting + 1, max_in_flight=1
+    )
+    await op.open()
+    real = op._new_task
+
+    def eager(coro):
+        if coro.cr_frame.f_locals["handler"].element.value == 0:
+            return real(coro)
+        done = asyncio.get_running_loop().create_future()
+        with pytest.raises(StopIteration):
+            coro.send(None)
+        done.set_result(None)
+        return done
+
+    op._new_task = eager
+    await feed(op, range(waiting + 1))
+    gate.set()
+    await asyncio.wait_for(op.finish(), 30)  # nested, it overflowed the stack and hung here
+    assert values(out) == list(range(waiting + 1))
+    await op.close()
 
 
 async def test_elements_waiting_for_a_call_slot_are_never_called_after_a_failure() -> None:

@@ -7,8 +7,8 @@ adapter uses: output since the last checkpoint is uncommitted and a crash discar
 consumed after the checkpoint are fed again after the restore.
 
 Half the runs have no timeout and no retries (the fast path, which reuses the entries of
-emitted elements); the other half have both. Most runs bound the calls in flight below
-capacity (``max_in_flight``), so elements also wait in the queue for a call slot.
+emitted elements); the other half have both. Half the runs bound the calls in flight
+below capacity (``max_in_flight``), so elements also wait in the queue for a call slot.
 
 Invariants: never more than ``capacity`` queue entries (in flight and kept for reuse), nor
 more than ``max_in_flight`` calls, and no call slot idle while an element waits for one;
@@ -131,7 +131,7 @@ class OperatorMachine(RuleBasedStateMachine):
         mode=st.sampled_from([OutputMode.ORDERED, OutputMode.UNORDERED]),
         capacity=st.integers(1, 6),
         timed=st.booleans(),
-        max_calls=st.integers(0, 6),
+        max_calls=st.integers(0, 3),
     )
     def start(self, mode: OutputMode, capacity: int, timed: bool, max_calls: int = 0) -> None:
         """``timed``: with a timeout and retries; else neither, where the operator reuses
@@ -403,7 +403,7 @@ class FailureMachine(OperatorMachine):
         mode=st.sampled_from([OutputMode.ORDERED, OutputMode.UNORDERED]),
         capacity=st.integers(1, 6),
         timed=st.booleans(),
-        max_calls=st.integers(0, 6),
+        max_calls=st.integers(0, 3),
         slow_fallback=st.booleans(),
         records=st.integers(1, 8),
     )
