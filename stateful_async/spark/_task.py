@@ -353,6 +353,8 @@ class _TaskRun:
         self.sources: list[dict[str, Any]] = []
         self.uncommitted: list[pa.RecordBatch] = []
         self.flush_scheduled = False
+        self.tick: asyncio.TimerHandle | None = None  # the flush timer, once the task runs
+        self.progress_timer: asyncio.TimerHandle | None = None
         # input position and checkpoint bookkeeping
         self.position = 0
         self.leftover: pa.RecordBatch | None = None
@@ -423,6 +425,7 @@ class _TaskRun:
 
     async def _drive(self) -> None:
         spec = self.spec
+        self.progress = _progress_seconds()  # a bad setting fails the task before any I/O
         fn_class = _RowFunctionWithTimeout if has_timeout_handler(spec.fn) else _RowFunction
         function = fn_class(spec.fn, frozenset(spec.output_schema.names))
         self.op = AsyncWaitOperator(
@@ -434,20 +437,18 @@ class _TaskRun:
             _on_rows(spec.retry),
             max_in_flight=spec.max_in_flight,
         )
-        restored: list[StreamElement] = []
         self.checkpointing = spec.checkpoint is not None
-        if self.checkpointing:
-            restored = await self._restore()
-        self.tick = self.loop.call_later(_FLUSH_SECONDS, self._tick)  # type: ignore[union-attr]
-        self.progress = _progress_seconds()
+        # progress lines from the start: a resume (skipping input, re-emitting results) can
+        # be the longest part of a retried task
         self.started = self.progress_at = time.monotonic()
         self.progress_records = 0
-        self.progress_timer: asyncio.TimerHandle | None = None
         if self.progress:
             self.progress_timer = self.loop.call_later(  # type: ignore[union-attr]
                 self.progress, self._log_progress
             )
         try:
+            restored = await self._restore() if self.checkpointing else []
+            self.tick = self.loop.call_later(_FLUSH_SECONDS, self._tick)  # type: ignore[union-attr]
             await self.op.open(restored=restored)
             await self._consume()
             # The end of a partition is not the end of the job: its last elements keep
@@ -468,9 +469,9 @@ class _TaskRun:
         self._flush()
 
     def _stop_timers(self) -> None:
-        self.tick.cancel()
-        if self.progress_timer is not None:
-            self.progress_timer.cancel()
+        for timer in (self.tick, self.progress_timer):
+            if timer is not None:
+                timer.cancel()
 
     async def _close_after(self, failure: BaseException) -> None:
         """Close the operator of a failed task. A ``close()`` that raises too (often for the
@@ -767,9 +768,9 @@ class _TaskRun:
             take = min(batch.num_rows, position - self.position)
             self.fingerprint.update(batch.slice(0, take).to_pylist())
             self.position += take
+            self.stats["skipped"] = self.position  # as it goes: progress lines show it
             if take < batch.num_rows:
                 self.leftover = batch.slice(take)
-        self.stats["skipped"] = self.position
         found = self.fingerprint.hexdigest()
         if self.position < position or found != fingerprint:
             config = self.spec.checkpoint
@@ -900,6 +901,12 @@ class _TaskRun:
         parts.insert(4, f"{self.op.in_flight} in the queue")
         if self.checkpointing and self.stats["checkpoints"]:
             parts[-1] += f", the last {now - self.last_checkpoint:.0f} s ago"
+        if self.checkpointing and self.stats["restored_from"]:
+            parts.append(
+                f"resumed from {self.stats['restored_from']}: "
+                f"{self.stats['skipped']:,} inputs skipped, "
+                f"{self.stats['restored_results']:,} results re-emitted"
+            )
         print("stateful-async: " + ", ".join(parts) + " (in progress)", file=sys.stderr, flush=True)
         self.progress_timer = self.loop.call_later(  # type: ignore[union-attr]
             self.progress, self._log_progress

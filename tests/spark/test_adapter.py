@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -1184,14 +1185,22 @@ def test_a_long_task_logs_its_progress(capsys, monkeypatch, tmp_path) -> None:
         config, "app",
     )  # fmt: skip
 
-    def run(rows: int) -> str:
-        batches = iter([pa.record_batch([pa.array(range(rows), pa.int64())], schema=schema)])
-        identity = TaskIdentity(3, 1, f"app.stage{rows}", {})
-        assert sum(b.num_rows for b in _TaskRun(spec, batches, identity).run()) == rows
+    def run(rows: int, attempt: int = 1, read_seconds: float = 0.0) -> str:
+        def batches() -> Iterator[pa.RecordBatch]:  # 4-row batches, each read_seconds late
+            for start in range(0, rows, 4):
+                time.sleep(read_seconds)
+                ids = pa.array(range(start, min(start + 4, rows)), pa.int64())
+                yield pa.record_batch([ids], schema=schema)
+
+        identity = TaskIdentity(3, attempt, f"app.stage{rows}", {})
+        assert sum(b.num_rows for b in _TaskRun(spec, batches(), identity).run()) == rows
         return capsys.readouterr().err
 
+    def progress(log: str) -> list[str]:
+        return [line for line in log.splitlines() if line.endswith("(in progress)")]
+
     monkeypatch.setenv("STATEFUL_ASYNC_PROGRESS_SECONDS", "0.03")
-    lines = [line for line in run(40).splitlines() if line.endswith("(in progress)")]
+    lines = progress(run(40))
     assert lines, "no progress line"
     assert re.fullmatch(
         r"stateful-async: partition 3 attempt 1, run app\.stage40, \d+ records? invoked "
@@ -1202,11 +1211,26 @@ def test_a_long_task_logs_its_progress(capsys, monkeypatch, tmp_path) -> None:
     counts = [int(re.search(r"(\d+) records? invoked", line).group(1)) for line in lines]  # type: ignore[union-attr]
     assert counts == sorted(counts) and counts[-1] <= 40
 
+    # A retry of the same run resumes from the final checkpoint: it re-reads (slowly) and
+    # skips all 40 rows and re-emits their results, and says so while it does.
+    lines = progress(run(40, attempt=2, read_seconds=0.02))
+    skipped = [
+        int(found.group(1))
+        for line in lines
+        if (found := re.search(r"resumed from app\.stage40:\d+: (\d+) inputs skipped", line))
+    ]
+    assert skipped and 0 < skipped[0] < 40, lines  # while it skips
+
     monkeypatch.setenv("STATEFUL_ASYNC_PROGRESS_SECONDS", "0")
     assert "(in progress)" not in run(41)
+    # a bad setting fails the task before it touches the checkpoints (a retry's claim on the
+    # run is a commit)
+    log_dir = tmp_path / "chk" / "progress"
+    versions = sorted(p.name for p in log_dir.rglob("_delta_log/*.json"))
     monkeypatch.setenv("STATEFUL_ASYNC_PROGRESS_SECONDS", "soon")
     with pytest.raises(ConfigurationError, match="PROGRESS_SECONDS must be a number of seconds"):
-        run(42)
+        run(40, attempt=3)
+    assert sorted(p.name for p in log_dir.rglob("_delta_log/*.json")) == versions
 
 
 def test_a_result_missing_a_field_names_it_and_the_input_row(spark) -> None:
