@@ -111,6 +111,20 @@ def list_dirs(location: str, *parts: str) -> list[str]:
     return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
 
 
+def data_files(table_uri: str) -> set[str] | None:
+    """Names of the files at the root of a table (its data: checkpoint tables are not
+    partitioned), or None where they cannot be listed (a remote store that pyarrow cannot
+    reach with the environment's credentials)."""
+    try:
+        if is_local(table_uri):
+            return {e.name for e in os.scandir(normalize(table_uri)) if e.is_file()}
+        fs, root = pafs.FileSystem.from_uri(table_uri)
+        infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    except Exception:  # pyarrow raises several types for remote stores
+        return None
+    return {i.base_name for i in infos if i.type == pafs.FileType.File}
+
+
 def subtask_numbers(names: list[str]) -> list[int]:
     numbers = []
     for name in names:

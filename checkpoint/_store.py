@@ -47,6 +47,7 @@ from deltalake.exceptions import CommitFailedError, SchemaMismatchError, TableNo
 
 from stateful_async import StreamElement, StreamRecord, Watermark
 from stateful_async import __version__ as library_version
+from stateful_async._exceptions import id_ranges
 
 from . import _faults, _layout
 from ._exceptions import (
@@ -192,9 +193,7 @@ def _describe_refs(metas: Sequence[CheckpointMetadata]) -> str:
     by_run: dict[str, list[int]] = {}
     for m in metas:
         by_run.setdefault(m.run_id, []).append(m.checkpoint_id)
-    return "; ".join(
-        f"run {run}: {', '.join(map(str, sorted(ids)))}" for run, ids in by_run.items()
-    )
+    return "; ".join(f"run {run}: {id_ranges(ids)}" for run, ids in by_run.items())
 
 
 @dataclass
@@ -915,9 +914,6 @@ class SubtaskLog:
             max_commit_retries=_COMMIT_RETRIES,
         )
         predicate = _refs_predicate(to_expire + to_delete)
-        # What the vacuum below deletes of this table's files (it also lists files whose
-        # removal is still in the Delta log, which an earlier vacuum deleted already).
-        files = {os.path.basename(uri) for uri in table.file_uris()} if vacuum else set()
         try:
             if to_expire:
                 # The rows that survive (the results and metadata row of each expired
@@ -935,10 +931,17 @@ class SubtaskLog:
                 table.delete(predicate, commit_properties=properties)
             rewritten = table.version()
             if vacuum:
+                # The vacuum also lists the files whose removal is still in the Delta log
+                # that an earlier vacuum deleted: count those that were there.
+                there = _layout.data_files(table.table_uri)
                 removed = table.vacuum(
                     retention_hours=0, enforce_retention_duration=False, dry_run=False
                 )
-                report.files_removed = sum(os.path.basename(f) in files for f in removed)
+                report.files_removed = (
+                    len(removed)
+                    if there is None
+                    else sum(os.path.basename(f) in there for f in removed)
+                )
         except CheckpointError:
             raise
         except CommitFailedError as exc:

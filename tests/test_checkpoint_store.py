@@ -768,6 +768,17 @@ def test_retention_keeps_the_last_n_and_reclaims_storage(tmp_path: Path) -> None
     files_before = _files(tmp_path)
     report = store.expire("job", retain=2)
     assert report.files_removed == len(files_before - _files(tmp_path)) > 0
+    # ... and those an expiry without vacuum left for this one to delete
+    for ckpt in range(9, 11):
+        parent = commit(log, "run", ckpt, n=200, parent=parent, position=ckpt * 10).ref
+    assert store.expire("job", retain=3, vacuum=False).files_removed == 0
+    files_before = _files(tmp_path)
+    report = store.expire("job", retain=2)
+    assert report.files_removed == len(files_before - _files(tmp_path)) > 0
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"Checkpoint 3 .* has expired.*run run: 9-10\."
+    ):
+        log.load(3)
 
     store.expire("job", retain=0)
     assert log.checkpoints() == []

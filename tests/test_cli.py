@@ -590,6 +590,21 @@ def test_an_unknown_id_lists_the_ids_that_exist(checkpoints) -> None:
     assert "Checkpoint ids that exist: 1-2." in result.output
 
 
+def test_show_of_one_partition_reads_that_partition_alone(checkpoints) -> None:
+    # A job may have thousands of partitions: showing one read every one's table (15 s at
+    # 1,000). Shown here by a broken table of another partition, which it must not open.
+    location, _ = checkpoints
+    [other] = [p for p in location.rglob("subtask=00001")]
+    for entry in (other / "_delta_log").glob("*.json"):
+        entry.write_text("not json")
+    result = invoke("checkpoints", "show", str(location), "2", "--partition", "0")
+    assert result.exit_code == 0, result.output
+    assert "partition 0" in result.output
+    result = invoke("checkpoints", "show", str(location), "2")  # every partition: it says so
+    assert result.exit_code == 2
+    assert "subtask=00001" in result.output
+
+
 def test_an_unknown_run_or_an_id_missing_from_a_run_says_which(checkpoints) -> None:
     location, _ = checkpoints
     result = invoke("checkpoints", "show", str(location), "2", "--run", "nope")
