@@ -316,12 +316,25 @@ def test_each_task_opens_and_closes_its_function_once(spark, service, wait) -> N
 # -- crash resume --------------------------------------------------------------------------
 
 
-def test_a_worker_crash_resumes_from_the_checkpoint_exactly_once(spark, service, tmp_path) -> None:
+@pytest.mark.parametrize("max_in_flight", [None, 10], ids=["capacity", "max_in_flight"])
+def test_a_worker_crash_resumes_from_the_checkpoint_exactly_once(
+    spark, service, tmp_path, max_in_flight
+) -> None:
+    # With max_in_flight, every 25th request is 100 ms slower: finished results and elements
+    # waiting for a call slot fill the queue behind it, and checkpoints hold both.
     rows, capacity, interval, crash_at = 6000, 50, 500, 2222
+    if max_in_flight:
+        service.configure(spike_every=25, spike_ms=100)
     config = CheckpointConfig(str(tmp_path), "crash", interval_records=interval, retain=100)
     fn = CrashOnElement(ServiceEnrichment(service.url), at=[crash_at])
     out = ordered_wait(
-        source(spark, rows), fn, SCHEMA, capacity=capacity, timeout=30.0, checkpoint=config
+        source(spark, rows),
+        fn,
+        SCHEMA,
+        capacity=capacity,
+        max_in_flight=max_in_flight,
+        timeout=30.0,
+        checkpoint=config,
     )
     parts = by_partition(out)
     for p, got in parts.items():
@@ -346,7 +359,12 @@ def test_a_worker_crash_resumes_from_the_checkpoint_exactly_once(spark, service,
     position = restored.metadata.position
     # Exactly those: in flight at the checkpoint, or at/after its position up to the crash.
     assert set(repeated) <= in_flight | set(range(position, crash_at + capacity + 1))
+    # (with max_in_flight too: calls start in input order, so every element before the
+    # crashing one had been called, whether it waited for a call slot at the checkpoint)
     assert in_flight | {k for k in range(position, crash_at)} <= set(repeated)
+    if max_in_flight:
+        assert service.stats()["peak_in_flight"] <= 2 * max_in_flight
+        assert len(restored.elements) > max_in_flight  # some waited for a slot, or their turn
 
 
 def test_a_resume_restores_watermarks_and_null_structs_under_not_null_fields(
