@@ -76,6 +76,11 @@ def register_delta_sink(spark: Any) -> None:
     After this, ``df.write.format("delta_rs")`` and ``df.writeStream.format("delta_rs")``
     write Delta tables with delta-rs. Executors and the commit worker import this package,
     so it must be installed on them (or shipped with ``--py-files``).
+
+    Spark finds a Python data source through the active session of the calling thread, and
+    a thread other than the one that created the session has none: its write fails with
+    ``DATA_SOURCE_NOT_FOUND``. Call ``register_delta_sink(spark)`` in each thread that
+    writes; it makes ``spark`` that thread's active session too.
     """
     try:
         from ._sink_source import DeltaRsDataSource
@@ -90,6 +95,9 @@ def register_delta_sink(spark: Any) -> None:
             f"{type(spark).__name__}."
         )
     spark.dataSource.register(DeltaRsDataSource)
+    jvm, session = getattr(spark, "_jvm", None), getattr(spark, "_jsparkSession", None)
+    if jvm is not None and session is not None:  # classic PySpark (not Spark Connect)
+        jvm.org.apache.spark.sql.SparkSession.setActiveSession(session)
 
 
 def clean_orphan_files(

@@ -767,6 +767,29 @@ def test_a_column_delta_cannot_hold_is_named_before_anything_is_written(
     assert not (tmp_path / "t").exists()
 
 
+def test_a_thread_that_registers_the_sink_can_write(sink: Any, tmp_path: Path) -> None:
+    # Spark looks Python data sources up in the JVM thread's active session, which another
+    # Python thread lacks: its write failed with DATA_SOURCE_NOT_FOUND, registered or not.
+    import threading
+
+    outcome: list[Any] = []
+
+    def write() -> None:
+        try:
+            register_delta_sink(sink)
+            sink.range(3).write.format("delta_rs").mode("append").save(str(tmp_path / "t"))
+            outcome.append("ok")
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    thread.join()
+    assert outcome == ["ok"]
+    table = delta_dataset(DeltaTable(str(tmp_path / "t"))).to_table(columns=["id"])
+    assert sorted(table.column("id").to_pylist()) == [0, 1, 2]
+
+
 def test_register_delta_sink_needs_a_session() -> None:
     with pytest.raises(ConfigurationError, match="needs a SparkSession .*; got str"):
         register_delta_sink("spark")
