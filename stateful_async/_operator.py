@@ -249,8 +249,13 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         ):
             raise ConfigurationError(
                 f"max_in_flight must be an integer from 1 to capacity ({capacity}), or None for "
-                f"capacity; got {max_in_flight!r}. It bounds the calls in flight among the "
-                "queue's entries, so it cannot exceed them: raise capacity too."
+                f"capacity; got {max_in_flight!r}."
+                + (
+                    " It bounds the calls in flight among the queue's entries, so it cannot "
+                    "exceed them: raise capacity too."
+                    if isinstance(max_in_flight, int) and max_in_flight > capacity
+                    else ""
+                )
             )
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
@@ -344,6 +349,17 @@ class AsyncWaitOperator(Generic[IN, OUT]):
     def max_in_flight(self) -> int:
         """The most elements whose calls are in flight at once (``capacity`` unless set)."""
         return self._max_in_flight
+
+    @property
+    def calls_in_flight(self) -> int:
+        """Records whose call has started and that are not decided yet (those waiting out a
+        retry backoff or a timeout handler included): what the service has to answer."""
+        if self._failure is not None or self._state is _State.CLOSED:
+            return 0  # every call was cancelled
+        if self._limited:
+            return self._calls
+        entries: Iterable[_Element] = self._queue.entries()  # type: ignore[assignment]
+        return sum(type(e.element) is StreamRecord and not e.decided for e in entries)
 
     @property
     def function(self) -> Any:

@@ -194,7 +194,8 @@ async def test_a_finished_result_waiting_for_an_earlier_one_keeps_its_entry_in_o
     if mode is OutputMode.ORDERED:
         assert values(out) == []  # "FAST" waits for "slow", in the queue
         assert not third.done()
-        assert fn.calls == ["slow", "fast"]  # one call in flight, yet the queue is full
+        assert fn.calls == ["slow", "fast"]
+        assert (op.calls_in_flight, op.in_flight) == (1, 2)  # one call, yet the queue is full
         fn.complete("slow", ["SLOW"])
         await settle()
         assert values(out) == ["SLOW", "FAST"]
@@ -216,7 +217,7 @@ async def test_max_in_flight_bounds_the_calls_and_starts_them_in_input_order(
     await op.open()
     await feed(op, ["a", "b", "c", "d", "e"])  # all five enter the queue at once
     await settle()
-    assert op.in_flight == 5
+    assert (op.in_flight, op.calls_in_flight) == (5, 2)
     assert fn.calls == ["a", "b"]
     fn.complete("b", ["B"])
     await settle()
@@ -250,7 +251,7 @@ async def test_max_in_flight_keeps_calls_going_while_finished_results_wait_in_or
     for value in ["b", "c", "d", "e"]:
         fn.complete(value, [value.upper()])
         await settle()
-        assert len(fn.pending_values()) == 2  # "slow" and the next one
+        assert len(fn.pending_values()) == op.calls_in_flight == 2  # "slow" and the next
     assert fn.calls == ["slow", "b", "c", "d", "e", "f"]
     assert values(out) == []  # everything waits for "slow", in order
     seventh = asyncio.ensure_future(op.process_element(StreamRecord("g")))
@@ -675,7 +676,7 @@ async def _noop(value):
         ({"retry": RetryStrategy.fixed_delay(3, 0.1)}, "A retry strategy needs a timeout"),
         ({"mode": "sideways"}, "mode must be OutputMode.ORDERED or OutputMode.UNORDERED"),
         ({"retry": 3, "timeout": 1}, "retry must be a RetryStrategy"),
-        ({"max_in_flight": 0}, r"max_in_flight must be an integer from 1 to capacity \(100\)"),
+        ({"max_in_flight": 0}, r"from 1 to capacity \(100\), or None for capacity; got 0\.$"),
         ({"capacity": 8, "max_in_flight": 9}, "cannot exceed them: raise capacity too"),
         ({"max_in_flight": 2.0}, "max_in_flight must be an integer"),
         ({"max_in_flight": True}, "max_in_flight must be an integer"),

@@ -214,7 +214,7 @@ class OperatorMachine(RuleBasedStateMachine):
     @invariant()
     def calls_within_max_in_flight(self) -> None:
         op = self.op
-        assert len(self.fn.pending_values()) <= op.max_in_flight
+        assert len(self.fn.pending_values()) <= op.calls_in_flight <= op.max_in_flight
         if op._limited:
             assert op._calls <= op.max_in_flight
             if op._waiting and op.failure is None:

@@ -893,20 +893,16 @@ class _TaskRun:
         """Every ``STATEFUL_ASYNC_PROGRESS_SECONDS`` while the task runs: where it is, so that
         a long task's executor log shows it moving (or stuck behind a slow service)."""
         now = time.monotonic()
-        records = self.op.metrics.records_in
+        op = self.op
+        records = op.metrics.records_in
         rate = (records - self.progress_records) / max(now - self.progress_at, 1e-9)
         self.progress_at, self.progress_records = now, records
         parts = self._task_parts(now - self.started)
         parts[2] += f" ({rate:,.0f}/s lately)"
-        parts.insert(4, f"{self.op.in_flight} in the queue")
+        parts[4:4] = [f"{op.calls_in_flight:,} calls in flight", f"{op.in_flight:,} in the queue"]
         if self.checkpointing and self.stats["checkpoints"]:
             parts[-1] += f", the last {now - self.last_checkpoint:.0f} s ago"
-        if self.checkpointing and self.stats["restored_from"]:
-            parts.append(
-                f"resumed from {self.stats['restored_from']}: "
-                f"{self.stats['skipped']:,} inputs skipped, "
-                f"{self.stats['restored_results']:,} results re-emitted"
-            )
+        parts.extend(self._restored_parts())
         print("stateful-async: " + ", ".join(parts) + " (in progress)", file=sys.stderr, flush=True)
         self.progress_timer = self.loop.call_later(  # type: ignore[union-attr]
             self.progress, self._log_progress
@@ -914,13 +910,13 @@ class _TaskRun:
 
     def _task_parts(self, seconds: float) -> list[str]:
         """The task's line: who it is, then what this attempt did (a resumed attempt's
-        re-emitted results are counted apart, by _log_summary)."""
+        re-emitted results are counted apart, by _restored_parts)."""
         metrics = self.op.metrics
         parts = [
             f"partition {self.identity.partition} attempt {self.identity.attempt}",
             f"run {self.identity.run_id}",
             _count(metrics.records_in, "record") + " invoked",
-            _count(metrics.results_out, "result") + " computed",
+            _count(metrics.results_out, "result") + " emitted",
             _count(metrics.retries, "retry", "retries"),
             _count(metrics.timeouts, "timeout"),
             f"{seconds:.1f} s",
@@ -929,25 +925,28 @@ class _TaskRun:
             parts.append(_count(self.stats["checkpoints"], "checkpoint"))
         return parts
 
+    def _restored_parts(self) -> list[str]:
+        """What a resumed attempt took from its checkpoint (as it goes, in progress lines)."""
+        if not self.checkpointing:
+            return []
+        stats = self.stats
+        parts = ["took the run over from earlier attempts"] if stats.get("claim") else []
+        if stats["restored_from"]:
+            done = [
+                _count(stats["restored_results"], "result") + " re-emitted",
+                f"{stats['restored_in_flight']:,} in flight re-invoked",
+                _count(stats["restored_watermarks"], "watermark") + " replayed",
+                _count(stats["skipped"], "input") + " skipped",
+            ]
+            if not stats["restored_watermarks"]:
+                del done[2]
+            parts.append(f"restored from {stats['restored_from']} ({', '.join(done)})")
+        return parts
+
     def _log_summary(self, seconds: float) -> None:
         if os.environ.get("STATEFUL_ASYNC_TASK_LOG", "1") == "0":
             return
-        parts = self._task_parts(seconds)
-        if self.checkpointing:
-            if self.stats.get("claim"):
-                parts.append("took the run over from earlier attempts")
-            if self.stats["restored_from"]:
-                parts.append(
-                    f"restored from {self.stats['restored_from']} ("
-                    f"{self.stats['restored_results']} results re-emitted, "
-                    f"{self.stats['restored_in_flight']} in flight re-invoked, "
-                    + (
-                        f"{n} watermark{'s' if n != 1 else ''} replayed, "
-                        if (n := self.stats["restored_watermarks"])
-                        else ""
-                    )
-                    + f"{self.stats['skipped']} inputs skipped)"
-                )
+        parts = self._task_parts(seconds) + self._restored_parts()
         print("stateful-async: " + ", ".join(parts), file=sys.stderr, flush=True)
 
 
