@@ -604,7 +604,7 @@ def test_unknown_checkpoint_id_lists_the_ids_that_exist(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError) as info:
         store.load("job", "op", 0, 7)
     assert "no checkpoint 7" in str(info.value)
-    assert "run run-a: 1, 2" in str(info.value)
+    assert "run run-a: 1-2" in str(info.value)
     with pytest.raises(
         CheckpointNotFoundError, match="Job 'nope' has no checkpoints .* Jobs there: job"
     ):
