@@ -411,7 +411,7 @@ class _TaskRun:
         self.driver = asyncio.current_task()
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="stateful-async-input")
         self.io = ThreadPoolExecutor(1, thread_name_prefix="stateful-async-checkpoint")
-        started = time.monotonic()
+        self.started = time.monotonic()  # the task's clock: progress lines and summary
         try:
             await self._drive()
         except asyncio.CancelledError:
@@ -421,7 +421,7 @@ class _TaskRun:
         finally:
             self.reader.shutdown(wait=False, cancel_futures=True)
             self.io.shutdown(wait=True)
-        self._log_summary(time.monotonic() - started)
+        self._log_summary(time.monotonic() - self.started)
 
     async def _drive(self) -> None:
         spec = self.spec
@@ -440,7 +440,7 @@ class _TaskRun:
         self.checkpointing = spec.checkpoint is not None
         # progress lines from the start: a resume (skipping input, re-emitting results) can
         # be the longest part of a retried task
-        self.started = self.progress_at = time.monotonic()
+        self.progress_at = self.started
         self.progress_records = 0
         if self.progress:
             self.progress_timer = self.loop.call_later(  # type: ignore[union-attr]
