@@ -35,9 +35,10 @@ from __future__ import annotations
 import base64
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 from urllib.parse import unquote
 
 import pyarrow as pa
@@ -114,6 +115,10 @@ _RESTORE_GROUP_ROWS = 100_000  # results a resuming task reads (and holds) at a 
 
 # Rows per batch of the stream that ``expire`` rewrites.
 _EXPIRE_BATCH_ROWS = 8192
+# Subtask tables a job-wide listing or expiry works on at once (each a few requests on an
+# object store, a few milliseconds of file reads on local disk).
+_LISTING_THREADS = 8
+_T = TypeVar("_T")
 # Scans that pass over every file of a table read one fragment and one batch at a time: the
 # default read-ahead holds several files' worth in memory.
 _SEQUENTIAL = {"batch_readahead": 1, "fragment_readahead": 1}
@@ -1237,22 +1242,24 @@ class SnapshotStore:
     ) -> list[CheckpointMetadata]:
         """Every checkpoint of every subtask of a job (optionally one operator), sorted by
         operator, run, checkpoint id and subtask."""
-        metas: list[CheckpointMetadata] = []
-        for operator in [operator_id] if operator_id else self.operators(job_id):
-            for number in self.subtasks(job_id, operator):
-                metas.extend(self.subtask(job_id, operator, number).checkpoints(include_expired))
+        metas = [
+            meta
+            for found in self.map_subtasks(
+                job_id, operator_id, lambda log: log.checkpoints(include_expired)
+            )
+            for meta in found
+        ]
         metas.sort(key=lambda m: (m.operator_id, m.created_at, m.checkpoint_id, m.subtask))
         return metas
 
     def read_job(self, job_id: str, operator_id: str | None = None) -> pa.Table:
         """All rows of all checkpoint tables of a job, as one Arrow table (for queries)."""
-        tables = []
-        for operator in [operator_id] if operator_id else self.operators(job_id):
-            for number in self.subtasks(job_id, operator):
-                log = self.subtask(job_id, operator, number)
-                table = log._open()
-                if table is not None:
-                    tables.append(_layout.delta_dataset(table).to_table())
+
+        def read(log: SubtaskLog) -> pa.Table | None:
+            table = log._open()
+            return None if table is None else _layout.delta_dataset(table).to_table()
+
+        tables = [t for t in self.map_subtasks(job_id, operator_id, read) if t is not None]
         if not tables:
             raise CheckpointNotFoundError(f"Job {job_id!r} has no checkpoints at {self.location}.")
         return pa.concat_tables(tables, promote_options="permissive")
@@ -1287,13 +1294,32 @@ class SnapshotStore:
         """Keep the ``retain`` newest checkpoints of every subtask of the job; see
         ``SubtaskLog.expire``."""
         total = ExpireReport()
-        for operator in [operator_id] if operator_id else self.operators(job_id):
-            for number in self.subtasks(job_id, operator):
-                report = self.subtask(job_id, operator, number).expire(retain, vacuum)
-                total.expired.extend(report.expired)
-                total.deleted.extend(report.deleted)
-                total.files_removed += report.files_removed
+        for report in self.map_subtasks(
+            job_id, operator_id, lambda log: log.expire(retain, vacuum)
+        ):
+            total.expired.extend(report.expired)
+            total.deleted.extend(report.deleted)
+            total.files_removed += report.files_removed
         return total
+
+    def map_subtasks(
+        self, job_id: str, operator_id: str | None, fn: Callable[[SubtaskLog], _T]
+    ) -> list[_T]:
+        """``fn`` of every subtask table of the job (one operator, or all), in operator and
+        subtask order. The tables are independent and each costs a few requests (object
+        stores) or file reads: a few threads work on them at once, as delta-rs does its I/O
+        without holding the GIL (200 partitions on local disk: listing 1.4x, expiry 1.4x)."""
+        logs = [
+            self.subtask(job_id, operator, number)
+            for operator in ([operator_id] if operator_id else self.operators(job_id))
+            for number in self.subtasks(job_id, operator)
+        ]
+        if len(logs) <= 1:
+            return [fn(log) for log in logs]
+        with ThreadPoolExecutor(
+            max_workers=min(_LISTING_THREADS, len(logs)), thread_name_prefix="checkpoint-scan"
+        ) as pool:
+            return list(pool.map(fn, logs))
 
     # -- checks -------------------------------------------------------------------------
 

@@ -323,37 +323,37 @@ def list_checkpoints(
         jobs = [_job(store, job)] if job else _jobs(store)
         groups: dict[tuple[str, str, str, int], dict[str, Any]] = {}
         for name in jobs:
-            for operator in store.operators(name):
-                for subtask in store.subtasks(name, operator):
-                    log = store.subtask(name, operator, subtask)
-                    sizes = log.sizes()
-                    for meta in log.checkpoints(include_expired=include_expired):
-                        key = (name, operator, meta.run_id, meta.checkpoint_id)
-                        g = groups.setdefault(
-                            key,
-                            {
-                                "partitions": 0,
-                                "in_flight": 0,
-                                "results": 0,
-                                "position": 0,
-                                "created": meta.created_at,
-                                "size": 0,
-                                "unsized": 0,
-                                "final": 0,
-                                "expired": 0,
-                            },
-                        )
-                        g["partitions"] += 1
-                        g["in_flight"] += meta.in_flight
-                        g["results"] += meta.result_count
-                        g["position"] += meta.position
-                        g["created"] = max(g["created"], meta.created_at)
-                        if meta.ref in sizes:
-                            g["size"] += sizes[meta.ref]
-                        else:  # in files `expire` rewrote, shared with other checkpoints
-                            g["unsized"] += 1
-                        g["final"] += meta.final
-                        g["expired"] += meta.expired
+            found = store.map_subtasks(
+                name, None, lambda log: (log.sizes(), log.checkpoints(include_expired))
+            )
+            for sizes, metas in found:
+                for meta in metas:
+                    key = (name, meta.operator_id, meta.run_id, meta.checkpoint_id)
+                    g = groups.setdefault(
+                        key,
+                        {
+                            "partitions": 0,
+                            "in_flight": 0,
+                            "results": 0,
+                            "position": 0,
+                            "created": meta.created_at,
+                            "size": 0,
+                            "unsized": 0,
+                            "final": 0,
+                            "expired": 0,
+                        },
+                    )
+                    g["partitions"] += 1
+                    g["in_flight"] += meta.in_flight
+                    g["results"] += meta.result_count
+                    g["position"] += meta.position
+                    g["created"] = max(g["created"], meta.created_at)
+                    if meta.ref in sizes:
+                        g["size"] += sizes[meta.ref]
+                    else:  # in files `expire` rewrote, shared with other checkpoints
+                        g["unsized"] += 1
+                    g["final"] += meta.final
+                    g["expired"] += meta.expired
         if not groups and job:  # the location may hold other jobs' checkpoints
             raise Fail(
                 f"Job {job} has no checkpoints left at {store.location} (all deleted, as "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -874,6 +875,39 @@ def test_listing_a_job(tmp_path: Path) -> None:
     metas = store.checkpoints("job", "op")
     assert [(m.subtask, m.checkpoint_id) for m in metas] == [(0, 1), (1, 1), (2, 1)]
     assert store.read_job("job").num_rows == 4 * 3  # (meta, 1 record, 1 result) x 4 tables
+
+
+def test_job_wide_reads_work_on_several_partitions_at_once_and_keep_their_order(
+    tmp_path: Path,
+) -> None:
+    store = SnapshotStore(tmp_path)
+    for subtask in range(12):
+        for checkpoint_id in (1, 2):
+            commit(store.subtask("job", "op", subtask), "run", checkpoint_id)
+    commit(store.subtask("job", "other-op", 0), "run", 1)
+    threads: set[str] = set()
+
+    def who(log):  # type: ignore[no-untyped-def]
+        threads.add(threading.current_thread().name)
+        time.sleep(0.01)  # each worker gets partitions of its own
+        return (log.operator_id, log.subtask, len(log.checkpoints()))
+
+    assert store.map_subtasks("job", None, who) == [
+        *(("op", n, 2) for n in range(12)),
+        ("other-op", 0, 1),
+    ]
+    assert len(threads) > 1 and all(t.startswith("checkpoint-scan") for t in threads)
+    metas = store.checkpoints("job", "op")
+    assert [(m.subtask, m.checkpoint_id) for m in metas] == [  # in the order they were made
+        (n, c) for n in range(12) for c in (1, 2)
+    ]
+    report = store.expire("job", retain=1, operator_id="op")
+    assert [ref.checkpoint_id for ref in report.expired + report.deleted] == [1] * 12
+    assert [m.checkpoint_id for m in store.checkpoints("job", "op")] == [2] * 12
+    # a partition that cannot be read fails the whole listing, named
+    write_deltalake(str(tmp_path / "job" / "op" / "subtask=00012"), pa.table({"a": [1]}))
+    with pytest.raises(CorruptCheckpointError, match=r"subtask=00012 is a Delta table but not"):
+        store.checkpoints("job", "op")
 
 
 def test_fingerprint_ignores_batching_but_not_order_or_content() -> None:
