@@ -18,7 +18,7 @@ from .._operator import OutputMode, check_capacity_and_timeout
 from .._retry import RetryStrategy
 from ._config import CheckpointConfig
 from ._session import task_attempts
-from ._task import PartitionTask, TaskSpec
+from ._task import OUTPUT_MODE_PROPERTY, PartitionTask, TaskSpec
 
 _MAX_OOO = 2**63 - 1  # event times are 64-bit integers (microseconds, days, or the column's)
 
@@ -172,7 +172,7 @@ def _async_wait(
                 "batch resumes from its own checkpoints. Drop restore_from (each micro-batch "
                 "is a run of its own, so it would only find the previous batch's checkpoints)."
             )
-        _check_checkpoint(checkpoint, input_schema, output_schema)
+        _check_checkpoint(checkpoint, input_schema, output_schema, mode)
         _warn_if_tasks_never_retry(df.sparkSession.sparkContext)
     spec = TaskSpec(
         fn=function,
@@ -392,7 +392,7 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
 
 
 def _check_checkpoint(
-    config: CheckpointConfig, input_schema: pa.Schema, output_schema: pa.Schema
+    config: CheckpointConfig, input_schema: pa.Schema, output_schema: pa.Schema, mode: OutputMode
 ) -> None:
     """What the driver can check before any task runs."""
     from checkpoint import (
@@ -459,6 +459,8 @@ def _check_checkpoint(
                     "restore_from='latest' resumes from the newest."
                 )
             _check_every_partition_can_restore(every, wanted, config)
+        if mode is OutputMode.ORDERED:
+            _check_order_kept(metas, config)
     except CheckpointError as exc:
         if isinstance(exc, SchemaChangedError):
             raise
@@ -505,6 +507,31 @@ def _check_every_partition_can_restore(
         f"from: {id_ranges(usable)}; restore_from='latest' resumes each "
         "partition from its newest."
     )
+
+
+def _check_order_kept(metas: list[Any], config: CheckpointConfig) -> None:
+    """ordered_wait cannot resume from unordered_wait's checkpoints (their results are in
+    completion order; the task refuses, see _TaskRun._check_order_kept): refuse up front,
+    rather than after all of Spark's attempts of the first such task."""
+    max_id = None if config.restore_from == "latest" else int(str(config.restore_from))
+    newest: dict[int, Any] = {}  # per partition, the one its task restores from
+    for meta in metas:
+        if max_id is None or meta.checkpoint_id <= max_id:
+            current = newest.get(meta.subtask)
+            if current is None or meta.created_at >= current.created_at:
+                newest[meta.subtask] = meta
+    unordered = sorted(
+        p for p, m in newest.items() if m.properties.get(OUTPUT_MODE_PROPERTY) == "unordered"
+    )
+    if unordered:
+        raise ConfigurationError(
+            f"restore_from={config.restore_from!r}: job {config.job_id!r} (operator "
+            f"{config.operator_id!r}) would resume partition(s) {id_ranges(unordered)} from "
+            "checkpoints that unordered_wait wrote, and this is ordered_wait. Their results "
+            "were emitted in completion order; re-emitting them would break ordered_wait's "
+            "input order. Resume with unordered_wait, or start ordered_wait fresh: drop "
+            "restore_from, or give it a new operator_id (CheckpointConfig(..., operator_id=...))."
+        )
 
 
 def _warn_if_tasks_never_retry(context: Any) -> None:

@@ -66,6 +66,7 @@ _WATERMARK = "watermark"  # checkpoint property: the last watermark the task gen
 EVENT_TIME_PROPERTY = "event_time"  # checkpoint properties: what watermarks came from
 _OUT_OF_ORDERNESS = "max_out_of_orderness"
 _SAME_WATERMARKS = (EVENT_TIME_PROPERTY, _OUT_OF_ORDERNESS)
+OUTPUT_MODE_PROPERTY = "output_mode"  # checkpoint property: ordered_wait or unordered_wait wrote it
 
 
 # -- the user's function, seen from the operator --------------------------------------------
@@ -339,7 +340,11 @@ class _TaskRun:
         self.batches = batches
         self.identity = identity
         # recorded on every checkpoint: who wrote it (see _check_same_enrichment)
-        self.properties = {**identity.properties, "function": _function_name(spec.fn)}
+        self.properties = {
+            **identity.properties,
+            "function": _function_name(spec.fn),
+            OUTPUT_MODE_PROPERTY: spec.mode.value,
+        }
         if spec.event_time is not None:
             self.properties[EVENT_TIME_PROPERTY] = spec.event_time
             self.properties[_OUT_OF_ORDERNESS] = str(spec.max_out_of_orderness)
@@ -693,6 +698,7 @@ class _TaskRun:
         log.check_schemas(self.spec.input_schema, self.spec.output_schema)
         if meta.run_id == self.identity.run_id:
             self._check_same_enrichment(meta)
+        self._check_order_kept(meta)
         return log.load(meta.checkpoint_id, meta.run_id, results=False)  # see chain_results
 
     def _check_same_enrichment(self, meta: Any) -> None:
@@ -721,6 +727,35 @@ class _TaskRun:
         raise self._shared_checkpoint(
             f"found checkpoint {meta.ref} written by {what} {theirs.get(what)}{same}; this task "
             f"runs {what} {ours.get(what)}"
+        )
+
+    def _check_order_kept(self, meta: Any) -> None:
+        """``ordered_wait`` promises its partition's results in input order; a checkpoint of
+        ``unordered_wait`` holds results in completion order, and re-emitting them would
+        break that promise without a word. (The other way round is fine: results in input
+        order are one of the orders ``unordered_wait`` may emit.) Checkpoints written before
+        the mode was recorded are taken as they are."""
+        theirs = meta.properties.get(OUTPUT_MODE_PROPERTY)
+        if self.spec.mode is not OutputMode.ORDERED or theirs != OutputMode.UNORDERED.value:
+            return
+        from checkpoint import CheckpointConflictError
+
+        config = self.spec.checkpoint
+        assert config is not None
+        same_run = meta.run_id == self.identity.run_id
+        raise CheckpointConflictError(
+            f"Partition {self.identity.partition} cannot resume from checkpoint {meta.ref} "
+            f"(job {config.job_id!r}, operator {config.operator_id!r}): unordered_wait wrote "
+            "it, and this job runs ordered_wait. Its results were emitted in completion "
+            "order; re-emitting them would break ordered_wait's input order. "
+            + (
+                "Finish this micro-batch with unordered_wait, then switch; or give the "
+                "ordered enrichment a new operator_id (CheckpointConfig(..., operator_id=...)) "
+                "to redo the batch."
+                if same_run
+                else "Resume with unordered_wait, or start ordered_wait fresh: drop "
+                "restore_from, or give it a new operator_id."
+            )
         )
 
     def _changed_function(self, meta: Any, theirs: str | None, ours: str) -> Exception:

@@ -916,6 +916,61 @@ def test_file_uris_of_every_spelling_are_the_local_path(tmp_path) -> None:
         assert SnapshotStore(uri).location == str(tmp_path)
 
 
+def test_ordered_wait_does_not_resume_from_unordered_waits_checkpoints(
+    spark, tmp_path, monkeypatch
+) -> None:
+    # unordered_wait's committed results are in completion order: ordered_wait re-emitting
+    # them would break its input order without a word. The other way round is fine.
+    async def double(row):  # type: ignore[no-untyped-def]
+        if row["id"] % 5 == 0:
+            await asyncio.sleep(0.02)  # completes after the rows read behind it
+        return [{"id": row["id"], "twice": 2 * row["id"]}]
+
+    df = spark.range(0, 40, numPartitions=2)
+    schema = "id long, twice long"
+    want = [(i, 2 * i) for i in range(40)]
+
+    def config(job_id, restore_from=None):  # type: ignore[no-untyped-def]
+        return CheckpointConfig(
+            str(tmp_path), job_id, interval_records=10, restore_from=restore_from
+        )
+
+    first = unordered_wait(df, double, schema, capacity=8, checkpoint=config("mixed"))
+    assert [(r.id, r.twice) for r in first.collect()] != want  # emitted out of order
+    # refused on the driver, before any task runs
+    with pytest.raises(
+        ConfigurationError,
+        match=r"restore_from='latest': job 'mixed' \(operator 'enrich'\) would resume "
+        r"partition\(s\) 0-1 from checkpoints that unordered_wait wrote, and this is "
+        r"ordered_wait\..* Resume with unordered_wait, or start ordered_wait fresh",
+    ):
+        ordered_wait(df, double, schema, capacity=8, checkpoint=config("mixed", "latest"))
+    # ... and by the task (the checkpoints may change after the driver looked)
+    import stateful_async.spark._adapter as adapter
+
+    with monkeypatch.context() as patched:
+        patched.setattr(adapter, "_check_order_kept", lambda *args: None)
+        late = ordered_wait(df, double, schema, capacity=8, checkpoint=config("mixed", 2))
+    with pytest.raises(
+        Exception,
+        match=r"Partition [01] cannot resume from checkpoint \S+ \(job 'mixed', operator "
+        r"'enrich'\): unordered_wait wrote it, and this job runs ordered_wait\.",
+    ):
+        late.collect()
+    # unordered_wait resumes from its own checkpoints and from ordered_wait's
+    again = unordered_wait(df, double, schema, capacity=8, checkpoint=config("mixed", "latest"))
+    assert sorted((r.id, r.twice) for r in again.collect()) == want
+    ordered_wait(df, double, schema, capacity=8, checkpoint=config("in-order")).collect()
+    switched = unordered_wait(
+        df, double, schema, capacity=8, checkpoint=config("in-order", "latest")
+    )
+    assert [(r.id, r.twice) for r in switched.collect()] == want  # the order it restored
+    # a fresh ordered_wait on another operator_id of the same job is not held back
+    fresh = CheckpointConfig(str(tmp_path), "mixed", operator_id="ordered", interval_records=10)
+    out = ordered_wait(df, double, schema, capacity=8, checkpoint=fresh).collect()
+    assert [(r.id, r.twice) for r in out] == want
+
+
 def test_restore_from_on_a_streaming_dataframe_is_refused_up_front(spark, tmp_path) -> None:
     async def f(row):  # type: ignore[no-untyped-def]
         return [row]
@@ -1772,3 +1827,40 @@ def test_the_resume_log_counts_re_invoked_records_apart_from_replayed_watermarks
     assert "(3 results re-emitted, 1 in flight re-invoked, 1 watermark replayed, 4 inputs " in (
         logged
     ), logged
+
+
+def test_a_micro_batch_restarted_with_ordered_wait_does_not_resume_unordered_waits_checkpoint(
+    tmp_path,
+) -> None:
+    # The task itself, in this process: a streaming query stopped mid-batch under
+    # unordered_wait and restarted with ordered_wait re-runs the batch as the same run.
+    from stateful_async import OutputMode
+    from stateful_async._function import as_async_function
+    from stateful_async.spark._task import TaskIdentity, TaskSpec, _TaskRun
+
+    async def enrich(row):  # type: ignore[no-untyped-def]
+        if row["id"] == 6:
+            raise ValueError("the query stops during this batch")
+        return [row]
+
+    schema = pa.schema([("id", pa.int64())])
+    batches = [pa.record_batch([pa.array(range(8), pa.int64())], schema=schema)]
+    config = CheckpointConfig(str(tmp_path), "stream", interval_records=4)
+    identity = TaskIdentity(0, 0, "query.batch7", {"batch_id": "7"})
+
+    def run(mode: OutputMode) -> list[pa.RecordBatch]:
+        spec = TaskSpec(
+            as_async_function(enrich), mode, 4, None, None, schema, schema, None, 0, config,
+            "app",
+        )  # fmt: skip
+        return list(_TaskRun(spec, iter(batches), identity).run())
+
+    with pytest.raises(Exception, match="the query stops during this batch"):
+        run(OutputMode.UNORDERED)
+    with pytest.raises(
+        Exception,
+        match=r"Partition 0 cannot resume from checkpoint query\.batch7:\d \(job 'stream', "
+        r"operator 'enrich'\): unordered_wait wrote it, and this job runs ordered_wait\..* "
+        r"Finish this micro-batch with unordered_wait, then switch",
+    ):
+        run(OutputMode.ORDERED)
