@@ -48,7 +48,7 @@ from deltalake.exceptions import CommitFailedError, SchemaMismatchError, TableNo
 
 from stateful_async import StreamElement, StreamRecord, Watermark
 from stateful_async import __version__ as library_version
-from stateful_async._exceptions import id_ranges
+from stateful_async._exceptions import as_int, id_ranges
 
 from . import _faults, _layout
 from ._exceptions import (
@@ -873,8 +873,10 @@ class SubtaskLog:
         (``claim``), or while it does, this attempt expires nothing (the other one now
         keeps the table), so it cannot delete files the other is restoring from.
         """
-        if not isinstance(retain, int) or retain < 0:
+        count = as_int(retain)  # numpy's integers too
+        if count is None or count < 0:
             raise CheckpointError(f"retain must be an integer >= 0; got {retain!r}.")
+        retain = count
         for tries_left in reversed(range(_EXPIRE_TRIES)):
             try:
                 return self._expire(retain, vacuum, run_id)
@@ -1200,8 +1202,10 @@ class SnapshotStore:
     def subtask(self, job_id: str, operator_id: str, subtask: int) -> SubtaskLog:
         _layout.check_name("job id", job_id)
         _layout.check_name("operator id", operator_id)
-        if not isinstance(subtask, int) or subtask < 0:
+        number = as_int(subtask)
+        if number is None or number < 0:
             raise CheckpointError(f"subtask must be an integer >= 0; got {subtask!r}.")
+        subtask = number
         uri = _layout.subtask_dir(self.location, job_id, operator_id, subtask)
         return SubtaskLog(uri, job_id, operator_id, subtask, self.storage_options)
 

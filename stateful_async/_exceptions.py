@@ -29,6 +29,8 @@ which is also a ``StatefulAsyncError``.
 
 from __future__ import annotations
 
+import numbers
+import operator
 import os
 import sysconfig
 import traceback
@@ -166,3 +168,28 @@ class DeltaSinkError(StatefulAsyncError):
 class SinkSchemaMismatchError(DeltaSinkError, ValueError):
     """The data written to the ``delta_rs`` sink does not match the Delta table: different
     columns or types, a NOT NULL column holding nulls, or different partition columns."""
+
+
+def as_int(value: Any) -> int | None:
+    """``value`` as a plain int if it is an integer (numpy's included; bools not, as
+    ``capacity=True`` is a mistake; numpy's timedelta64 not, as it is a duration), else
+    None, for the caller to refuse with its own message."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def as_float(value: Any) -> float | None:
+    """``value`` as a plain float if it is a real number a float can hold (numpy's
+    included; bools and timedelta64 not), else None."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Integral) and as_int(value) is None:
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # 10**400 is a real number, but no float
+        return None

@@ -22,6 +22,8 @@ from ._exceptions import (
     ResultSchemaError,
     StatefulAsyncError,
     TimeoutHandlerError,
+    as_float,
+    as_int,
     element_error,
     error_text,
 )
@@ -238,35 +240,38 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 f"{type(output).__name__}."
             )
         self._mode = _check_mode(mode)
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        count = as_int(capacity)  # numpy's integers too, as plain ints
+        if count is None or count < 1:
             raise ConfigurationError(
                 f"capacity must be an integer >= 1 (queue entries in flight); got {capacity!r}."
             )
-        if max_in_flight is not None and (
-            isinstance(max_in_flight, bool)
-            or not isinstance(max_in_flight, int)
-            or not 1 <= max_in_flight <= capacity
-        ):
-            raise ConfigurationError(
-                f"max_in_flight must be an integer from 1 to capacity ({capacity}), or None for "
-                f"capacity; got {max_in_flight!r}."
-                + (
-                    " It bounds the calls in flight among the queue's entries, so it cannot "
-                    "exceed them: raise capacity too."
-                    if isinstance(max_in_flight, int) and max_in_flight > capacity
-                    else ""
+        capacity = count
+        if max_in_flight is not None:
+            count = as_int(max_in_flight)
+            if count is None or not 1 <= count <= capacity:
+                raise ConfigurationError(
+                    f"max_in_flight must be an integer from 1 to capacity ({capacity}), or None "
+                    f"for capacity; got {max_in_flight!r}."
+                    + (
+                        " It bounds the calls in flight among the queue's entries, so it cannot "
+                        "exceed them: raise capacity too."
+                        if count is not None and count > capacity
+                        else ""
+                    )
                 )
-            )
+            max_in_flight = count
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
         if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            given_timeout, timeout = timeout, as_float(timeout)
+            if timeout is None:
                 raise ConfigurationError(
-                    f"timeout must be a number of seconds, a timedelta, or None; got {timeout!r}."
+                    f"timeout must be a number of seconds, a timedelta, or None; got "
+                    f"{given_timeout!r}."
                 )
             if not 0 < timeout < math.inf:
                 raise ConfigurationError(
-                    f"timeout must be a finite number of seconds > 0; got {timeout!r}. Use "
+                    f"timeout must be a finite number of seconds > 0; got {given_timeout!r}. Use "
                     "timeout=None for no timeout."
                 )
         if retry is not None:

@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
 
-from ._exceptions import ConfigurationError
+from ._exceptions import ConfigurationError, as_float, as_int
 
 ExceptionPredicate = Union[
     Callable[[BaseException], bool], type[BaseException], tuple[type[BaseException], ...]
@@ -19,14 +19,22 @@ def _never(_: Sequence[Any]) -> bool:
     return False
 
 
-def _check_number(name: str, value: Any, minimum: float, unit: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+def _check_number(name: str, value: Any, minimum: float, unit: str = "") -> float:
+    """``value`` as a plain float (numpy's numbers too), if it is a finite number >= minimum."""
+    number = as_float(value)
+    if number is None or not math.isfinite(number):
         raise ConfigurationError(
             f"RetryStrategy {name} must be a finite number{' of ' + unit if unit else ''}; "
             f"got {value!r}."
         )
-    if value < minimum:
+    if number < minimum:
         raise ConfigurationError(f"RetryStrategy {name} must be >= {minimum}; got {value!r}.")
+    return number
+
+
+def _keep_number(strategy: RetryStrategy, name: str, minimum: float, unit: str = "") -> None:
+    number = _check_number(name, getattr(strategy, name), minimum, unit)
+    object.__setattr__(strategy, name, number)  # frozen: as __init__ would have set it
 
 
 def _is_exception_type(value: Any) -> bool:
@@ -64,25 +72,23 @@ class RetryStrategy:
     retry_on_result: ResultPredicate = field(default=_never)
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.max_attempts, bool)
-            or not isinstance(self.max_attempts, int)
-            or self.max_attempts < 1
-        ):
+        attempts = as_int(self.max_attempts)
+        if attempts is None or attempts < 1:
             raise ConfigurationError(
                 f"RetryStrategy max_attempts must be an integer >= 1 (total attempts, the first "
                 f"included); got {self.max_attempts!r}."
             )
-        _check_number("initial_delay", self.initial_delay, 0, "seconds")
-        _check_number("multiplier", self.multiplier, 1)
+        object.__setattr__(self, "max_attempts", attempts)
+        _keep_number(self, "initial_delay", 0, "seconds")
+        _keep_number(self, "multiplier", 1)
         if self.max_delay is not None:
-            _check_number("max_delay", self.max_delay, 0, "seconds")
+            _keep_number(self, "max_delay", 0, "seconds")
             if self.max_delay < self.initial_delay:
                 raise ConfigurationError(
                     f"RetryStrategy max_delay ({self.max_delay!r}) must be >= the initial delay "
                     f"({self.initial_delay!r})."
                 )
-        _check_number("jitter", self.jitter, 0)
+        _keep_number(self, "jitter", 0)
         if self.jitter > 1:
             raise ConfigurationError(
                 f"RetryStrategy jitter must be between 0 and 1; got {self.jitter!r}."

@@ -687,6 +687,25 @@ def test_invalid_arguments_fail_at_construction(kwargs: dict, message: str) -> N
         AsyncWaitOperator(_noop, lambda e: None, **kwargs)
 
 
+def test_numpy_numbers_are_taken_as_plain_ones() -> None:
+    # Options computed with numpy or pandas (np.int64 is no int) were refused.
+    import numpy as np
+
+    op = AsyncWaitOperator(
+        _noop, lambda e: None, capacity=np.int64(8), timeout=np.float32(2.5),
+        max_in_flight=np.int32(4),
+    )  # fmt: skip
+    assert (op.capacity, op._max_in_flight, op._timeout) == (8, 4, 2.5)
+    assert type(op.capacity) is int and type(op._timeout) is float
+    for kwargs in (
+        {"capacity": np.bool_(True)},
+        {"capacity": np.timedelta64(8, "s")},  # a duration, though numbers.Integral
+        {"timeout": np.timedelta64(2, "s")},
+    ):
+        with pytest.raises(ConfigurationError, match="must be an integer|number of seconds"):
+            AsyncWaitOperator(_noop, lambda e: None, **kwargs)
+
+
 def test_a_regular_function_is_refused_with_advice() -> None:
     def sync(value):
         return [value]

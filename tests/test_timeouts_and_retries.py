@@ -488,6 +488,19 @@ def test_invalid_retry_strategies_fail_at_construction(kwargs: dict, message: st
         RetryStrategy(**kwargs)
 
 
+def test_a_retry_strategy_keeps_numpy_numbers_as_plain_ones() -> None:
+    import numpy as np
+
+    strategy = RetryStrategy.exponential_backoff(
+        np.int64(4), np.float64(0.1), np.int32(2), multiplier=np.float32(1.5), jitter=np.float16(0)
+    )
+    assert (strategy.max_attempts, strategy.max_delay, strategy.multiplier) == (4, 2.0, 1.5)
+    assert type(strategy.max_attempts) is int
+    assert {type(strategy.initial_delay), type(strategy.max_delay), type(strategy.jitter)} == {
+        float
+    }
+
+
 def test_the_factories_name_their_own_parameters_in_errors() -> None:
     from stateful_async import ConfigurationError
 

@@ -145,6 +145,8 @@ def _async_wait(
         )
     function = as_async_function(fn)
     seconds = check_capacity_and_timeout(capacity, timeout, retry, max_in_flight)
+    capacity = int(capacity)  # numpy's integers too: the operator took them
+    max_in_flight = None if max_in_flight is None else int(max_in_flight)
     if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
         raise ConfigurationError(
             f"checkpoint must be a CheckpointConfig; got {type(checkpoint).__name__}."

@@ -4,12 +4,11 @@ resumes from."""
 from __future__ import annotations
 
 import math
-import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Union
 
-from .._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError, as_float, as_int
 
 RestoreFrom = Union[None, str, int]
 
@@ -66,27 +65,21 @@ class CheckpointConfig:
             check_name("operator_id", self.operator_id)
         except CheckpointError as exc:
             raise ConfigurationError(f"CheckpointConfig: {exc}") from None
-        if (
-            isinstance(self.interval_records, bool)
-            or not isinstance(self.interval_records, int)
-            or (self.interval_records < 1)
-        ):
+        records = as_int(self.interval_records)  # numpy's integers too, kept as plain ints
+        if records is None or records < 1:
             raise ConfigurationError(
                 f"CheckpointConfig interval_records must be an integer >= 1; got "
                 f"{self.interval_records!r}."
             )
-        seconds = self.interval_seconds
-        if seconds is not None and (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, numbers.Real)
-            or not (_finite_float(seconds) and seconds > 0)
-        ):
-            raise ConfigurationError(
-                f"CheckpointConfig interval_seconds must be a number of seconds > 0 (and "
-                f"finite), or None; got {self.interval_seconds!r}."
-            )
-        if seconds is not None:
-            object.__setattr__(self, "interval_seconds", float(seconds))
+        object.__setattr__(self, "interval_records", records)
+        if self.interval_seconds is not None:
+            seconds = as_float(self.interval_seconds)
+            if seconds is None or not 0 < seconds < math.inf:
+                raise ConfigurationError(
+                    f"CheckpointConfig interval_seconds must be a number of seconds > 0 (and "
+                    f"finite), or None; got {self.interval_seconds!r}."
+                )
+            object.__setattr__(self, "interval_seconds", seconds)
         options = self.storage_options
         if options is not None and (
             not isinstance(options, dict)
@@ -96,16 +89,19 @@ class CheckpointConfig:
                 f"CheckpointConfig storage_options must be a dict of strings to strings (as "
                 f"deltalake takes them), or None; got {options!r}."
             )
-        if isinstance(self.retain, bool) or not isinstance(self.retain, int) or self.retain < 1:
+        retain = as_int(self.retain)
+        if retain is None or retain < 1:
             raise ConfigurationError(
                 f"CheckpointConfig retain must be an integer >= 1 (checkpoints kept per "
                 f"partition); got {self.retain!r}."
             )
+        object.__setattr__(self, "retain", retain)
         restore = self.restore_from
+        checkpoint_id = as_int(restore)
         if not (
             restore is None
-            or restore == "latest"
-            or (isinstance(restore, int) and not isinstance(restore, bool) and restore >= 1)
+            or (isinstance(restore, str) and restore == "latest")
+            or (checkpoint_id is not None and checkpoint_id >= 1)
         ):
             hint = (
                 f" (a checkpoint id is an int: restore_from={int(restore)})"
@@ -116,11 +112,5 @@ class CheckpointConfig:
                 f"CheckpointConfig restore_from must be None, 'latest' or a checkpoint id >= 1; "
                 f"got {restore!r}{hint}."
             )
-
-
-def _finite_float(value: Any) -> bool:
-    """Whether ``value`` converts to a finite float (10**400 is finite, but has none)."""
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:
-        return False
+        if checkpoint_id is not None:
+            object.__setattr__(self, "restore_from", checkpoint_id)

@@ -1785,6 +1785,15 @@ def test_checkpoint_config_validates_its_fields(tmp_path) -> None:
     for seconds in (2, 0.5, np.int64(30)):
         kept = CheckpointConfig(str(tmp_path), "j", interval_seconds=seconds).interval_seconds
         assert kept == float(seconds) and type(kept) is float
+    numpy = CheckpointConfig(
+        str(tmp_path), "j", interval_records=np.int64(500), retain=np.uint8(2),
+        restore_from=np.int64(7),
+    )  # fmt: skip
+    assert (numpy.interval_records, numpy.retain, numpy.restore_from) == (500, 2, 7)
+    assert {type(numpy.interval_records), type(numpy.retain), type(numpy.restore_from)} == {int}
+    for bad in ({"retain": True}, {"restore_from": np.bool_(True)}, {"restore_from": 0}):
+        with pytest.raises(ConfigurationError, match="retain must be|restore_from must be"):
+            CheckpointConfig(str(tmp_path), "j", **bad)
 
 
 def test_the_resume_log_counts_re_invoked_records_apart_from_replayed_watermarks(
