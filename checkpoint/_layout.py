@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Union
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
@@ -54,41 +54,116 @@ def normalize(location: str | os.PathLike[str]) -> str:
     return text.rstrip("/")
 
 
-def delta_dataset(table: DeltaTable) -> pads.Dataset:
+StorageOptions = Union[dict[str, str], None]
+
+# deltalake's (object_store's) names for S3 settings, any case, and pyarrow's for them
+_S3_OPTIONS = {
+    "access_key": ("aws_access_key_id", "access_key_id"),
+    "secret_key": ("aws_secret_access_key", "secret_access_key"),
+    "session_token": ("aws_session_token", "aws_token", "session_token", "token"),
+    "region": ("aws_region", "region", "aws_default_region", "default_region"),
+    "endpoint": ("aws_endpoint_url", "aws_endpoint", "endpoint_url", "endpoint"),
+    "allow_http": ("aws_allow_http", "allow_http"),
+    "virtual_hosted": ("aws_virtual_hosted_style_request", "virtual_hosted_style_request"),
+}
+
+
+def _s3_filesystem(storage_options: dict[str, str]) -> pafs.S3FileSystem:
+    """pyarrow's S3 filesystem with the credentials and endpoint that ``storage_options``
+    give deltalake; what they leave out comes from the environment, as for deltalake."""
+    given = {key.lower(): value for key, value in storage_options.items()}
+
+    def option(name: str) -> str | None:
+        return next((given[key] for key in _S3_OPTIONS[name] if key in given), None)
+
+    kwargs: dict[str, Any] = {}
+    for name in ("access_key", "secret_key", "session_token", "region"):
+        if option(name) is not None:
+            kwargs[name] = option(name)
+    endpoint = option("endpoint")
+    if endpoint is not None:
+        scheme, found, host = endpoint.partition("://")
+        kwargs["endpoint_override"] = host.rstrip("/") if found else endpoint
+        plain = (option("allow_http") or "").lower() == "true"
+        kwargs["scheme"] = scheme if found else ("http" if plain else "https")
+    if option("virtual_hosted") is not None:
+        kwargs["force_virtual_addressing"] = option("virtual_hosted").lower() == "true"  # type: ignore[union-attr]
+    return pafs.S3FileSystem(**kwargs)
+
+
+def filesystem(uri: str, storage_options: StorageOptions = None) -> tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem that reaches ``uri`` with ``storage_options`` (those deltalake
+    takes), and the path of ``uri`` in it.
+
+    S3 gets pyarrow's own filesystem, with the options translated: reads through
+    deltalake's Python filesystem handler abort the process at exit about one run in ten
+    ("terminate called without an active exception"; measured on an S3 API server with
+    deltalake 1.6.6, pyarrow 26). Other stores with options are listed through that handler
+    (listing alone never aborted); without options, pyarrow uses the environment's
+    credentials."""
+    if is_local(uri):
+        return pafs.LocalFileSystem(), normalize(uri)
+    scheme, _, path = uri.partition("://")
+    if scheme in ("s3", "s3a") and storage_options:
+        return _s3_filesystem(storage_options), path.rstrip("/")
+    if storage_options:
+        from deltalake.fs import DeltaStorageHandler
+
+        return pafs.PyFileSystem(DeltaStorageHandler(uri, storage_options)), ""
+    return pafs.FileSystem.from_uri(uri)
+
+
+def _native(uri: str, storage_options: StorageOptions) -> pafs.FileSystem | None:
+    """pyarrow's own filesystem rooted at ``uri`` (a table), where there is one: local
+    paths and S3. None elsewhere."""
+    scheme = urlparse(uri).scheme
+    if not is_local(uri) and scheme not in ("s3", "s3a"):
+        return None
+    fs, path = filesystem(uri, storage_options)
+    return pafs.SubTreeFileSystem(path, fs)
+
+
+def delta_dataset(table: DeltaTable, storage_options: StorageOptions = None) -> pads.Dataset:
     """The current files of a Delta table as a pyarrow dataset, read through pyarrow's own
-    filesystem when the table is local.
+    filesystem where there is one (local and S3 tables).
 
     deltalake's default dataset reads through a Python filesystem handler over delta-rs, and
-    a process that used one aborts at exit about one run in two ("terminate called without
-    an active exception", SIGABRT), after all its work is done: measured with deltalake
-    1.6.6 and pyarrow 21, 24 and 26. Remote tables keep deltalake's handler, which carries
-    their storage options.
+    a process that used one aborts at exit about one run in two on local disk ("terminate
+    called without an active exception", SIGABRT), after all its work is done: measured
+    with deltalake 1.6.6 and pyarrow 21, 24 and 26. Other stores keep deltalake's handler,
+    which carries their storage options.
     """
-    uri = table.table_uri
-    if not is_local(uri):
+    native = _native(table.table_uri, storage_options)
+    if native is None:
         return table.to_pyarrow_dataset()
-    root = normalize(uri)
-    return table.to_pyarrow_dataset(filesystem=pafs.SubTreeFileSystem(root, pafs.LocalFileSystem()))
+    return table.to_pyarrow_dataset(filesystem=native)
 
 
-def files_dataset(table: DeltaTable, paths: list[str]) -> pads.Dataset:
+def files_dataset(
+    table: DeltaTable, paths: list[str], storage_options: StorageOptions = None
+) -> pads.Dataset:
     """Some of a Delta table's current files (paths relative to its root) as a pyarrow
-    dataset; a remote table gives all of them (deltalake's dataset carries its storage
-    options), which readers filter as they would the whole table."""
+    dataset; on stores without a pyarrow filesystem, all of them (deltalake's dataset
+    carries their storage options), which readers filter as they would the whole table."""
     import pyarrow.dataset
 
-    uri = table.table_uri
-    if not is_local(uri):
+    native = _native(table.table_uri, storage_options)
+    if native is None:
         return table.to_pyarrow_dataset()
-    filesystem = pafs.SubTreeFileSystem(normalize(uri), pafs.LocalFileSystem())
-    return pyarrow.dataset.dataset(paths, format="parquet", filesystem=filesystem)
+    return pyarrow.dataset.dataset(paths, format="parquet", filesystem=native)
 
 
 def subtask_dir(location: str, job_id: str, operator_id: str, subtask: int) -> str:
     return f"{location}/{job_id}/{operator_id}/subtask={subtask:05d}"
 
 
-def list_dirs(location: str, *parts: str) -> list[str]:
+def _listing(path: str, storage_options: StorageOptions) -> list[pafs.FileInfo]:
+    """What is directly in ``path`` (nothing if it does not exist)."""
+    fs, root = filesystem(path, storage_options)
+    return fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+
+
+def list_dirs(location: str, *parts: str, storage_options: StorageOptions = None) -> list[str]:
     """Names of the subdirectories of ``location/parts...`` (empty if it does not exist)."""
     path = "/".join([location, *parts])
     if is_local(location):
@@ -101,25 +176,22 @@ def list_dirs(location: str, *parts: str) -> list[str]:
                 f"Cannot list checkpoint directory {path}: {exc}"
             ) from exc
     try:
-        fs, root = pafs.FileSystem.from_uri(path)
-        infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+        infos = _listing(path, storage_options)
     except Exception as exc:  # pyarrow raises several types for remote stores
         raise CheckpointLocationError(
-            f"Cannot list checkpoint directory {path}: {exc}. Object-store listing uses "
-            "pyarrow's filesystems and the environment's credentials."
+            f"Cannot list checkpoint directory {path}: {exc}. Check the location and the "
+            "credentials: the CheckpointConfig's storage_options, else the environment's."
         ) from exc
     return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
 
 
-def data_files(table_uri: str) -> set[str] | None:
+def data_files(table_uri: str, storage_options: StorageOptions = None) -> set[str] | None:
     """Names of the files at the root of a table (its data: checkpoint tables are not
-    partitioned), or None where they cannot be listed (a remote store that pyarrow cannot
-    reach with the environment's credentials)."""
+    partitioned), or None where they cannot be listed."""
     try:
         if is_local(table_uri):
             return {e.name for e in os.scandir(normalize(table_uri)) if e.is_file()}
-        fs, root = pafs.FileSystem.from_uri(table_uri)
-        infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+        infos = _listing(table_uri, storage_options)
     except Exception:  # pyarrow raises several types for remote stores
         return None
     return {i.base_name for i in infos if i.type == pafs.FileType.File}
@@ -134,11 +206,11 @@ def subtask_numbers(names: list[str]) -> list[int]:
     return sorted(numbers)
 
 
-def location_exists(location: str) -> bool:
+def location_exists(location: str, storage_options: StorageOptions = None) -> bool:
     if is_local(location):
         return os.path.isdir(location)
     try:
-        fs, root = pafs.FileSystem.from_uri(location)
+        fs, root = filesystem(location, storage_options)
         return fs.get_file_info(root).type != pafs.FileType.NotFound
     except Exception:
         return True  # cannot tell: let the read that follows report the real error

@@ -780,7 +780,7 @@ class SubtaskLog:
             & (pc.field("checkpoint_id") == ref.checkpoint_id)
         )
         try:
-            rows = _layout.files_dataset(table, paths).to_table(
+            rows = _layout.files_dataset(table, paths, self._storage_options).to_table(
                 filter=wanted, columns=_META_COLUMNS
             )
         except Exception as exc:
@@ -813,7 +813,7 @@ class SubtaskLog:
             try:
                 write_deltalake(
                     table,
-                    _layout.delta_dataset(table).schema.empty_table(),
+                    _layout.delta_dataset(table, self._storage_options).schema.empty_table(),
                     mode="append",
                     commit_properties=CommitProperties(
                         app_transactions=[Transaction(claim_app, claim)],
@@ -940,7 +940,7 @@ class SubtaskLog:
             if vacuum:
                 # The vacuum also lists the files whose removal is still in the Delta log
                 # that an earlier vacuum deleted: count those that were there.
-                there = _layout.data_files(table.table_uri)
+                there = _layout.data_files(table.table_uri, self._storage_options)
                 removed = table.vacuum(
                     retention_hours=0, enforce_retention_duration=False, dry_run=False
                 )
@@ -1011,7 +1011,7 @@ class SubtaskLog:
     ) -> pa.RecordBatchReader:
         """The rows of ``refs`` that expiring keeps, metadata rows flagged ``expired``, as a
         stream of small batches."""
-        dataset = _layout.delta_dataset(table)
+        dataset = _layout.delta_dataset(table, self._storage_options)
         is_meta = pc.field("kind") == KIND_CHECKPOINT
         columns = {
             name: pc.if_else(is_meta, True, pc.field(name)) if name == "expired" else pc.field(name)
@@ -1141,7 +1141,7 @@ class SubtaskLog:
         sequential: bool = False,
     ) -> pa.Table:
         try:
-            return _layout.delta_dataset(table).to_table(
+            return _layout.delta_dataset(table, self._storage_options).to_table(
                 filter=expression, columns=columns, **(_SEQUENTIAL if sequential else {})
             )
         except Exception as exc:
@@ -1216,7 +1216,7 @@ class SnapshotStore:
         directory, anything not laid out as ``<job_id>/<operator_id>/subtask=<n>``) are
         not jobs and are left out."""
         self._require_location()
-        return [name for name in _layout.list_dirs(self.location) if self._is_job(name)]
+        return [name for name in self._dirs() if self._is_job(name)]
 
     def operators(self, job_id: str) -> list[str]:
         self._require_job(job_id)
@@ -1233,13 +1233,13 @@ class SnapshotStore:
 
     def _operator_dirs(self, job_id: str) -> Iterator[str]:
         """The directories under ``job_id`` that hold subtask tables, listed one by one."""
-        for name in _layout.list_dirs(self.location, job_id):
-            if _layout.subtask_numbers(_layout.list_dirs(self.location, job_id, name)):
+        for name in self._dirs(job_id):
+            if _layout.subtask_numbers(self._dirs(job_id, name)):
                 yield name
 
     def subtasks(self, job_id: str, operator_id: str) -> list[int]:
         self._require_job(job_id)
-        return _layout.subtask_numbers(_layout.list_dirs(self.location, job_id, operator_id))
+        return _layout.subtask_numbers(self._dirs(job_id, operator_id))
 
     def checkpoints(
         self, job_id: str, operator_id: str | None = None, include_expired: bool = False
@@ -1261,7 +1261,11 @@ class SnapshotStore:
 
         def read(log: SubtaskLog) -> pa.Table | None:
             table = log._open()
-            return None if table is None else _layout.delta_dataset(table).to_table()
+            return (
+                None
+                if table is None
+                else _layout.delta_dataset(table, log._storage_options).to_table()
+            )
 
         tables = [t for t in self.map_subtasks(job_id, operator_id, read) if t is not None]
         if not tables:
@@ -1325,10 +1329,13 @@ class SnapshotStore:
         ) as pool:
             return list(pool.map(fn, logs))
 
+    def _dirs(self, *parts: str) -> list[str]:
+        return _layout.list_dirs(self.location, *parts, storage_options=self.storage_options)
+
     # -- checks -------------------------------------------------------------------------
 
     def _require_location(self) -> None:
-        if not _layout.location_exists(self.location):
+        if not _layout.location_exists(self.location, self.storage_options):
             raise CheckpointLocationError(_layout.missing_location(self.location))
 
     def _require_job(self, job_id: str) -> None:

@@ -87,6 +87,16 @@ JobOpt = Annotated[str | None, typer.Option(help="The job (if the location holds
 PartitionOpt = Annotated[int | None, typer.Option(help="Only this partition.")]
 RunOpt = Annotated[str | None, typer.Option(help="The run (default: the newest with this id).")]
 OperatorOpt = Annotated[str | None, typer.Option(help="The operator id.")]
+StorageOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--storage-option",
+        "-o",
+        metavar="KEY=VALUE",
+        help="An object store setting, as CheckpointConfig's storage_options take it (e.g. "
+        "AWS_REGION=eu-west-1); repeat for several. Default: the environment's.",
+    ),
+]
 
 
 # -- demo ------------------------------------------------------------------------------------
@@ -201,21 +211,28 @@ def demo(
 # -- checkpoints -------------------------------------------------------------------------------
 
 
-def _store(location: str) -> Any:
+def _store(location: str, storage_option: list[str] | None = None) -> Any:
     from checkpoint import SnapshotStore
-    from checkpoint._layout import location_exists, missing_location, normalize
+    from checkpoint._layout import location_exists, missing_location
 
-    if not location_exists(normalize(location)):
-        raise Fail(missing_location(normalize(location)))
-    store = SnapshotStore(location)
-    _check_layout(store.location)
+    options = {}
+    for setting in storage_option or []:
+        key, equals, value = setting.partition("=")
+        if not equals or not key.strip():
+            raise Fail(
+                f"--storage-option {setting!r} is not KEY=VALUE (e.g. AWS_REGION=eu-west-1)."
+            )
+        options[key.strip()] = value
+    store = SnapshotStore(location, options or None)
+    if not location_exists(store.location, store.storage_options):
+        raise Fail(missing_location(store.location))
+    _check_layout(store)
     return store
 
 
 def _jobs(store: Any) -> list[str]:
     """The location's jobs; none is an error that says where the checkpoints may be."""
     from checkpoint import SnapshotStore
-    from checkpoint._layout import list_dirs
 
     jobs: list[str] = store.jobs()
     if jobs:
@@ -224,8 +241,8 @@ def _jobs(store: Any) -> list[str]:
     # store every listing is a request, and a mistyped bucket root may hold thousands.
     below = [
         n
-        for n in list_dirs(store.location)[:_PROBED_SUBDIRS]
-        if SnapshotStore(f"{store.location}/{n}").jobs()
+        for n in store._dirs()[:_PROBED_SUBDIRS]
+        if SnapshotStore(f"{store.location}/{n}", store.storage_options).jobs()
     ]
     if below:
         paths = ", ".join(f"{store.location}/{n}" for n in below)
@@ -236,23 +253,22 @@ def _jobs(store: Any) -> list[str]:
     raise Fail(f"{store.location} holds no checkpoints.")
 
 
-def _check_layout(location: str) -> None:
+def _check_layout(store: Any) -> None:
     """Refuse, with the right path, a directory inside or beside a checkpoint location
     (which holds <job_id>/<operator_id>/subtask=<n> tables)."""
-    from checkpoint._layout import list_dirs, subtask_numbers
+    from checkpoint._layout import subtask_numbers
+
+    location = store.location
+    list_dirs = store._dirs
 
     def up(levels: int) -> str:
         return location.rsplit("/", levels)[0] or "/"
 
     def tables(*parts: str) -> list[str]:  # the subtask tables directly under location/parts
-        names = list_dirs(location, *parts)
-        return [
-            n
-            for n in names
-            if subtask_numbers([n]) and "_delta_log" in list_dirs(location, *parts, n)
-        ]
+        names = list_dirs(*parts)
+        return [n for n in names if subtask_numbers([n]) and "_delta_log" in list_dirs(*parts, n)]
 
-    top = list_dirs(location)
+    top = list_dirs()
     if "_delta_log" in top and subtask_numbers([location.rsplit("/", 1)[-1]]):
         raise Fail(
             f"{location} is one partition's checkpoint table; pass the checkpoint location, "
@@ -316,10 +332,11 @@ def list_checkpoints(
     location: LocationArg,
     job: Annotated[str | None, typer.Option(help="Only this job.")] = None,
     include_expired: Annotated[bool, typer.Option("--all", help="Show expired ones too.")] = False,
+    storage_option: StorageOpt = None,
 ) -> None:
     """A table of checkpoints: one row per (job, run, id), summed over partitions."""
     with _user_errors():
-        store = _store(location)
+        store = _store(location, storage_option)
         jobs = [_job(store, job)] if job else _jobs(store)
         groups: dict[tuple[str, str, str, int], dict[str, Any]] = {}
         for name in jobs:
@@ -418,10 +435,11 @@ def show_checkpoint(
     run: RunOpt = None,
     operator: OperatorOpt = None,
     format: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.table,
+    storage_option: StorageOpt = None,
 ) -> None:
     """The in-flight records and watermarks of one snapshot."""
     with _user_errors():
-        store = _store(location)
+        store = _store(location, storage_option)
         snapshots = _snapshots(store, _job(store, job), checkpoint_id, operator, partition, run)
         if format is Format.json:
             payload = [
@@ -497,10 +515,11 @@ def expire_checkpoints(
     location: LocationArg,
     retain: Annotated[int, typer.Option(help="Checkpoints to keep per partition.", min=0)],
     job: JobOpt = None,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Keep the newest N checkpoints of every partition; drop and vacuum the rest."""
     with _user_errors():
-        store = _store(location)
+        store = _store(location, storage_option)
         name = _job(store, job)
         # per operator, so checkpoints are counted as `list` shows them: one per run and id
         reports = [store.expire(name, retain, operator_id=op) for op in store.operators(name)]
@@ -540,6 +559,7 @@ def replay(
         typer.Option(help="Per-element timeout, seconds > 0 (default: none)."),
     ] = None,
     mode: Annotated[Mode, typer.Option(help="Output order.")] = Mode.ordered,
+    storage_option: StorageOpt = None,
 ) -> None:
     """Restore the operator from a snapshot and invoke the function again on the elements
     it had in flight; print or write the results."""
@@ -559,7 +579,7 @@ def replay(
                 f"{output.absolute().parent} first, or choose another path."
             )
         fn = _import_function(function)
-        store = _store(location)
+        store = _store(location, storage_option)
         snapshots = _snapshots(store, _job(store, job), checkpoint_id, operator, partition, run)
         results: list[Any] = []
         for s in snapshots:

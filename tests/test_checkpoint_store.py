@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import polars as pl
@@ -844,9 +845,9 @@ def test_looking_up_one_job_lists_only_that_job(
     listed: list[tuple[str, ...]] = []
     real = _layout.list_dirs
 
-    def counting(location: str, *parts: str) -> list[str]:
+    def counting(location: str, *parts: str, **options: Any) -> list[str]:
         listed.append(parts)
-        return real(location, *parts)
+        return real(location, *parts, **options)
 
     monkeypatch.setattr(_layout, "list_dirs", counting)
     assert store.subtasks("job3", "b") == [0]

@@ -588,7 +588,7 @@ def _what_is_there(store: Any, config: CheckpointConfig) -> str:
 def _exists(store: Any) -> bool:
     from checkpoint._layout import location_exists
 
-    return location_exists(store.location)
+    return location_exists(store.location, store.storage_options)
 
 
 def _check_picklable(task: PartitionTask, fn: Any) -> None:

@@ -121,22 +121,25 @@ def crash_once_and_resume(
     df: Any,
     fn: Any,
     schema: str,
-    location: Path,
+    location: Path | str,
     job: str,
     *,
     crash_at: int,
     interval: int,
     capacity: int,
+    storage_options: dict[str, str] | None = None,
     **options: Any,
 ) -> tuple[list[Any], SnapshotStore, Any]:
     """Run ``wait`` (ordered_wait or unordered_wait) over ``df`` with a checkpoint every
     ``interval`` records; the worker dies (os._exit) at row ``crash_at`` on attempt 0 and
     attempt 1 resumes. Returns the output, the store, and the checkpoint attempt 1
     resumed from (asserted: it resumed, from a checkpoint of attempt 0)."""
-    config = CheckpointConfig(str(location), job, interval_records=interval, retain=100)
+    config = CheckpointConfig(
+        str(location), job, interval_records=interval, retain=100, storage_options=storage_options
+    )
     crashing = CrashOnElement(fn, at=[crash_at])
     out = wait(df, crashing, schema, capacity=capacity, checkpoint=config, **options).collect()
-    store = SnapshotStore(location)
+    store = SnapshotStore(location, storage_options)
     retried = resumed(store, job)
     assert retried and retried[0].parent is not None, "attempt 1 must have resumed"
     return out, store, retried[0].parent
@@ -402,6 +405,37 @@ def test_a_resume_restores_watermarks_and_null_structs_under_not_null_fields(
     ]
     restored = store.load("wm", "enrich", 0, parent.checkpoint_id, parent.run_id)
     assert any(isinstance(e, Watermark) for e in restored.elements)  # the case at stake
+
+
+def test_checkpoints_on_s3_resume_a_crashed_task_and_a_new_run(spark, service, s3) -> None:
+    # An object store reached only through storage_options (an S3 API server on
+    # 127.0.0.1): executors commit there, a retried attempt and the driver list and read it.
+    location = f"{s3.bucket()}/checkpoints"
+    rows, capacity, interval = 400, 16, 50
+    out, store, parent = crash_once_and_resume(
+        ordered_wait,
+        source(spark, rows),
+        ServiceEnrichment(service.url),
+        SCHEMA,
+        location,
+        "on-s3",
+        crash_at=130,
+        interval=interval,
+        capacity=capacity,
+        storage_options=s3.options,
+    )
+    assert sorted((r.asDict() for r in out), key=lambda r: r["id"]) == [
+        reference(i) for i in range(rows)
+    ]
+    assert parent.checkpoint_id >= 2  # attempt 0 committed to S3 before it died
+    assert service.stats()["total"] - rows <= capacity + interval
+    # a new run resumes from the final checkpoints on S3: every result, no request
+    service.reset()
+    again = CheckpointConfig(location, "on-s3", restore_from="latest", storage_options=s3.options)
+    fn = ServiceEnrichment(service.url)
+    rerun = ordered_wait(source(spark, rows), fn, SCHEMA, capacity=capacity, checkpoint=again)
+    assert sorted(r.id for r in rerun.collect()) == list(range(rows))
+    assert service.stats()["total"] == 0
 
 
 def test_zoned_timestamps_reach_the_function_in_utc_before_and_after_a_resume(
