@@ -32,6 +32,7 @@ from pyspark import TaskContext
 from pyspark.errors import AnalysisException, StreamingQueryException
 
 from checkpoint import delta_dataset
+from checkpoint._layout import filesystem
 from stateful_async import ConfigurationError, DeltaSinkError, SinkSchemaMismatchError
 from stateful_async.spark import clean_orphan_files, register_delta_sink
 from stateful_async.spark._sink_commit import (
@@ -1154,3 +1155,60 @@ def test_clean_orphan_files_leaves_a_delta_table_nested_inside_the_table(tmp_pat
     assert removed == ["stray.parquet"]
     assert DeltaTable(str(nested)).to_pyarrow_table().num_rows == 1
     assert DeltaTable(str(table)).to_pyarrow_table().num_rows == 2
+
+
+@pytest.mark.spark
+def test_the_sink_writes_to_s3_exactly_once_given_storage_options(
+    sink: Any, s3: Any, tmp_path: Path
+) -> None:
+    # An S3 API server on 127.0.0.1, reached only through the storage.* options.
+    table = f"{s3.bucket()}/table"
+    options = {f"storage.{key}": value for key, value in s3.options.items()}
+
+    def read_ids() -> list[int]:
+        dataset = delta_dataset(DeltaTable(table, storage_options=s3.options), s3.options)
+        return sorted(dataset.to_table(columns=["id"]).column("id").to_pylist())
+
+    # batch: an idempotent append, run twice, and an overwrite
+    df = sink.range(0, 300, numPartitions=3).selectExpr("id", "CAST(id AS STRING) AS label")
+    for _ in range(2):
+        df.write.format("delta_rs").options(**options).option("txnAppId", "nightly").option(
+            "txnVersion", "1"
+        ).mode("append").save(table)
+    assert read_ids() == list(range(300))
+    assert DeltaTable(table, storage_options=s3.options).transaction_version("nightly") == 1
+    # streaming: stopped mid-way and restarted, every row once
+    source, stream_table = tmp_path / "src", f"{s3.bucket()}/stream"
+    expected = _write_source(source, files=6, rows_per_file=100)
+    checkpoint = str(tmp_path / "chk")
+    query = DRIVER.start_query(
+        sink, str(source), stream_table, checkpoint, interval="0.5 seconds", **options
+    )
+    try:
+        _poll(
+            lambda: (
+                DeltaTable.is_deltatable(stream_table, s3.options)
+                and DeltaTable(stream_table, storage_options=s3.options).version() >= 1
+            ),
+            "two committed micro-batches",
+        )
+    finally:
+        query.stop()
+    partial = DeltaTable(stream_table, storage_options=s3.options)
+    assert 0 < partial.count() < len(expected), "the query should have been stopped mid-way"
+    restarted = DRIVER.start_query(
+        sink, str(source), stream_table, checkpoint, interval=None, **options
+    )
+    restarted.awaitTermination()
+    written = DeltaTable(stream_table, storage_options=s3.options)
+    ids = delta_dataset(written, s3.options).to_table(columns=["id"]).column("id").to_pylist()
+    assert sorted(ids) == expected
+    # an orphan (a failed attempt's file) is found and deleted on S3 too
+    orphan = "part-orphan.parquet"
+    fs, path = filesystem(stream_table, s3.options)
+    pq.write_table(_rows(0, 1), f"{path}/{orphan}", filesystem=fs)
+    removed = clean_orphan_files(stream_table, older_than=0, storage_options=s3.options)
+    assert removed == [orphan]
+    assert (
+        sorted(delta_dataset(written, s3.options).to_table().column("id").to_pylist()) == expected
+    )
