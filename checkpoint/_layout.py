@@ -12,6 +12,7 @@ of its tables together with ``SnapshotStore.read_job``.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import TYPE_CHECKING, Any, Union
@@ -56,7 +57,10 @@ def normalize(location: str | os.PathLike[str]) -> str:
 
 StorageOptions = Union[dict[str, str], None]
 
-# deltalake's (object_store's) names for S3 settings, any case, and pyarrow's for them
+_S3_SCHEMES = ("s3", "s3a")
+
+# The S3 settings that decide where a read goes and as whom, by the names deltalake
+# (object_store) takes them under, in any case; keyed by pyarrow's S3FileSystem's names.
 _S3_OPTIONS = {
     "access_key": ("aws_access_key_id", "access_key_id"),
     "secret_key": ("aws_secret_access_key", "secret_access_key"),
@@ -65,29 +69,79 @@ _S3_OPTIONS = {
     "endpoint": ("aws_endpoint_url", "aws_endpoint", "endpoint_url", "endpoint"),
     "allow_http": ("aws_allow_http", "allow_http"),
     "virtual_hosted": ("aws_virtual_hosted_style_request", "virtual_hosted_style_request"),
+    "anonymous": ("aws_skip_signature", "skip_signature"),
 }
+# Settings of how delta-rs writes and commits, or of its client's tuning: reads and
+# listings need none of them. Any other option (aws_profile, aws_request_payer, ...) has
+# no pyarrow equivalent, and sends reads through deltalake's own handler instead.
+_S3_WRITE_OPTIONS = frozenset(
+    {
+        "aws_s3_allow_unsafe_rename",
+        "aws_s3_locking_provider",
+        "delta_dynamo_table_name",
+        "aws_copy_if_not_exists",
+        "copy_if_not_exists",
+        "aws_conditional_put",
+        "conditional_put",
+        "aws_disable_tagging",
+        "aws_server_side_encryption",
+        "aws_sse_kms_key_id",
+        "aws_sse_bucket_key_enabled",
+        "aws_checksum_algorithm",
+        "aws_unsigned_payload",
+        "aws_s3_pool_idle_timeout_seconds",
+        "aws_sts_pool_idle_timeout_seconds",
+        "aws_s3_get_internal_server_error_retries",
+        "timeout",
+        "connect_timeout",
+        "pool_idle_timeout",
+    }
+)
+_S3_KNOWN = frozenset(name for names in _S3_OPTIONS.values() for name in names) | _S3_WRITE_OPTIONS
 
 
-def _s3_filesystem(storage_options: dict[str, str]) -> pafs.S3FileSystem:
-    """pyarrow's S3 filesystem with the credentials and endpoint that ``storage_options``
-    give deltalake; what they leave out comes from the environment, as for deltalake."""
-    given = {key.lower(): value for key, value in storage_options.items()}
+def _s3_filesystem(bucket: str, storage_options: StorageOptions) -> pafs.S3FileSystem | None:
+    """pyarrow's S3 filesystem for ``bucket`` with the settings deltalake would use: each
+    from ``storage_options`` if they hold it, else from the environment's ``AWS_*``
+    variables (as delta-rs merges them). None if the options hold a setting pyarrow has
+    no equivalent for."""
+    given = {key.lower(): value for key, value in (storage_options or {}).items()}
+    if not given.keys() <= _S3_KNOWN:
+        return None
+    env = {key.lower(): value for key, value in os.environ.items() if key.startswith("AWS_")}
+    settings = {}
+    for name, keys in _S3_OPTIONS.items():
+        value = next((source[k] for source in (given, env) for k in keys if k in source), None)
+        if value is not None:
+            settings[name] = value
+    return _cached_s3_filesystem(bucket, tuple(sorted(settings.items())))
 
-    def option(name: str) -> str | None:
-        return next((given[key] for key in _S3_OPTIONS[name] if key in given), None)
 
-    kwargs: dict[str, Any] = {}
-    for name in ("access_key", "secret_key", "session_token", "region"):
-        if option(name) is not None:
-            kwargs[name] = option(name)
-    endpoint = option("endpoint")
+@functools.lru_cache(maxsize=64)
+def _cached_s3_filesystem(bucket: str, settings: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem:
+    """One filesystem per bucket and settings: a listing of a job's tables makes hundreds
+    of calls, and finding a bucket's region costs a request."""
+    given = dict(settings)
+    kwargs: dict[str, Any] = {
+        name: given[name]
+        for name in ("access_key", "secret_key", "session_token", "region")
+        if name in given
+    }
+    endpoint = given.get("endpoint")
     if endpoint is not None:
         scheme, found, host = endpoint.partition("://")
         kwargs["endpoint_override"] = host.rstrip("/") if found else endpoint
-        plain = (option("allow_http") or "").lower() == "true"
-        kwargs["scheme"] = scheme if found else ("http" if plain else "https")
-    if option("virtual_hosted") is not None:
-        kwargs["force_virtual_addressing"] = option("virtual_hosted").lower() == "true"  # type: ignore[union-attr]
+        plain = given.get("allow_http", "").lower() == "true"
+        kwargs["scheme"] = scheme.lower() if found else ("http" if plain else "https")
+    elif "region" not in kwargs:  # as pyarrow's from_uri does: the bucket's own region
+        try:
+            kwargs["region"] = pafs.resolve_s3_region(bucket)
+        except OSError:
+            pass  # the SDK's default; the read that follows reports what is wrong
+    if "virtual_hosted" in given:
+        kwargs["force_virtual_addressing"] = given["virtual_hosted"].lower() == "true"
+    if given.get("anonymous", "").lower() == "true":
+        kwargs["anonymous"] = True
     return pafs.S3FileSystem(**kwargs)
 
 
@@ -95,32 +149,34 @@ def filesystem(uri: str, storage_options: StorageOptions = None) -> tuple[pafs.F
     """A pyarrow filesystem that reaches ``uri`` with ``storage_options`` (those deltalake
     takes), and the path of ``uri`` in it.
 
-    S3 gets pyarrow's own filesystem, with the options translated: reads through
+    S3 gets pyarrow's own filesystem, with the settings translated: reads through
     deltalake's Python filesystem handler abort the process at exit about one run in ten
     ("terminate called without an active exception"; measured on an S3 API server with
-    deltalake 1.6.6, pyarrow 26). Other stores with options are listed through that handler
-    (listing alone never aborted); without options, pyarrow uses the environment's
-    credentials."""
+    deltalake 1.6.6, pyarrow 26). Options pyarrow has no equivalent for, and other stores'
+    options, go through that handler (listing alone never aborted); other stores without
+    options get pyarrow's filesystem for their scheme, with the environment's credentials."""
     if is_local(uri):
         return pafs.LocalFileSystem(), normalize(uri)
     scheme, _, path = uri.partition("://")
-    if scheme in ("s3", "s3a") and storage_options:
-        return _s3_filesystem(storage_options), path.rstrip("/")
+    if scheme.lower() in _S3_SCHEMES:
+        s3 = _s3_filesystem(path.split("/", 1)[0], storage_options)
+        if s3 is not None:
+            return s3, path.rstrip("/")
     if storage_options:
         from deltalake.fs import DeltaStorageHandler
 
-        return pafs.PyFileSystem(DeltaStorageHandler(uri, storage_options)), ""
+        return pafs.PyFileSystem(DeltaStorageHandler(uri, storage_options or {})), ""
     return pafs.FileSystem.from_uri(uri)
 
 
 def _native(uri: str, storage_options: StorageOptions) -> pafs.FileSystem | None:
     """pyarrow's own filesystem rooted at ``uri`` (a table), where there is one: local
-    paths and S3. None elsewhere."""
-    scheme = urlparse(uri).scheme
-    if not is_local(uri) and scheme not in ("s3", "s3a"):
+    paths, and S3 unless the options hold a setting pyarrow has no equivalent for. None
+    elsewhere."""
+    if not is_local(uri) and urlparse(uri).scheme.lower() not in _S3_SCHEMES:
         return None
     fs, path = filesystem(uri, storage_options)
-    return pafs.SubTreeFileSystem(path, fs)
+    return None if isinstance(fs, pafs.PyFileSystem) else pafs.SubTreeFileSystem(path, fs)
 
 
 def delta_dataset(table: DeltaTable, storage_options: StorageOptions = None) -> pads.Dataset:

@@ -245,6 +245,27 @@ def _description(input_schema: pa.Schema, output_schema: pa.Schema) -> str:
 _TICK = timedelta(microseconds=1)  # the smallest step of a checkpoint's created_at
 
 
+def newest_restorable(
+    metas: Sequence[CheckpointMetadata], run_id: str | None = None, max_id: int | None = None
+) -> CheckpointMetadata | None:
+    """Of one subtask's checkpoints (``metas``: all of them, expired ones included, oldest
+    first as ``SubtaskLog.checkpoints`` lists them), the one ``SubtaskLog.latest`` resumes
+    from; see there."""
+    candidates = [
+        m
+        for m in metas
+        if not m.expired
+        and (run_id is None or m.run_id == run_id)
+        and (max_id is None or m.checkpoint_id <= max_id)
+    ]
+    if run_id is not None:
+        candidates.sort(key=lambda m: m.checkpoint_id)
+    # Newest first, skipping any whose chain is broken (an ancestor deleted while it was
+    # committed: see chain()), which could never be restored.
+    intact = _intact_chains(candidates, {m.ref: m for m in metas})
+    return next((m for m in reversed(candidates) if intact[m.ref]), None)
+
+
 def _intact_chains(
     metas: Sequence[CheckpointMetadata], by_ref: dict[CheckpointRef, CheckpointMetadata]
 ) -> dict[CheckpointRef, bool]:
@@ -395,18 +416,7 @@ class SubtaskLog:
 
         Within a run, newest means the highest id; across runs, the most recently created.
         """
-        candidates = [
-            m
-            for m in self.checkpoints(include_expired=False)
-            if (run_id is None or m.run_id == run_id)
-            and (max_id is None or m.checkpoint_id <= max_id)
-        ]
-        if run_id is not None:
-            candidates.sort(key=lambda m: m.checkpoint_id)
-        # Newest first, skipping any whose chain is broken (an ancestor deleted while it was
-        # committed: see chain()), which could never be restored.
-        intact = _intact_chains(candidates, {m.ref: m for m in self.checkpoints()})
-        return next((m for m in reversed(candidates) if intact[m.ref]), None)
+        return newest_restorable(self.checkpoints(), run_id, max_id)
 
     def sizes(self) -> dict[CheckpointRef, int]:
         """Bytes of the Parquet files that hold one checkpoint each, by checkpoint (read

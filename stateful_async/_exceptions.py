@@ -29,6 +29,7 @@ which is also a ``StatefulAsyncError``.
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 import os
@@ -183,13 +184,13 @@ def as_int(value: Any) -> int | None:
 
 
 def as_float(value: Any) -> float | None:
-    """``value`` as a plain float if it is a real number a float can hold (numpy's
-    included; bools and timedelta64 not), else None."""
+    """``value`` as a plain float if it is a real number (numpy's included; bools and
+    timedelta64 not; one too large for a float is infinite), else None."""
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         return None
     if isinstance(value, numbers.Integral) and as_int(value) is None:
         return None
     try:
         return float(value)
-    except OverflowError:  # 10**400 is a real number, but no float
-        return None
+    except OverflowError:  # 10**400: as large as a float gets, for "finite" checks to refuse
+        return math.inf if value > 0 else -math.inf

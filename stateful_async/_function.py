@@ -7,7 +7,7 @@ import inspect
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Generic, Iterable, TypeVar, Union
 
-from ._exceptions import ConfigurationError
+from ._exceptions import ConfigurationError, as_int
 
 IN = TypeVar("IN")
 OUT = TypeVar("OUT")
@@ -149,10 +149,12 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
     def __init__(
         self, fn: Callable[[IN], Iterable[OUT]] | None = None, *, max_workers: int = 16
     ) -> None:
-        if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
+        workers = as_int(max_workers)  # numpy's integers too
+        if workers is None or workers < 1:
             raise ConfigurationError(
                 f"ThreadPoolAsyncFunction max_workers must be an integer >= 1; got {max_workers!r}."
             )
+        max_workers = workers
         if fn is not None and not callable(fn):
             raise ConfigurationError(
                 f"ThreadPoolAsyncFunction needs a callable; got {type(fn).__name__}."

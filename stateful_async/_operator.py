@@ -1121,9 +1121,10 @@ def check_capacity_and_timeout(
     timeout: float | datetime.timedelta | None,
     retry: Any,
     max_in_flight: int | None = None,
-) -> float | None:
+) -> tuple[int, int | None, float | None]:
     """Validate operator options without running an operator (the Spark adapter checks
-    them on the driver, before a job starts); return the timeout in seconds."""
+    them on the driver, before a job starts); return them as the operator keeps them:
+    capacity and max_in_flight as plain ints, the timeout in seconds."""
     operator = AsyncWaitOperator(
         _noop_function,
         _discard,
@@ -1133,7 +1134,8 @@ def check_capacity_and_timeout(
         retry,
         max_in_flight=max_in_flight,
     )
-    return operator._timeout
+    limit = None if max_in_flight is None else operator._max_in_flight
+    return operator.capacity, limit, operator._timeout
 
 
 async def _noop_function(value: Any) -> Sequence[Any]:

@@ -114,3 +114,59 @@ def test_the_command_line_reads_checkpoints_on_s3_given_storage_options(s3, tmp_
     bad = cli("checkpoints", "list", location, "-o", "AWS_REGION")
     assert bad.returncode == 2
     assert "--storage-option 'AWS_REGION' is not KEY=VALUE" in bad.stderr
+
+
+def test_settings_the_options_leave_out_come_from_the_environment(s3, monkeypatch) -> None:
+    # As delta-rs merges them: here the endpoint and credentials are in the environment,
+    # and the options only tune how delta-rs commits. Reads went to AWS's own endpoint.
+    for key, value in s3.options.items():
+        monkeypatch.setenv(key, value)
+    location = f"{s3.bucket()}/checkpoints"
+    only = {"AWS_S3_ALLOW_UNSAFE_RENAME": "true"}
+    log = SnapshotStore(location, only).subtask("job", "enrich", 0)
+    commit(log, "run", 2, commit(log, "run", 1).ref)
+    fresh = SnapshotStore(location, only)  # as a retried task or a new run sees it
+    assert fresh.jobs() == ["job"]
+    assert fresh.subtask("job", "enrich", 0).latest().checkpoint_id == 2
+    assert [r.value["id"] for r in fresh.restore("job", "enrich", 0, 2).result_records()] == [1, 2]
+    # an s3a:// location (Hadoop's name for S3) is the same store
+    s3a = SnapshotStore(location.replace("s3://", "s3a://"), only)
+    assert s3a.subtasks("job", "enrich") == [0]
+    assert s3a.subtask("job", "enrich", 0).latest().checkpoint_id == 2
+
+
+def test_s3_options_are_translated_for_pyarrow_or_left_to_deltalake() -> None:
+    from checkpoint._layout import filesystem
+
+    def settings(options: dict[str, str]) -> dict[str, Any]:
+        fs, path = filesystem("s3://bucket/chk/", options)
+        assert path == "bucket/chk"
+        assert isinstance(fs, pafs.S3FileSystem)
+        return fs.__reduce__()[1][0]  # the arguments it was built with
+
+    given = settings(
+        {
+            "aws_access_key_id": "key",
+            "SECRET_ACCESS_KEY": "secret",  # any case, any of delta-rs's aliases
+            "aws_token": "token",
+            "region": "eu-west-1",
+            "endpoint": "minio.local:9000",
+            "allow_http": "TRUE",
+            "aws_virtual_hosted_style_request": "true",
+            "aws_conditional_put": "etag",  # for commits only
+        }
+    )
+    assert {k: given[k] for k in ("access_key", "secret_key", "session_token", "region")} == {
+        "access_key": "key",
+        "secret_key": "secret",
+        "session_token": "token",
+        "region": "eu-west-1",
+    }
+    assert (given["endpoint_override"], given["scheme"]) == ("minio.local:9000", "http")
+    assert given["force_virtual_addressing"] is True and given["anonymous"] is False
+    https = settings({"AWS_ENDPOINT_URL": "HTTPS://s3.example:443/", "AWS_REGION": "x"})
+    assert (https["endpoint_override"], https["scheme"]) == ("s3.example:443", "https")
+    assert settings({"AWS_SKIP_SIGNATURE": "true", "AWS_REGION": "x"})["anonymous"] is True
+    # a setting pyarrow has no equivalent for: deltalake's own handler, which knows it
+    fs, path = filesystem("s3://bucket/chk", {"AWS_PROFILE": "reader", "AWS_REGION": "x"})
+    assert isinstance(fs, pafs.PyFileSystem) and path == ""

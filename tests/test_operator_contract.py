@@ -704,6 +704,11 @@ def test_numpy_numbers_are_taken_as_plain_ones() -> None:
     ):
         with pytest.raises(ConfigurationError, match="must be an integer|number of seconds"):
             AsyncWaitOperator(_noop, lambda e: None, **kwargs)
+    with pytest.raises(ConfigurationError, match="timeout must be a finite number of seconds"):
+        AsyncWaitOperator(_noop, lambda e: None, timeout=10**400)  # no float holds it
+    from stateful_async import ThreadPoolAsyncFunction
+
+    assert ThreadPoolAsyncFunction(lambda v: [v], max_workers=np.int64(3)).max_workers == 3
 
 
 def test_a_regular_function_is_refused_with_advice() -> None:

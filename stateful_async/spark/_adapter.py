@@ -144,9 +144,9 @@ def _async_wait(
             f"The first argument must be a pyspark DataFrame; got {type(df).__name__}."
         )
     function = as_async_function(fn)
-    seconds = check_capacity_and_timeout(capacity, timeout, retry, max_in_flight)
-    capacity = int(capacity)  # numpy's integers too: the operator took them
-    max_in_flight = None if max_in_flight is None else int(max_in_flight)
+    capacity, max_in_flight, seconds = check_capacity_and_timeout(
+        capacity, timeout, retry, max_in_flight
+    )
     if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
         raise ConfigurationError(
             f"checkpoint must be a CheckpointConfig; got {type(checkpoint).__name__}."
@@ -462,7 +462,7 @@ def _check_checkpoint(
                 )
             _check_every_partition_can_restore(every, wanted, config)
         if mode is OutputMode.ORDERED:
-            _check_order_kept(metas, config)
+            _check_order_kept(every, config)
     except CheckpointError as exc:
         if isinstance(exc, SchemaChangedError):
             raise
@@ -511,20 +511,23 @@ def _check_every_partition_can_restore(
     )
 
 
-def _check_order_kept(metas: list[Any], config: CheckpointConfig) -> None:
+def _check_order_kept(every: list[Any], config: CheckpointConfig) -> None:
     """ordered_wait cannot resume from unordered_wait's checkpoints (their results are in
     completion order; the task refuses, see _TaskRun._check_order_kept): refuse up front,
     rather than after all of Spark's attempts of the first such task."""
-    max_id = None if config.restore_from == "latest" else int(str(config.restore_from))
-    newest: dict[int, Any] = {}  # per partition, the one its task restores from
-    for meta in metas:
-        if max_id is None or meta.checkpoint_id <= max_id:
-            current = newest.get(meta.subtask)
-            if current is None or meta.created_at >= current.created_at:
-                newest[meta.subtask] = meta
-    unordered = sorted(
-        p for p, m in newest.items() if m.properties.get(OUTPUT_MODE_PROPERTY) == "unordered"
-    )
+    from checkpoint._store import newest_restorable
+
+    restore = config.restore_from
+    max_id = restore if isinstance(restore, int) else None  # "latest": no bound
+    by_partition: dict[int, list[Any]] = {}
+    for meta in every:
+        by_partition.setdefault(meta.subtask, []).append(meta)
+    unordered = []
+    for partition, metas in sorted(by_partition.items()):
+        metas.sort(key=lambda m: (m.created_at, m.checkpoint_id))  # as SubtaskLog lists them
+        chosen = newest_restorable(metas, max_id=max_id)  # what the partition's task picks
+        if chosen is not None and chosen.properties.get(OUTPUT_MODE_PROPERTY) == "unordered":
+            unordered.append(partition)
     if unordered:
         raise ConfigurationError(
             f"restore_from={config.restore_from!r}: job {config.job_id!r} (operator "

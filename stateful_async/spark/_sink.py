@@ -60,7 +60,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from .._exceptions import ConfigurationError, DeltaSinkError
+from .._exceptions import ConfigurationError, DeltaSinkError, as_float
 from ._sink_commit import find_orphans, load_table
 from ._sink_files import TableStorage
 from ._sink_options import SinkOptions
@@ -120,8 +120,10 @@ def clean_orphan_files(
     than your slowest write (task start to commit). ``dry_run=True`` deletes nothing.
     Returns the orphans' paths, relative to the table root, sorted.
     """
-    seconds = older_than.total_seconds() if isinstance(older_than, timedelta) else older_than
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds:
+    seconds = (
+        older_than.total_seconds() if isinstance(older_than, timedelta) else as_float(older_than)
+    )
+    if seconds is None or not 0 <= seconds:
         raise ConfigurationError(
             f"older_than must be a timedelta or a number of seconds, not negative; got "
             f"{older_than!r}. It is the grace period during which fresh, not yet committed "

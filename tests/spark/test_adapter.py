@@ -1907,3 +1907,32 @@ def test_a_micro_batch_restarted_with_ordered_wait_does_not_resume_unordered_wai
         r"Finish this micro-batch with unordered_wait, then switch",
     ):
         run(OutputMode.ORDERED)
+
+
+def test_the_drivers_mode_check_judges_the_checkpoint_each_task_would_resume_from(
+    tmp_path,
+) -> None:
+    # A partition resumes from its newest restorable checkpoint, skipping one whose chain is
+    # broken; the driver must judge that one, not simply the newest.
+    from checkpoint import CheckpointMetadata, CheckpointRef
+    from stateful_async.spark._adapter import _check_order_kept
+
+    start = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+    def meta(run, partition, checkpoint_id, parent, mode, second):  # type: ignore[no-untyped-def]
+        return CheckpointMetadata(
+            "job", "enrich", run, partition, checkpoint_id, parent, checkpoint_id, "", 0, 0,
+            False, False, start + timedelta(seconds=second), "test", {"output_mode": mode},
+        )  # fmt: skip
+
+    ordered = meta("A", 0, 1, None, "ordered", 0)
+    broken = meta("B", 0, 2, CheckpointRef("gone", 1), "unordered", 10)  # parent deleted
+    config = CheckpointConfig(str(tmp_path), "job", restore_from="latest")
+    _check_order_kept([broken, ordered], config)  # partition 0 resumes from A:1: accepted
+    unordered = meta("B", 1, 1, None, "unordered", 20)
+    with pytest.raises(ConfigurationError, match=r"would resume partition\(s\) 1 from"):
+        _check_order_kept([broken, ordered, unordered], config)
+    # restore_from=N judges the newest with id N or lower
+    _check_order_kept([ordered, meta("C", 1, 5, None, "unordered", 30)], CheckpointConfig(
+        str(tmp_path), "job", restore_from=4
+    ))  # fmt: skip

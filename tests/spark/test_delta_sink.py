@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import unquote
 
 import duckdb
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -337,6 +338,7 @@ def test_task_dying_after_writing_its_file_is_never_committed(
     found = clean_orphan_files(str(table), older_than=dt.timedelta(0), dry_run=True)
     assert found == sorted(dead_files)
     assert clean_orphan_files(str(table), older_than=0, dry_run=True) == found  # seconds
+    assert clean_orphan_files(str(table), older_than=np.float64(0), dry_run=True) == found
     assert clean_orphan_files(str(table), older_than=3600.0, dry_run=True) == []
     assert set(dead_files) <= _table_files(table)
 
