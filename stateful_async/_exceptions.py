@@ -190,7 +190,8 @@ def as_float(value: Any) -> float | None:
         return None
     if isinstance(value, numbers.Integral) and as_int(value) is None:
         return None
+    number: Any = value  # numbers.Real declares no comparison with int
     try:
-        return float(value)
+        return float(number)
     except OverflowError:  # 10**400: as large as a float gets, for "finite" checks to refuse
-        return math.inf if value > 0 else -math.inf
+        return math.inf if number > 0 else -math.inf
