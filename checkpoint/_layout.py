@@ -165,7 +165,7 @@ def filesystem(uri: str, storage_options: StorageOptions = None) -> tuple[pafs.F
     if storage_options:
         from deltalake.fs import DeltaStorageHandler
 
-        return pafs.PyFileSystem(DeltaStorageHandler(uri, storage_options or {})), ""
+        return pafs.PyFileSystem(DeltaStorageHandler(uri, storage_options)), ""
     return pafs.FileSystem.from_uri(uri)
 
 

@@ -522,11 +522,11 @@ def _check_order_kept(every: list[Any], config: CheckpointConfig) -> None:
     by_partition: dict[int, list[Any]] = {}
     for meta in every:
         by_partition.setdefault(meta.subtask, []).append(meta)
-    unordered = []
+    unordered, unordered_mode = [], OutputMode.UNORDERED.value
     for partition, metas in sorted(by_partition.items()):
         metas.sort(key=lambda m: (m.created_at, m.checkpoint_id))  # as SubtaskLog lists them
         chosen = newest_restorable(metas, max_id=max_id)  # what the partition's task picks
-        if chosen is not None and chosen.properties.get(OUTPUT_MODE_PROPERTY) == "unordered":
+        if chosen is not None and chosen.properties.get(OUTPUT_MODE_PROPERTY) == unordered_mode:
             unordered.append(partition)
     if unordered:
         raise ConfigurationError(
