@@ -175,7 +175,7 @@ def _async_wait(
                 "is a run of its own, so it would only find the previous batch's checkpoints)."
             )
         _check_checkpoint(checkpoint, input_schema, output_schema, mode)
-        _warn_if_tasks_never_retry(df.sparkSession.sparkContext)
+        _warn_if_tasks_never_retry(df.sparkSession)
     spec = TaskSpec(
         fn=function,
         mode=mode,
@@ -188,7 +188,7 @@ def _async_wait(
         event_time=event_time,
         max_out_of_orderness=ooo,
         checkpoint=checkpoint,
-        app_id=df.sparkSession.sparkContext.applicationId,
+        app_id=df.sparkSession.conf.get("spark.app.id") or "",  # Connect sessions: no SparkContext
     )
     task = PartitionTask(spec)
     _check_picklable(task, fn)
@@ -539,9 +539,10 @@ def _check_order_kept(every: list[Any], config: CheckpointConfig) -> None:
         )
 
 
-def _warn_if_tasks_never_retry(context: Any) -> None:
-    master = context.master
-    if task_attempts(master, context.getConf().get("spark.task.maxFailures")) > 1:
+def _warn_if_tasks_never_retry(session: Any) -> None:
+    # the session's conf, not its SparkContext: Spark Connect sessions have none
+    master = session.conf.get("spark.master")
+    if task_attempts(master, session.conf.get("spark.task.maxFailures", None)) > 1:
         return
     warnings.warn(
         f"This SparkSession (master {master!r}) runs each task once: a task that fails fails "

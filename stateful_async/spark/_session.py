@@ -61,6 +61,12 @@ def local_session(
 def _running_session(session_class: Any) -> Any:
     """The SparkSession this process runs (from any thread), or None."""
     session = session_class.getActiveSession() or session_class._instantiatedSession
+    if session is not None and type(session).__module__.startswith("pyspark.sql.connect"):
+        raise ConfigurationError(
+            "local_session() makes classic SparkSessions, and this process runs a Spark "
+            "Connect session: use that session itself (ordered_wait, unordered_wait and the "
+            "delta_rs sink run on it)."
+        )
     if session is None or session.sparkContext._jsc is None:  # stopped
         return None
     return session

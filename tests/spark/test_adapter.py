@@ -4,6 +4,7 @@ enrichment service on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -1936,3 +1937,30 @@ def test_the_drivers_mode_check_judges_the_checkpoint_each_task_would_resume_fro
     _check_order_kept([ordered, meta("C", 1, 5, None, "unordered", 30)], CheckpointConfig(
         str(tmp_path), "job", restore_from=4
     ))  # fmt: skip
+
+
+def test_ordered_wait_unordered_wait_and_the_sink_run_on_spark_connect(tmp_path) -> None:
+    # A Spark Connect session has no SparkContext: the adapter read the app id and the
+    # master from it, and failed before any job ran. Its own driver process (a local
+    # Connect server cannot share a process with the tests' classic session).
+    script = Path(__file__).with_name("connect_job.py")
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["session"] == "pyspark.sql.connect.session"
+    want = [[i, 2 * i] for i in range(200)]
+    assert result["ordered"] == want  # in order, exactly once, after a worker crash
+    assert result["unordered"] == want
+    resumed = [c for c in result["checkpoints"] if c[1] == "1"]
+    assert resumed and all(subtask == 1 for subtask, _, _ in resumed)  # the crashed one
+    assert resumed[0][2]  # attempt 1 resumed from attempt 0's checkpoint
+    assert result["table"] == list(range(200))  # the replayed write added nothing
+    assert result["local_session"].startswith(
+        "ConfigurationError: local_session() makes classic SparkSessions, and this process "
+        "runs a Spark Connect session"
+    )

@@ -1,0 +1,85 @@
+"""A checkpointed enrichment and a delta_rs write on a Spark Connect session, run as its own
+driver process (a local Connect server cannot share a process with the tests' classic
+session). Not a test module.
+
+    python connect_job.py WORKDIR
+
+Prints one JSON object: the outputs, what the checkpoints record, the table's rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+from deltalake import DeltaTable  # noqa: E402
+from pyspark.sql import SparkSession  # noqa: E402
+
+from checkpoint import SnapshotStore, delta_dataset  # noqa: E402
+from stateful_async.chaos import CrashOnElement  # noqa: E402
+from stateful_async.spark import (  # noqa: E402
+    CheckpointConfig,
+    local_session,
+    ordered_wait,
+    register_delta_sink,
+    unordered_wait,
+)
+
+
+async def double(row):  # type: ignore[no-untyped-def]
+    return [{"id": row["id"], "twice": 2 * row["id"]}]
+
+
+def main(workdir: str) -> None:
+    spark = (
+        SparkSession.builder.remote("local[2,3]")  # a Connect server in a JVM of its own
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .getOrCreate()
+    )
+    df = spark.range(0, 200, numPartitions=2)
+    schema = "id long, twice long"
+    config = CheckpointConfig(f"{workdir}/chk", "connect", interval_records=20, retain=100)
+    crashing = CrashOnElement(double, at=[150])  # the worker dies once, in partition 1
+    ordered = ordered_wait(df, crashing, schema, capacity=8, checkpoint=config).collect()
+    unordered = unordered_wait(
+        df, double, schema, capacity=8, event_time="id", max_out_of_orderness=5
+    ).collect()
+    metas = SnapshotStore(config.location).checkpoints("connect", include_expired=True)
+    register_delta_sink(spark)
+    table = f"{workdir}/table"
+    for _ in range(2):  # idempotent: the second is refused as a replay
+        df.selectExpr("id", "id * 2 AS twice").write.format("delta_rs").option(
+            "txnAppId", "connect"
+        ).option("txnVersion", "1").mode("append").save(table)
+    written = delta_dataset(DeltaTable(table)).to_table().column("id").to_pylist()
+    try:
+        local_session()
+        refused = ""
+    except Exception as exc:
+        refused = f"{type(exc).__name__}: {exc}"
+    print(
+        json.dumps(
+            {
+                "session": type(spark).__module__,
+                "ordered": [[r.id, r.twice] for r in ordered],
+                "unordered": sorted([r.id, r.twice] for r in unordered),
+                "checkpoints": [
+                    [m.subtask, m.properties.get("attempt"), m.parent is not None] for m in metas
+                ],
+                "table": sorted(written),
+                "local_session": refused,
+            }
+        ),
+        flush=True,
+    )
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
