@@ -97,30 +97,60 @@ _S3_WRITE_OPTIONS = frozenset(
         "pool_idle_timeout",
     }
 )
+_S3_CREDENTIALS = ("access_key", "secret_key", "session_token")
 _S3_KNOWN = frozenset(name for names in _S3_OPTIONS.values() for name in names) | _S3_WRITE_OPTIONS
 
 
 def _s3_filesystem(bucket: str, storage_options: StorageOptions) -> pafs.S3FileSystem | None:
-    """pyarrow's S3 filesystem for ``bucket`` with the settings deltalake would use: each
-    from ``storage_options`` if they hold it, else from the environment's ``AWS_*``
-    variables (as delta-rs merges them). None if the options hold a setting pyarrow has
-    no equivalent for."""
+    """pyarrow's S3 filesystem for ``bucket`` with the settings deltalake would use, or
+    None if the options hold a setting pyarrow has no equivalent for.
+
+    As in delta-rs: the endpoint, region and addressing come from ``storage_options`` if
+    they hold them, else from the environment's ``AWS_*`` variables; credentials are the
+    options' access key and secret (with their session token) as a set, or else none
+    given, for the AWS SDK's own chain (the environment, a profile, a role) to find."""
     given = {key.lower(): value for key, value in (storage_options or {}).items()}
     if not given.keys() <= _S3_KNOWN:
         return None
-    env = {key.lower(): value for key, value in os.environ.items() if key.startswith("AWS_")}
+    environment = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    env = {key.lower(): value for key, value in environment.items()}
+
+    def setting(name: str, *sources: dict[str, str]) -> str | None:
+        keys = _S3_OPTIONS[name]
+        return next((source[k] for source in sources for k in keys if k in source), None)
+
     settings = {}
-    for name, keys in _S3_OPTIONS.items():
-        value = next((source[k] for source in (given, env) for k in keys if k in source), None)
+    for name in ("region", "endpoint", "allow_http", "virtual_hosted", "anonymous"):
+        value = setting(name, given, env)
         if value is not None:
             settings[name] = value
-    return _cached_s3_filesystem(bucket, tuple(sorted(settings.items())))
+    if setting("access_key", given) is not None and setting("secret_key", given) is not None:
+        for name in _S3_CREDENTIALS:
+            value = setting(name, given)
+            if value is not None:
+                settings[name] = value
+    if "region" not in settings and "endpoint" not in settings:
+        try:  # as pyarrow's from_uri does: the bucket's own region
+            settings["region"] = _bucket_region(bucket)
+        except OSError:
+            pass  # the SDK's default; the read that follows reports what is wrong
+    # the environment is in the key too: the SDK reads some of it (AWS_PROFILE, ...) itself
+    return _cached_s3_filesystem(
+        tuple(sorted(settings.items())), tuple(sorted(environment.items()))
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _bucket_region(bucket: str) -> str:
+    """A bucket's region (a request; a failure is not kept, and is tried again)."""
+    return pafs.resolve_s3_region(bucket)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_s3_filesystem(bucket: str, settings: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem:
-    """One filesystem per bucket and settings: a listing of a job's tables makes hundreds
-    of calls, and finding a bucket's region costs a request."""
+def _cached_s3_filesystem(
+    settings: tuple[tuple[str, str], ...], environment: tuple[tuple[str, str], ...]
+) -> pafs.S3FileSystem:
+    """One filesystem per settings: a listing of a job's tables makes hundreds of calls."""
     given = dict(settings)
     kwargs: dict[str, Any] = {
         name: given[name]
@@ -133,14 +163,10 @@ def _cached_s3_filesystem(bucket: str, settings: tuple[tuple[str, str], ...]) ->
         kwargs["endpoint_override"] = host.rstrip("/") if found else endpoint
         plain = given.get("allow_http", "").lower() == "true"
         kwargs["scheme"] = scheme.lower() if found else ("http" if plain else "https")
-    elif "region" not in kwargs:  # as pyarrow's from_uri does: the bucket's own region
-        try:
-            kwargs["region"] = pafs.resolve_s3_region(bucket)
-        except OSError:
-            pass  # the SDK's default; the read that follows reports what is wrong
     if "virtual_hosted" in given:
         kwargs["force_virtual_addressing"] = given["virtual_hosted"].lower() == "true"
-    if given.get("anonymous", "").lower() == "true":
+    if given.get("anonymous", "").lower() == "true":  # unsigned requests: no credentials
+        kwargs = {k: v for k, v in kwargs.items() if k not in _S3_CREDENTIALS}
         kwargs["anonymous"] = True
     return pafs.S3FileSystem(**kwargs)
 

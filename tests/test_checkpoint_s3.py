@@ -21,6 +21,14 @@ from stateful_async import StreamRecord
 SCHEMA = pa.schema([("id", pa.int64()), ("label", pa.string())])
 
 
+@pytest.fixture(autouse=True)
+def no_aws_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The S3 server is reached through the options a test gives (or the environment it
+    sets), never through a developer's own AWS settings."""
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+
+
 def commit(log: Any, run: str, ckpt: int, parent: CheckpointRef | None = None) -> Any:
     return log.commit(
         run,
@@ -135,7 +143,7 @@ def test_settings_the_options_leave_out_come_from_the_environment(s3, monkeypatc
     assert s3a.subtask("job", "enrich", 0).latest().checkpoint_id == 2
 
 
-def test_s3_options_are_translated_for_pyarrow_or_left_to_deltalake() -> None:
+def test_s3_options_are_translated_for_pyarrow_or_left_to_deltalake(monkeypatch) -> None:
     from checkpoint._layout import filesystem
 
     def settings(options: dict[str, str]) -> dict[str, Any]:
@@ -166,7 +174,17 @@ def test_s3_options_are_translated_for_pyarrow_or_left_to_deltalake() -> None:
     assert given["force_virtual_addressing"] is True and given["anonymous"] is False
     https = settings({"AWS_ENDPOINT_URL": "HTTPS://s3.example:443/", "AWS_REGION": "x"})
     assert (https["endpoint_override"], https["scheme"]) == ("s3.example:443", "https")
-    assert settings({"AWS_SKIP_SIGNATURE": "true", "AWS_REGION": "x"})["anonymous"] is True
+    # credentials are the options' as a set (as in delta-rs), never mixed with the
+    # environment's; and none at all with unsigned requests
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "sso-token")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "env-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
+    minio = settings({"AWS_ACCESS_KEY_ID": "minio", "AWS_SECRET_ACCESS_KEY": "pw", "region": "x"})
+    assert (minio["access_key"], minio["secret_key"], minio["session_token"]) == ("minio", "pw", "")
+    chain = settings({"AWS_REGION": "x"})  # the SDK's own chain finds the environment's
+    assert (chain["access_key"], chain["session_token"]) == (None, None)
+    unsigned = settings({"AWS_SKIP_SIGNATURE": "true", "AWS_ACCESS_KEY_ID": "k", "region": "x"})
+    assert unsigned["anonymous"] is True and not unsigned["access_key"]
     # a setting pyarrow has no equivalent for: deltalake's own handler, which knows it
     fs, path = filesystem("s3://bucket/chk", {"AWS_PROFILE": "reader", "AWS_REGION": "x"})
     assert isinstance(fs, pafs.PyFileSystem) and path == ""

@@ -17,7 +17,7 @@ from .._function import as_async_function
 from .._operator import OutputMode, check_capacity_and_timeout
 from .._retry import RetryStrategy
 from ._config import CheckpointConfig
-from ._session import task_attempts
+from ._session import is_connect, task_attempts
 from ._task import OUTPUT_MODE_PROPERTY, PartitionTask, TaskSpec
 
 _MAX_OOO = 2**63 - 1  # event times are 64-bit integers (microseconds, days, or the column's)
@@ -188,7 +188,7 @@ def _async_wait(
         event_time=event_time,
         max_out_of_orderness=ooo,
         checkpoint=checkpoint,
-        app_id=df.sparkSession.conf.get("spark.app.id") or "",  # Connect sessions: no SparkContext
+        app_id=_app_id(df.sparkSession),
     )
     task = PartitionTask(spec)
     _check_picklable(task, fn)
@@ -539,10 +539,22 @@ def _check_order_kept(every: list[Any], config: CheckpointConfig) -> None:
         )
 
 
+def _app_id(session: Any) -> str:
+    """The application's id (run ids start with it), from the SparkContext, or on Spark
+    Connect, which has none, from the session's conf (Spark copies it there)."""
+    if not is_connect(session):
+        return str(session.sparkContext.applicationId)
+    return str(session.conf.get("spark.app.id"))  # raises if missing, never a blank id
+
+
 def _warn_if_tasks_never_retry(session: Any) -> None:
-    # the session's conf, not its SparkContext: Spark Connect sessions have none
-    master = session.conf.get("spark.master")
-    if task_attempts(master, session.conf.get("spark.task.maxFailures", None)) > 1:
+    if is_connect(session):  # no SparkContext; its conf has what the context was given
+        master = session.conf.get("spark.master")
+        failures = session.conf.get("spark.task.maxFailures", None)
+    else:
+        master = session.sparkContext.master
+        failures = session.sparkContext.getConf().get("spark.task.maxFailures")
+    if task_attempts(master, failures) > 1:
         return
     warnings.warn(
         f"This SparkSession (master {master!r}) runs each task once: a task that fails fails "

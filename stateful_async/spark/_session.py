@@ -54,19 +54,30 @@ def local_session(
     for key, value in settings.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
+    if is_connect(session):  # the environment asked for Spark Connect
+        raise _refuse_connect()
     session.sparkContext.setLogLevel("ERROR")
     return session
+
+
+def is_connect(session: Any) -> bool:
+    """Whether ``session`` is a Spark Connect session (one without a SparkContext)."""
+    return type(session).__module__.startswith("pyspark.sql.connect")
+
+
+def _refuse_connect() -> ConfigurationError:
+    return ConfigurationError(
+        "local_session() makes classic SparkSessions, and this process runs a Spark "
+        "Connect session (or SPARK_REMOTE / spark.api.mode asks for one): use that session "
+        "itself; ordered_wait, unordered_wait and the delta_rs sink run on it."
+    )
 
 
 def _running_session(session_class: Any) -> Any:
     """The SparkSession this process runs (from any thread), or None."""
     session = session_class.getActiveSession() or session_class._instantiatedSession
-    if session is not None and type(session).__module__.startswith("pyspark.sql.connect"):
-        raise ConfigurationError(
-            "local_session() makes classic SparkSessions, and this process runs a Spark "
-            "Connect session: use that session itself (ordered_wait, unordered_wait and the "
-            "delta_rs sink run on it)."
-        )
+    if session is not None and is_connect(session):
+        raise _refuse_connect()
     if session is None or session.sparkContext._jsc is None:  # stopped
         return None
     return session
