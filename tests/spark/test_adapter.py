@@ -24,6 +24,7 @@ from pyspark import cloudpickle
 from pyspark.sql import Row
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
+from task_specs import id_task  # a helper module: tests/spark is on pythonpath
 
 from checkpoint import SnapshotStore, UnsupportedTypeError
 from stateful_async import (
@@ -1254,14 +1255,10 @@ def test_a_close_that_raises_after_a_failure_does_not_hide_it(spark) -> None:
 
 def test_the_close_error_a_failed_task_logs_has_its_traceback(capsys) -> None:
     # The task itself, in this process (an executor's stderr does not reach the test).
-    from stateful_async import OutputMode
-    from stateful_async.spark._task import TaskIdentity, TaskSpec, _TaskRun
+    from stateful_async.spark._task import TaskIdentity, _TaskRun
 
     schema = pa.schema([("id", pa.int64())])
-    spec = TaskSpec(
-        FailsAndFailsToClose(), OutputMode.ORDERED, 2, None, None, schema, schema, None, 0, None,
-        "app",
-    )  # fmt: skip
+    spec = id_task(FailsAndFailsToClose(), capacity=2)
     batches = iter([pa.record_batch([pa.array(range(5), pa.int64())], schema=schema)])
     with pytest.raises(Exception, match="connection reset by peer"):
         list(_TaskRun(spec, batches, TaskIdentity(0, 0, "app.stage1", {})).run())
@@ -1278,9 +1275,7 @@ def test_the_close_error_a_failed_task_logs_has_its_traceback(capsys) -> None:
 def test_a_long_task_logs_its_progress(capsys, monkeypatch, tmp_path) -> None:
     # The task itself, in this process (an executor's stderr does not reach the test): 40
     # rows at 5 ms each, two at a time, take about 0.1 s; a progress line every 0.03 s.
-    from stateful_async import OutputMode
-    from stateful_async._function import as_async_function
-    from stateful_async.spark._task import TaskIdentity, TaskSpec, _TaskRun
+    from stateful_async.spark._task import TaskIdentity, _TaskRun
 
     async def slow(row):  # type: ignore[no-untyped-def]
         await asyncio.sleep(0.005)
@@ -1288,10 +1283,7 @@ def test_a_long_task_logs_its_progress(capsys, monkeypatch, tmp_path) -> None:
 
     schema = pa.schema([("id", pa.int64())])
     config = CheckpointConfig(str(tmp_path / "chk"), "progress", interval_records=10)
-    spec = TaskSpec(
-        as_async_function(slow), OutputMode.ORDERED, 2, None, None, schema, schema, None, 0,
-        config, "app",
-    )  # fmt: skip
+    spec = id_task(slow, capacity=2, checkpoint=config)
 
     def run(rows: int, attempt: int = 1, read_seconds: float = 0.0) -> str:
         def batches() -> Iterator[pa.RecordBatch]:  # 4-row batches, each read_seconds late
@@ -1837,8 +1829,7 @@ def test_the_resume_log_counts_re_invoked_records_apart_from_replayed_watermarks
     # The task itself, in this process. The log counted every restored element, watermarks
     # included, as "in flight re-invoked": 2 for one record and one watermark.
     from stateful_async import OutputMode
-    from stateful_async._function import as_async_function
-    from stateful_async.spark._task import TaskIdentity, TaskSpec, _TaskRun
+    from stateful_async.spark._task import TaskIdentity, _TaskRun
 
     first = [True]
 
@@ -1854,10 +1845,7 @@ def test_the_resume_log_counts_re_invoked_records_apart_from_replayed_watermarks
     config = CheckpointConfig(str(tmp_path), "log", interval_records=4)
 
     def attempt(fn: Any, number: int) -> list[pa.RecordBatch]:
-        spec = TaskSpec(
-            as_async_function(fn), OutputMode.UNORDERED, 4, None, None, schema, schema, "id", 0,
-            config, "app",
-        )  # fmt: skip
+        spec = id_task(fn, OutputMode.UNORDERED, checkpoint=config, event_time="id")
         identity = TaskIdentity(0, number, "app.stage1", {})
         return list(_TaskRun(spec, iter(batches), identity).run())
 
@@ -1879,8 +1867,7 @@ def test_a_micro_batch_restarted_with_ordered_wait_does_not_resume_unordered_wai
     # The task itself, in this process: a streaming query stopped mid-batch under
     # unordered_wait and restarted with ordered_wait re-runs the batch as the same run.
     from stateful_async import OutputMode
-    from stateful_async._function import as_async_function
-    from stateful_async.spark._task import TaskIdentity, TaskSpec, _TaskRun
+    from stateful_async.spark._task import TaskIdentity, _TaskRun
 
     async def enrich(row):  # type: ignore[no-untyped-def]
         if row["id"] == 6:
@@ -1893,10 +1880,7 @@ def test_a_micro_batch_restarted_with_ordered_wait_does_not_resume_unordered_wai
     identity = TaskIdentity(0, 0, "query.batch7", {"batch_id": "7"})
 
     def run(mode: OutputMode) -> list[pa.RecordBatch]:
-        spec = TaskSpec(
-            as_async_function(enrich), mode, 4, None, None, schema, schema, None, 0, config,
-            "app",
-        )  # fmt: skip
+        spec = id_task(enrich, mode, checkpoint=config)
         return list(_TaskRun(spec, iter(batches), identity).run())
 
     with pytest.raises(Exception, match="the query stops during this batch"):

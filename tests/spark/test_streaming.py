@@ -16,6 +16,7 @@ import enrich_stream_driver as DRIVER  # a driver script: tests/spark is on pyth
 import pytest
 from deltalake import DeltaTable
 from pyspark.errors import StreamingQueryException
+from task_specs import id_task  # a helper module: tests/spark is on pythonpath
 
 from checkpoint import CheckpointMetadata, SnapshotStore, delta_dataset
 from stateful_async.chaos import DriverProcess, MockService, ServiceConfig, expected_enrichment
@@ -238,20 +239,16 @@ def test_a_replayed_micro_batch_split_differently_says_how_to_go_on(tmp_path: Pa
     # identity: the split cannot be forced deterministically in a live query.)
     import pyarrow as pa
 
-    from stateful_async import InputMismatchError, OutputMode
-    from stateful_async._function import as_async_function
+    from stateful_async import InputMismatchError
     from stateful_async.spark import CheckpointConfig
-    from stateful_async.spark._task import TaskIdentity, TaskSpec, _TaskRun
+    from stateful_async.spark._task import TaskIdentity, _TaskRun
 
     async def echo(row):  # type: ignore[no-untyped-def]
         return [{"id": row["id"]}]
 
     schema = pa.schema([("id", pa.int64())])
     config = CheckpointConfig(str(tmp_path / "snapshots"), "stream", interval_records=2)
-    spec = TaskSpec(
-        as_async_function(echo), OutputMode.ORDERED, 4, None, None, schema, schema, None, 0,
-        config, "app",
-    )  # fmt: skip
+    spec = id_task(echo, checkpoint=config)
 
     def attempt(number: int, rows: int, streaming: bool) -> list:
         # a restarted query: another run (job group) of the same query and batch

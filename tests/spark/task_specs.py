@@ -1,0 +1,31 @@
+"""What tests that run a Spark task in their own process (``_TaskRun``, no Spark) build
+it from. Not a test module; tests/spark is on pytest's pythonpath."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+
+from stateful_async import OutputMode
+from stateful_async._function import as_async_function
+from stateful_async.spark import CheckpointConfig
+from stateful_async.spark._task import TaskSpec
+
+#: the input and output schema of these tasks: one ``id`` column
+ID_SCHEMA = pa.schema([("id", pa.int64())])
+
+
+def id_task(
+    fn: Any,
+    mode: OutputMode = OutputMode.ORDERED,
+    capacity: int = 4,
+    checkpoint: CheckpointConfig | None = None,
+    event_time: str | None = None,
+) -> TaskSpec:
+    """A task over rows of ``ID_SCHEMA`` that calls ``fn`` (an ``async def`` or an
+    AsyncFunction), as the adapter builds one: no timeout, retry or out-of-orderness."""
+    return TaskSpec(
+        as_async_function(fn), mode, capacity, None, None, ID_SCHEMA, ID_SCHEMA, event_time, 0,
+        checkpoint, "app",
+    )  # fmt: skip
