@@ -1,6 +1,6 @@
-"""A checkpointed enrichment and a delta_rs write on a Spark Connect session, run as its own
-driver process (a local Connect server cannot share a process with the tests' classic
-session). Not a test module.
+"""A checkpointed enrichment and a delta_rs write on a Spark Connect session, batch and
+Structured Streaming, run as its own driver process (a local Connect server cannot share a
+process with the tests' classic session). Not a test module.
 
     python connect_job.py WORKDIR
 
@@ -63,6 +63,7 @@ def main(workdir: str) -> None:
         refused = ""
     except Exception as exc:
         refused = f"{type(exc).__name__}: {exc}"
+    stream = run_stream(spark, workdir)
     print(
         json.dumps(
             {
@@ -74,11 +75,61 @@ def main(workdir: str) -> None:
                 ],
                 "table": sorted(written),
                 "local_session": refused,
+                "stream": stream,
             }
         ),
         flush=True,
     )
     spark.stop()
+
+
+def write_file(source: str, name: str, ids: range) -> None:
+    os.makedirs(source, exist_ok=True)
+    with open(f"{source}/{name}.json", "w") as handle:
+        handle.writelines(json.dumps({"id": i}) + "\n" for i in ids)
+
+
+def run_stream(spark: SparkSession, workdir: str) -> dict[str, object]:
+    """A file source through ordered_wait into the delta_rs sink, one file per micro-batch:
+    a worker dies in the second batch and its task resumes; then the query is started
+    again from its checkpoint location with one more file, which alone is processed."""
+    source, table = f"{workdir}/stream-in", f"{workdir}/stream-out"
+    write_file(source, "a", range(0, 100))
+    write_file(source, "b", range(100, 200))
+    config = CheckpointConfig(f"{workdir}/chk", "stream", interval_records=20, retain=100)
+    query_ids = []
+    for _ in range(2):
+        df = spark.readStream.schema("id long").option("maxFilesPerTrigger", 1).json(source)
+        enriched = ordered_wait(
+            df, CrashOnElement(double, at=[150]), "id long, twice long", capacity=8,
+            checkpoint=config,
+        )  # fmt: skip
+        query = (
+            enriched.writeStream.format("delta_rs")
+            .option("checkpointLocation", f"{workdir}/stream-chk")
+            .trigger(availableNow=True)
+            .start(table)
+        )
+        query.awaitTermination()
+        query_ids.append(query.id)
+        write_file(source, "c", range(200, 300))  # for the restarted query
+    rows = delta_dataset(DeltaTable(table)).to_table().to_pylist()
+    metas = SnapshotStore(config.location).checkpoints("stream", include_expired=True)
+    return {
+        "query_ids": query_ids,
+        "rows": sorted([r["id"], r["twice"]] for r in rows),
+        "checkpoints": [
+            [
+                m.run_id,
+                m.properties.get("query_id"),
+                m.properties.get("batch_id"),
+                m.properties.get("attempt"),
+                m.parent is not None,
+                m.final,
+            ]
+            for m in metas
+        ],
+    }
 
 
 if __name__ == "__main__":

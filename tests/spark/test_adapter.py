@@ -1923,7 +1923,7 @@ def test_the_drivers_mode_check_judges_the_checkpoint_each_task_would_resume_fro
     ))  # fmt: skip
 
 
-def test_ordered_wait_unordered_wait_and_the_sink_run_on_spark_connect(tmp_path) -> None:
+def test_the_adapter_and_the_sink_run_on_spark_connect_batch_and_streaming(tmp_path) -> None:
     # A Spark Connect session has no SparkContext: the adapter read the app id and the
     # master from it, and failed before any job ran. Its own driver process (a local
     # Connect server cannot share a process with the tests' classic session).
@@ -1948,3 +1948,19 @@ def test_ordered_wait_unordered_wait_and_the_sink_run_on_spark_connect(tmp_path)
         "ConfigurationError: local_session() makes classic SparkSessions, and this process "
         "runs a Spark Connect session"
     )
+    # Structured Streaming on Connect: runs keyed by the query id and the batch id (read
+    # from TaskContext as on a classic session), a worker crash in batch 1 resumed within
+    # the batch, the restarted query went on with batch 2 alone; every row once.
+    stream = result["stream"]
+    query_id = stream["query_ids"][0]
+    assert stream["query_ids"] == [query_id, query_id]  # the same query, restarted
+    assert stream["rows"] == [[i, 2 * i] for i in range(300)]
+    checkpoints = stream["checkpoints"]
+    assert {(c[0], c[1], c[2]) for c in checkpoints} == {
+        (f"{query_id}.batch{b}", query_id, str(b)) for b in range(3)
+    }
+    retried = [c for c in checkpoints if c[3] == "1"]
+    assert retried and {c[2] for c in retried} == {"1"}  # the crash was in batch 1
+    assert all(parent for *_, parent, _ in retried)  # resumed, not started over
+    finals = [c[2] for c in checkpoints if c[5]]
+    assert sorted(finals) == ["0", "1", "2"]  # each batch's one partition finished once
