@@ -17,6 +17,7 @@ from .._function import as_async_function
 from .._operator import OutputMode, check_capacity_and_timeout
 from .._retry import RetryStrategy
 from ._config import CheckpointConfig
+from ._metrics import EnrichmentMetrics
 from ._session import is_connect, task_attempts
 from ._task import OUTPUT_MODE_PROPERTY, PartitionTask, TaskSpec
 
@@ -36,6 +37,7 @@ def ordered_wait(
     timeout: float | dt.timedelta | None = None,
     retry: RetryStrategy | None = None,
     checkpoint: CheckpointConfig | None = None,
+    metrics: EnrichmentMetrics | None = None,
 ) -> Any:
     """Enrich every row of ``df`` with ``fn``, many calls in flight per task; results keep
     the input order of each partition (Flink's ``AsyncDataStream.orderedWait``).
@@ -58,7 +60,9 @@ def ordered_wait(
     (README, "Ordering modes"); ``timeout`` (seconds or a ``timedelta``, per row, covering
     retries) and ``retry`` are as in ``AsyncWaitOperator``. With ``checkpoint``, each task
     checkpoints its progress to Delta and a failed task or a killed job resumes instead of
-    starting over (see ``CheckpointConfig``). Works on batch and streaming DataFrames.
+    starting over (see ``CheckpointConfig``). With ``metrics``, the tasks' counts (calls,
+    retries, timeouts, resumes, ...) add up in that ``EnrichmentMetrics`` on the driver.
+    Works on batch and streaming DataFrames.
     """
     return _async_wait(
         df,
@@ -72,6 +76,7 @@ def ordered_wait(
         checkpoint,
         None,
         None,
+        metrics,
     )
 
 
@@ -87,6 +92,7 @@ def unordered_wait(
     checkpoint: CheckpointConfig | None = None,
     event_time: str | None = None,
     max_out_of_orderness: Duration | None = None,
+    metrics: EnrichmentMetrics | None = None,
 ) -> Any:
     """Like ``ordered_wait``, but results leave each task as soon as they are ready
     (Flink's ``AsyncDataStream.unorderedWait``).
@@ -121,6 +127,7 @@ def unordered_wait(
         checkpoint,
         event_time,
         max_out_of_orderness,
+        metrics,
     )
 
 
@@ -136,6 +143,7 @@ def _async_wait(
     checkpoint: CheckpointConfig | None,
     event_time: str | None,
     max_out_of_orderness: Duration | None,
+    metrics: EnrichmentMetrics | None,
 ) -> Any:
     from pyspark.sql import DataFrame
 
@@ -150,6 +158,11 @@ def _async_wait(
     if checkpoint is not None and not isinstance(checkpoint, CheckpointConfig):
         raise ConfigurationError(
             f"checkpoint must be a CheckpointConfig; got {type(checkpoint).__name__}."
+        )
+    if metrics is not None and not isinstance(metrics, EnrichmentMetrics):
+        raise ConfigurationError(
+            f"metrics must be an EnrichmentMetrics (EnrichmentMetrics(spark)); got "
+            f"{type(metrics).__name__}."
         )
     struct = _output_struct(schema)
     _check_names_apart(df, struct)
@@ -189,6 +202,7 @@ def _async_wait(
         max_out_of_orderness=ooo,
         checkpoint=checkpoint,
         app_id=_app_id(df.sparkSession),
+        metrics=None if metrics is None else metrics.accumulator,
     )
     task = PartitionTask(spec)
     _check_picklable(task, fn)

@@ -268,6 +268,7 @@ class TaskSpec:
     checkpoint: CheckpointConfig | None
     app_id: str
     max_in_flight: int | None = None
+    metrics: Any = None  # a Spark accumulator of EnrichmentMetrics's counters
 
 
 class PartitionTask:
@@ -426,6 +427,8 @@ class _TaskRun:
         finally:
             self.reader.shutdown(wait=False, cancel_futures=True)
             self.io.shutdown(wait=True)
+        if self.spec.metrics is not None:
+            self.spec.metrics.add(self._counters())
         self._log_summary(time.monotonic() - self.started)
 
     async def _drive(self) -> None:
@@ -977,6 +980,23 @@ class _TaskRun:
                 del done[2]
             parts.append(f"restored from {stats['restored_from']} ({', '.join(done)})")
         return parts
+
+    def _counters(self) -> dict[str, int]:
+        """This finished task's counts, as EnrichmentMetrics adds them up."""
+        metrics, stats = self.op.metrics, self.stats
+        return {
+            "tasks": 1,
+            "records": metrics.records_in,
+            "results": metrics.results_out,
+            "attempts": metrics.attempts,
+            "retries": metrics.retries,
+            "timeouts": metrics.timeouts,
+            "checkpoints": stats["checkpoints"],
+            "resumed_tasks": int(stats["restored_from"] is not None),
+            "restored_results": stats["restored_results"],
+            "restored_in_flight": stats["restored_in_flight"],
+            "skipped_inputs": stats["skipped"],
+        }
 
     def _log_summary(self, seconds: float) -> None:
         if os.environ.get("STATEFUL_ASYNC_TASK_LOG", "1") == "0":

@@ -23,6 +23,7 @@ from checkpoint import SnapshotStore, delta_dataset  # noqa: E402
 from stateful_async.chaos import CrashOnElement  # noqa: E402
 from stateful_async.spark import (  # noqa: E402
     CheckpointConfig,
+    EnrichmentMetrics,
     local_session,
     ordered_wait,
     register_delta_sink,
@@ -63,6 +64,11 @@ def main(workdir: str) -> None:
         refused = ""
     except Exception as exc:
         refused = f"{type(exc).__name__}: {exc}"
+    try:
+        EnrichmentMetrics(spark)
+        no_metrics = ""
+    except Exception as exc:
+        no_metrics = f"{type(exc).__name__}: {exc}"
     stream = run_stream(spark, workdir)
     print(
         json.dumps(
@@ -76,6 +82,7 @@ def main(workdir: str) -> None:
                 "table": sorted(written),
                 "local_session": refused,
                 "stream": stream,
+                "metrics": no_metrics,
             }
         ),
         flush=True,

@@ -1964,3 +1964,7 @@ def test_the_adapter_and_the_sink_run_on_spark_connect_batch_and_streaming(tmp_p
     assert all(parent for *_, parent, _ in retried)  # resumed, not started over
     finals = [c[2] for c in checkpoints if c[5]]
     assert sorted(finals) == ["0", "1", "2"]  # each batch's one partition finished once
+    assert result["metrics"].startswith(
+        "ConfigurationError: EnrichmentMetrics needs a classic SparkSession: it is a Spark "
+        "accumulator, and Spark Connect has none."
+    )

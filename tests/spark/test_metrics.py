@@ -1,0 +1,143 @@
+"""EnrichmentMetrics: the tasks' counts, summed on the driver."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from checkpoint import SnapshotStore
+from stateful_async import AsyncFunction, ConfigurationError, RetryStrategy
+from stateful_async.chaos import CrashOnElement
+from stateful_async.spark import CheckpointConfig, EnrichmentMetrics, ordered_wait, unordered_wait
+
+pytestmark = pytest.mark.spark
+
+ROWS = 400
+SCHEMA = "id long, v long"
+
+
+class Flaky(AsyncFunction[dict[str, Any], dict[str, Any]]):
+    """Rows with id % 10 == 0 fail their first call; rows with id % 50 == 7 never answer,
+    and their timeout handler answers -1."""
+
+    def __init__(self) -> None:
+        self.failed: set[int] = set()
+
+    async def async_invoke(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        i = row["id"]
+        if i % 50 == 7:
+            await asyncio.sleep(3600)
+        if i % 10 == 0 and i not in self.failed:
+            self.failed.add(i)
+            raise ConnectionError("flaky")
+        return [{"id": i, "v": 2 * i}]
+
+    async def timeout(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"id": row["id"], "v": -1}]
+
+
+async def double(row: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"id": row["id"], "v": 2 * row["id"]}]
+
+
+def test_metrics_count_calls_retries_and_timeouts(spark: Any) -> None:
+    metrics = EnrichmentMetrics(spark)
+    df = spark.range(0, ROWS, numPartitions=2)
+    out = ordered_wait(
+        df,
+        Flaky(),
+        SCHEMA,
+        capacity=64,
+        timeout=1.0,
+        retry=RetryStrategy(max_attempts=2, initial_delay=0.01),
+        metrics=metrics,
+    ).collect()
+    assert len(out) == ROWS
+    retried = ROWS // 10
+    timed_out = ROWS // 50
+    assert metrics.value == {
+        "tasks": 2,
+        "records": ROWS,
+        "results": ROWS,  # the timeout handler's answers included
+        "attempts": ROWS + retried,
+        "retries": retried,
+        "timeouts": timed_out,
+        "checkpoints": 0,
+        "resumed_tasks": 0,
+        "restored_results": 0,
+        "restored_in_flight": 0,
+        "skipped_inputs": 0,
+    }
+    # A second action over the same DataFrame adds up; reset() starts over.
+    unordered_wait(df, double, SCHEMA, metrics=metrics).count()
+    assert metrics.value["tasks"] == 4
+    assert metrics.value["records"] == 2 * ROWS
+    metrics.reset()
+    assert set(metrics.value.values()) == {0}
+    assert "EnrichmentMetrics(tasks=0" in repr(metrics)
+
+
+def test_metrics_count_what_a_resumed_task_took_from_its_checkpoint(spark: Any, tmp_path) -> None:
+    metrics = EnrichmentMetrics(spark)
+    df = spark.range(0, ROWS, numPartitions=2)
+    config = CheckpointConfig(str(tmp_path), "metrics", interval_records=50)
+    crashing = CrashOnElement(double, at=[350])  # the worker of partition 1 dies once
+    out = ordered_wait(df, crashing, SCHEMA, capacity=8, checkpoint=config, metrics=metrics)
+    assert sorted(r.id for r in out.collect()) == list(range(ROWS))
+    counts = metrics.value
+    # Only finished attempts count: the crashed one's calls show as the retry's restores.
+    assert counts["tasks"] == 2
+    assert counts["resumed_tasks"] == 1
+    assert counts["restored_results"] > 0 and counts["skipped_inputs"] > 0
+    assert counts["results"] + counts["restored_results"] == ROWS  # what the job wrote
+    assert counts["records"] - counts["restored_in_flight"] + counts["skipped_inputs"] == ROWS
+    assert counts["records"] < ROWS  # the restored results were not asked for again
+    # The finished attempts' checkpoints, not the crashed one's.
+    metas = SnapshotStore(str(tmp_path)).checkpoints("metrics", include_expired=True)
+    crashed = [m for m in metas if m.subtask == 1 and m.properties["attempt"] == "0"]
+    assert crashed
+    assert counts["checkpoints"] == len(metas) - len(crashed)
+
+
+def test_metrics_must_be_an_enrichment_metrics(spark: Any) -> None:
+    df = spark.range(3)
+    with pytest.raises(ConfigurationError, match=r"metrics must be an EnrichmentMetrics"):
+        ordered_wait(df, double, SCHEMA, metrics={})  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"needs the SparkSession the job runs on"):
+        EnrichmentMetrics(spark.sparkContext)
+    metrics = EnrichmentMetrics(spark)
+
+    async def uses_metrics(row: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"id": row["id"], "v": len(repr(metrics))}]
+
+    with pytest.raises(Exception, match=r"EnrichmentMetrics lives on the driver"):
+        ordered_wait(df, uses_metrics, SCHEMA)
+
+
+def test_a_streaming_querys_metrics_add_up_over_its_micro_batches(spark: Any, tmp_path) -> None:
+    source = tmp_path / "in"
+    source.mkdir()
+    for f in range(3):  # one file per micro-batch, one partition each
+        (source / f"{f}.json").write_text(
+            "".join(f'{{"id": {i}}}\n' for i in range(f * 50, f * 50 + 50))
+        )
+    metrics = EnrichmentMetrics(spark)
+    df = spark.readStream.schema("id long").option("maxFilesPerTrigger", 1).json(str(source))
+    query = (
+        ordered_wait(df, double, SCHEMA, metrics=metrics)
+        .writeStream.format("noop")
+        .option("checkpointLocation", str(tmp_path / "stream"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        query.awaitTermination(timeout=120)
+        assert not query.isActive
+        batches = [p["batchId"] for p in query.recentProgress if p["numInputRows"]]
+    finally:
+        query.stop()
+    assert batches == [0, 1, 2]
+    assert metrics.value["tasks"] == 3
+    assert metrics.value["records"] == metrics.value["results"] == 150
