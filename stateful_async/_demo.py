@@ -80,6 +80,7 @@ class DemoResult:
     recovered_from: str | None
     retried_attempts: int
     task_lines: list[str] = field(default_factory=list)
+    metrics: dict[str, int] = field(default_factory=dict)  # EnrichmentMetrics's counts
 
     @property
     def exactly_once(self) -> bool:
@@ -131,6 +132,7 @@ def run_demo(
     from .chaos import expected_enrichment as expected
     from .spark import (
         CheckpointConfig,
+        EnrichmentMetrics,
         local_session,
         ordered_wait,
         register_delta_sink,
@@ -187,6 +189,7 @@ def run_demo(
                 location, "demo", interval_records=settings.interval, retain=100
             )
             wait = ordered_wait if settings.mode == "ordered" else unordered_wait
+            metrics = EnrichmentMetrics(spark)
             enriched = wait(
                 df,
                 function,
@@ -194,6 +197,7 @@ def run_demo(
                 capacity=settings.capacity,
                 timeout=30.0,
                 checkpoint=config,
+                metrics=metrics,
             )
             on_start(f"enriching {settings.rows:,} records")
             done = threading.Event()
@@ -215,6 +219,7 @@ def run_demo(
                 watcher.join()
             seconds = time.monotonic() - started
             on_progress(int(service.stats()["total"]))
+            job_counts = metrics.value
         finally:
             spark.stop()
         counts = service.counts()
@@ -262,4 +267,5 @@ def run_demo(
         crash_partition=0 if crash_record is not None else None,
         recovered_from=recovered_from,
         retried_attempts=len({m.subtask for m in retried}),
+        metrics=job_counts,
     )

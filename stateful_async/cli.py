@@ -186,6 +186,21 @@ def demo(
         f"{result.requests:,} in all; {result.re_requested:,} records re-requested after the crash "
         f"(bound: capacity + interval = {result.repeat_bound:,})",
     )
+    counts = result.metrics
+    if counts:
+        resumed = (
+            f"; {counts['resumed_tasks']} resumed: {counts['restored_results']:,} results "
+            f"re-emitted from checkpoints, {counts['restored_in_flight']:,} in flight re-invoked, "
+            f"{counts['skipped_inputs']:,} inputs skipped"
+            if counts["resumed_tasks"]
+            else ""
+        )
+        table.add_row(
+            "job metrics",
+            f"{counts['tasks']} tasks finished: {counts['records']:,} records invoked, "
+            f"{counts['results']:,} results, {counts['retries']:,} retries, "
+            f"{counts['timeouts']:,} timeouts{resumed} (EnrichmentMetrics)",
+        )
     verdict = (
         "[bold green]held[/]: every record's result exactly once"
         if result.exactly_once

@@ -42,6 +42,20 @@ def test_the_demo_crashes_a_task_recovers_and_reports_exactly_once(tmp_path: Pat
     assert again, output
     repeated, bound = (int(g.replace(",", "")) for g in again.groups())
     assert 0 < repeated <= bound
+    # The job's counts, on the driver: the resumed task re-emitted what its checkpoint
+    # held, so results + re-emitted = the 4,000 rows written.
+    counts = re.search(
+        r"2 tasks finished: ([\d,]+) records invoked, ([\d,]+) results, 0 retries, 0 timeouts; "
+        r"1 resumed: ([\d,]+) results re-emitted from checkpoints, ([\d,]+) in flight "
+        r"re-invoked, ([\d,]+) inputs skipped",
+        " ".join(re.sub(r"[│┌┐└┘├┤─┬┴┼]", " ", output).split()),  # the table's cells, unwrapped
+    )
+    assert counts, output
+    records, results, restored, in_flight, skipped = (
+        int(g.replace(",", "")) for g in counts.groups()
+    )
+    assert results + restored == 4000
+    assert records - in_flight + skipped == 4000
     table = delta_dataset(DeltaTable(str(tmp_path / "run" / "enriched"))).to_table()
     assert sorted(table.column("id").to_pylist()) == list(range(4000))
     # Spark's own chatter about the injected crash went to the log, not the terminal.
