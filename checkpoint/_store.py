@@ -315,6 +315,11 @@ def _claim_app_id(run_id: str) -> str:
     return f"stateful-async-claim:{run_id}"
 
 
+def _claimer_app_id(run_id: str) -> str:
+    """The Delta app transaction whose version names who made the newest claim on a run."""
+    return f"stateful-async-claimed-by:{run_id}"
+
+
 def _schema_differences(old: pa.Schema, new: pa.Schema) -> list[str]:
     """What changed between two schemas, one phrase per field."""
 
@@ -799,7 +804,7 @@ class SubtaskLog:
             raise CheckpointError(f"Cannot read checkpoint table {self.uri}: {exc}") from exc
         return _metadata_from_row(rows.to_pylist()[0]) if rows.num_rows else None
 
-    def claim(self, run_id: str) -> int | None:
+    def claim(self, run_id: str, owner: int | None = None) -> int | None:
         """Take ``run_id`` over from the attempts before this one, which may still be
         running (a cancelled task's Python worker lives on for a while; a speculative copy
         runs beside the original): from now on their commits of this run are refused, so a
@@ -808,7 +813,8 @@ class SubtaskLog:
         Call it before reading the run's restore point: a commit that lands before the claim
         is seen by that read, one after it is refused. One empty Delta commit, made only if
         the run has committed something (otherwise there is nothing to take over); returns
-        the claim, or None.
+        the claim, or None. ``owner`` (an integer naming the attempt, e.g. Spark's task
+        attempt id) is recorded with the claim: ``claimed_by`` reads it.
         """
         app_id, claim_app = _app_id(run_id), _claim_app_id(run_id)
         for _ in range(_COMMIT_RETRIES):
@@ -826,7 +832,8 @@ class SubtaskLog:
                     _layout.delta_dataset(table, self._storage_options).schema.empty_table(),
                     mode="append",
                     commit_properties=CommitProperties(
-                        app_transactions=[Transaction(claim_app, claim)],
+                        app_transactions=[Transaction(claim_app, claim)]
+                        + ([] if owner is None else [Transaction(_claimer_app_id(run_id), owner)]),
                         custom_metadata={"stateful_async.claim": f"{run_id}#{claim}"},
                     ),
                 )
@@ -860,17 +867,25 @@ class SubtaskLog:
         claimed = table.transaction_version(_claim_app_id(run_id))
         return claimed if claimed is not None and claimed > self._claims.get(run_id, 0) else None
 
-    def take_over(self, run_id: str) -> tuple[int | None, CheckpointMetadata | None]:
+    def take_over(
+        self, run_id: str, owner: int | None = None
+    ) -> tuple[int | None, CheckpointMetadata | None]:
         """Claim ``run_id`` (see ``claim``) and return the claim and the run's newest
         restorable checkpoint, which no earlier attempt can supersede any more. If the run
         had nothing to claim but a checkpoint of it lands before the read (an earlier
         attempt's first commit), claim again and read again."""
-        claim = self.claim(run_id)
+        claim = self.claim(run_id, owner)
         latest = self.latest(run_id=run_id)
         while claim is None and latest is not None:
-            claim = self.claim(run_id)
+            claim = self.claim(run_id, owner)
             latest = self.latest(run_id=run_id)
         return claim, latest
+
+    def claimed_by(self, run_id: str) -> int | None:
+        """The ``owner`` recorded with the newest claim on ``run_id`` that named one (None
+        if none did)."""
+        table = self._open(refresh=True)
+        return None if table is None else table.transaction_version(_claimer_app_id(run_id))
 
     def expire(self, retain: int, vacuum: bool = True, run_id: str | None = None) -> ExpireReport:
         """Keep the ``retain`` newest checkpoints of this subtask restorable; drop the rest.

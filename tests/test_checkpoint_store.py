@@ -447,6 +447,21 @@ def test_a_zombie_ahead_of_the_attempt_that_took_its_run_over_is_refused(tmp_pat
     assert attempt().load(3, "run").metadata == third
 
 
+def test_a_claim_records_its_owner(tmp_path: Path) -> None:
+    # The Spark task reads it to tell a retry (another attempt claimed last) from one task
+    # attempt computing a partition twice (coalesce after the enrichment).
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    assert log.claimed_by("run") is None  # no table yet
+    commit(log, "run", 1)
+    assert log.claimed_by("run") is None
+    assert SnapshotStore(tmp_path).subtask("job", "op", 0).take_over("run", owner=17)[0] == 1
+    assert log.claimed_by("run") == 17
+    assert log.claim("run", owner=23) == 2
+    assert log.claim("run") == 3  # no owner: the last one named stays
+    assert log.claimed_by("run") == 23
+    assert log.claimed_by("other-run") is None
+
+
 def test_taking_over_claims_again_if_the_run_got_its_first_commit_meanwhile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -673,9 +673,16 @@ class _TaskRun:
 
     def _find_restore_point(self, config: CheckpointConfig) -> Any:
         log = self.log
+        attempt_id = self.properties.get("task_attempt_id")
+        owner = int(attempt_id) if attempt_id is not None else None
+        if owner is not None and log.claimed_by(self.identity.run_id) == owner:
+            latest = log.latest(run_id=self.identity.run_id)
+            if latest is not None:
+                self._check_same_enrichment(latest)  # another enrichment took it over
+            raise self._run_twice_in_one_task("already took this run over")
         # An earlier attempt of this run may still be running and committing (a cancelled
         # task's worker lives on for a while): fence it off first, then read what it left.
-        self.stats["claim"], meta = log.take_over(self.identity.run_id)  # a retried attempt
+        self.stats["claim"], meta = log.take_over(self.identity.run_id, owner)  # a retry
         if meta is None and config.restore_from is not None:  # a new run that asks to resume
             max_id = None if config.restore_from == "latest" else int(config.restore_from)
             meta = log.latest(max_id=max_id)
@@ -701,6 +708,7 @@ class _TaskRun:
         log.check_schemas(self.spec.input_schema, self.spec.output_schema)
         if meta.run_id == self.identity.run_id:
             self._check_same_enrichment(meta)
+            self._check_not_this_attempt(meta)
         self._check_order_kept(meta)
         return log.load(meta.checkpoint_id, meta.run_id, results=False)  # see chain_results
 
@@ -730,6 +738,35 @@ class _TaskRun:
         raise self._shared_checkpoint(
             f"found checkpoint {meta.ref} written by {what} {theirs.get(what)}{same}; this task "
             f"runs {what} {ours.get(what)}"
+        )
+
+    def _check_not_this_attempt(self, meta: Any) -> None:
+        """A resume reads an *earlier* attempt's checkpoint. One written (or a run taken
+        over, ``_find_restore_point``) by this very task attempt means Spark runs this
+        enrichment's partition a second time in one task: ``coalesce()`` after it computes
+        several of its partitions one after another in one task, and they all report that
+        task's partition number, so their checkpoints would mix (the next one would take
+        the previous one's as its own and refuse its input)."""
+        ours = self.properties.get("task_attempt_id")
+        if ours is None or meta.properties.get("task_attempt_id") != ours:
+            return
+        raise self._run_twice_in_one_task(f"already wrote checkpoint {meta.ref}")
+
+    def _run_twice_in_one_task(self, done: str) -> ConfigurationError:
+        """The error for a partition of the enrichment computed twice in one task attempt
+        (``_check_not_this_attempt``); ``done`` says how the first one shows."""
+        config = self.spec.checkpoint
+        assert config is not None
+        return ConfigurationError(
+            f"Spark is running partition {self.identity.partition} of this checkpointed "
+            f"enrichment (job {config.job_id!r}, operator {config.operator_id!r}) a second "
+            f"time in one task (run {self.identity.run_id!r}; this task attempt {done}). "
+            "Checkpoints are kept per Spark partition, so "
+            "they cannot tell the two apart. coalesce() after ordered_wait / unordered_wait "
+            "does this (it computes several of the enrichment's partitions in one task): "
+            "use repartition(n) instead, or coalesce the input before the enrichment, or "
+            "write the enriched DataFrame out first. Two enrichments chained in one stage "
+            "with the same job_id and operator_id do it too: give each its own operator_id."
         )
 
     def _check_order_kept(self, meta: Any) -> None:

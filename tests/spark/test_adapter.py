@@ -757,6 +757,35 @@ def test_two_chained_enrichments_sharing_a_checkpoint_config_are_told_so(spark, 
     assert sorted(r.id for r in out.collect()) == list(range(400))
 
 
+def test_coalesce_after_a_checkpointed_enrichment_is_refused_with_what_to_do(
+    spark, tmp_path
+) -> None:
+    # coalesce(1) computes the enrichment's 4 partitions one after another in one task, all
+    # reporting partition 0: the second took the first one's checkpoints as its own and
+    # was refused as "not deterministic input" (wrongly blaming a shuffle).
+    async def double(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"], "v": 2 * row["id"]}]
+
+    df = spark.range(0, 100, numPartitions=4)
+    config = CheckpointConfig(str(tmp_path), "coalesced", interval_records=10)
+    enriched = ordered_wait(df, double, "id long, v long", checkpoint=config)
+    with pytest.raises(Exception) as info:
+        enriched.coalesce(1).collect()
+    text = " ".join(str(info.value).split())
+    assert (
+        "ConfigurationError: Spark is running partition 0 of this checkpointed enrichment" in text
+    )
+    assert "coalesce() after ordered_wait / unordered_wait does this" in text
+    assert "use repartition(n) instead" in text
+    # The advice works: repartition instead of coalesce; or coalesce the input first.
+    again = CheckpointConfig(str(tmp_path), "repartitioned", interval_records=10)
+    out = ordered_wait(df, double, "id long, v long", checkpoint=again).repartition(1)
+    assert sorted(r.v for r in out.collect()) == [2 * i for i in range(100)]
+    first = CheckpointConfig(str(tmp_path), "coalesced-first", interval_records=10)
+    out = ordered_wait(df.coalesce(1), double, "id long, v long", checkpoint=first)
+    assert [r.v for r in out.collect()] == [2 * i for i in range(100)]
+
+
 # -- job resume after the driver is killed -------------------------------------------------
 
 
