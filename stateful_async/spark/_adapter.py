@@ -189,6 +189,7 @@ def _async_wait(
             )
         _check_checkpoint(checkpoint, input_schema, output_schema, mode)
         _warn_if_tasks_never_retry(df.sparkSession)
+    source, input_names = _resolvable(df)
     spec = TaskSpec(
         fn=function,
         mode=mode,
@@ -203,10 +204,22 @@ def _async_wait(
         checkpoint=checkpoint,
         app_id=_app_id(df.sparkSession),
         metrics=None if metrics is None else metrics.accumulator,
+        input_names=input_names,
     )
     task = PartitionTask(spec)
     _check_picklable(task, fn)
-    return df.mapInArrow(task, struct)
+    return source.mapInArrow(task, struct)
+
+
+def _resolvable(df: Any) -> tuple[Any, tuple[str, ...] | None]:
+    """``df`` as ``mapInArrow`` can take it, and the column names the task gives its rows
+    back. mapInArrow resolves every input column by name, and a name with a dot in it
+    (``a.b``, common after flattening JSON) reads as a struct field: UNRESOLVED_COLUMN. Such
+    an input goes to Spark under positional names instead (``toDF`` renames by position)."""
+    names = df.columns
+    if not any("." in name for name in names):
+        return df, None
+    return df.toDF(*[f"_stateful_async_{i}" for i in range(len(names))]), tuple(names)
 
 
 def _output_struct(schema: Schema) -> Any:

@@ -269,6 +269,9 @@ class TaskSpec:
     app_id: str
     max_in_flight: int | None = None
     metrics: Any = None  # a Spark accumulator of EnrichmentMetrics's counters
+    # The input's column names where Spark was handed the input under other ones (names
+    # with a dot, which mapInArrow cannot resolve): each batch gets them back.
+    input_names: tuple[str, ...] | None = None
 
 
 class PartitionTask:
@@ -510,7 +513,11 @@ class _TaskRun:
 
     def _read(self) -> pa.RecordBatch | None:
         batch = next(self.batches, None)
-        return None if batch is None else in_utc(batch)
+        if batch is None:
+            return None
+        if self.spec.input_names is not None:
+            batch = batch.rename_columns(list(self.spec.input_names))
+        return in_utc(batch)
 
     async def _wait_for_room(self) -> None:
         while self.out.qsize() > _MAX_QUEUED_BATCHES:  # Spark is slower than we are

@@ -757,6 +757,32 @@ def test_two_chained_enrichments_sharing_a_checkpoint_config_are_told_so(spark, 
     assert sorted(r.id for r in out.collect()) == list(range(400))
 
 
+def test_input_columns_with_a_dot_in_their_name_reach_the_function_as_they_are(
+    spark, tmp_path
+) -> None:
+    # mapInArrow resolves its input columns by name and reads `a.b` as a struct field
+    # (UNRESOLVED_COLUMN before any job ran); common after flattening JSON.
+    async def fn(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"], "x.y": row["a.b"], "c": row["s.t"]["c.d"]}]
+
+    df = spark.range(0, 200, numPartitions=2).selectExpr(
+        "id", "id * 3 AS `a.b`", "named_struct('c.d', -id) AS `s.t`", "id AS `e.t`"
+    )
+    schema = "id long, `x.y` long, c long"
+    want = [(i, 3 * i, -i) for i in range(200)]
+    out = ordered_wait(df, fn, schema, capacity=4).collect()
+    assert [tuple(r) for r in out] == want
+    # with event time from such a column, and a crash resumed from a checkpoint
+    config = CheckpointConfig(str(tmp_path), "dots", interval_records=20)
+    crashing = CrashOnElement(fn, at=[150])
+    out = unordered_wait(
+        df, crashing, schema, capacity=4, event_time="e.t", checkpoint=config
+    ).collect()
+    assert sorted(tuple(r) for r in out) == want
+    metas = SnapshotStore(str(tmp_path)).checkpoints("dots", include_expired=True)
+    assert any(m.properties["attempt"] == "1" and m.parent is not None for m in metas)
+
+
 def test_coalesce_after_a_checkpointed_enrichment_is_refused_with_what_to_do(
     spark, tmp_path
 ) -> None:
