@@ -335,9 +335,18 @@ def _arrow_schema(struct: Any, what: str) -> pa.Schema:
     try:
         return to_arrow_schema(struct, timezone="UTC")
     except Exception as exc:
+        advice = ""
+        if "YearMonthIntervalType" in str(exc):
+            advice = " A YEAR TO MONTH interval is one: " + (
+                "pass it as a number of months, e.g. select cast(col AS int) AS col "
+                "first (DAY TO SECOND intervals go through as they are)."
+                if what == "input"
+                else "return a number of months in an INT field instead, and make_ym_"
+                "interval(0, col) of it after."
+            )
         raise ConfigurationError(
             f"The {what} schema has a type Arrow cannot carry ({exc}); mapInArrow, which "
-            "the adapter runs on, needs Arrow-compatible columns."
+            f"the adapter runs on, needs Arrow-compatible columns.{advice}"
         ) from exc
 
 

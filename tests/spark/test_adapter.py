@@ -1792,6 +1792,23 @@ def test_a_variant_input_column_is_refused_asking_for_json_text(spark) -> None:
         ordered_wait(df, f, "id long")
 
 
+def test_year_to_month_intervals_are_refused_with_a_cast_to_use(spark) -> None:
+    # Spark cannot hand them to Arrow at all; DAY TO SECOND ones go through as durations.
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    df = spark.range(3).selectExpr("id", "INTERVAL '14' MONTH AS iv", "INTERVAL '3' DAY AS d")
+    with pytest.raises(
+        ConfigurationError,
+        match=r"input schema has a type Arrow cannot carry .*YearMonthIntervalType.* A YEAR TO "
+        r"MONTH interval is one: pass it as a number of months, e.g. select cast\(col AS int\)",
+    ):
+        ordered_wait(df, f, "id long")
+    with pytest.raises(ConfigurationError, match=r"INT field instead, and make_ym_interval"):
+        ordered_wait(df.drop("iv"), f, "id long, iv interval year to month")
+    assert len(ordered_wait(df.drop("iv"), f, "id long").collect()) == 3
+
+
 def test_an_event_time_given_as_a_column_is_refused_naming_the_name_to_give(spark) -> None:
     # It failed with a bare "TypeError: unhashable type: 'Column'".
     async def f(row):  # type: ignore[no-untyped-def]
