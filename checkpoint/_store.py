@@ -324,14 +324,21 @@ def _schema_differences(old: pa.Schema, new: pa.Schema) -> list[str]:
     """What changed between two schemas, one phrase per field."""
 
     def kind(field: pa.Field) -> str:
-        return f"{field.type}{'' if field.nullable else ' not null'}"
+        return f"{field.type}{'' if field.nullable else ' NOT NULL'}"
+
+    def change(name: str, was: pa.Field, now: pa.Field) -> str:
+        if was.type.equals(now.type) and was.nullable != now.nullable:
+            return f"{name!r} ({was.type}) was " + (
+                "nullable, is now NOT NULL" if was.nullable else "NOT NULL, is now nullable"
+            )
+        return f"{name!r} was {kind(was)}, is now {kind(now)}"
 
     before = {f.name: f for f in old}
     after = {f.name: f for f in new}
     changes = [
         f"{name!r} ({kind(field)}) is gone"
         if name not in after
-        else f"{name!r} was {kind(field)}, is now {kind(after[name])}"
+        else change(name, field, after[name])
         for name, field in before.items()
         if name not in after or not field.equals(after[name])
     ]

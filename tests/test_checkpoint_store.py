@@ -658,6 +658,12 @@ def test_a_schema_change_between_runs_is_refused(tmp_path: Path) -> None:
         match=r"'label' \(string\) is gone; 'payload' \(string\) is new\. Checkpoints",
     ):
         fresh.commit("run2", 1, [], None, input_schema=renamed, output_schema=OUT, position=0)
+    # Nullability alone (a chained enrichment's input: spark.range's id, then a result's).
+    nullable = pa.schema([pa.field("id", pa.int64(), nullable=False), ("label", pa.string())])
+    with pytest.raises(
+        SchemaChangedError, match=r"written with: 'id' \(int64\) was nullable, is now NOT NULL\."
+    ):
+        fresh.commit("run2", 1, [], None, input_schema=nullable, output_schema=OUT, position=0)
 
 
 @pytest.mark.parametrize("interrupted", [False, True])
