@@ -177,6 +177,7 @@ def _async_wait(
         )
     input_schema = _arrow_schema(df.schema, "input")
     output_schema = _arrow_schema(struct, "output")
+    event_time = _resolve_column(df, event_time)
     ooo = _event_time(df, event_time, max_out_of_orderness)
     if checkpoint is not None:
         if checkpoint.restore_from is not None and df.isStreaming:
@@ -348,6 +349,18 @@ def _arrow_schema(struct: Any, what: str) -> pa.Schema:
             f"The {what} schema has a type Arrow cannot carry ({exc}); mapInArrow, which "
             f"the adapter runs on, needs Arrow-compatible columns.{advice}"
         ) from exc
+
+
+def _resolve_column(df: Any, name: Any) -> Any:
+    """The input column ``name`` means, as Spark resolves names: with its default
+    ``spark.sql.caseSensitive=false``, ``event_time="TS"`` is the column ``ts``."""
+    if not isinstance(name, str) or name in df.columns:
+        return name
+    matches = [c for c in df.columns if c.lower() == name.lower()]
+    if len(matches) != 1:
+        return name
+    sensitive = str(df.sparkSession.conf.get("spark.sql.caseSensitive", "false")).lower()
+    return matches[0] if sensitive != "true" else name
 
 
 def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:

@@ -1792,6 +1792,25 @@ def test_a_variant_input_column_is_refused_asking_for_json_text(spark) -> None:
         ordered_wait(df, f, "id long")
 
 
+def test_event_time_names_its_column_as_spark_does_ignoring_case(spark, tmp_path) -> None:
+    # It was refused as "not in the DataFrame", although Spark resolves "TS" to ts.
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    df = spark.range(0, 100, numPartitions=2).selectExpr("id", "id AS ts")
+    config = CheckpointConfig(str(tmp_path), "cased", interval_records=10)
+    out = unordered_wait(df, f, "id long", event_time="TS", checkpoint=config).collect()
+    assert sorted(r.id for r in out) == list(range(100))
+    metas = SnapshotStore(str(tmp_path)).checkpoints("cased", include_expired=True)
+    assert {m.properties["event_time"] for m in metas} == {"ts"}  # the watermarks' column
+    spark.conf.set("spark.sql.caseSensitive", "true")
+    try:
+        with pytest.raises(ConfigurationError, match="event_time column 'TS' is not in the"):
+            unordered_wait(df, f, "id long", event_time="TS")
+    finally:
+        spark.conf.unset("spark.sql.caseSensitive")
+
+
 def test_year_to_month_intervals_are_refused_with_a_cast_to_use(spark) -> None:
     # Spark cannot hand them to Arrow at all; DAY TO SECOND ones go through as durations.
     async def f(row):  # type: ignore[no-untyped-def]
