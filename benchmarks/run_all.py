@@ -1,6 +1,6 @@
 """The whole benchmark suite in one run: writes docs/benchmarks.md and its plots.
 
-    ./dev bench                  # everything, 25-35 minutes on 2 cores
+    ./dev bench                  # everything, 20-35 minutes on 2 cores
     ./dev bench --quick --out /tmp/bench/benchmarks.md --plots /tmp/bench/plots
                                  # a smoke run of every part (~8 minutes), docs left alone
 
@@ -547,7 +547,7 @@ def render(results: dict[str, Any], plots: Path, doc_dir: Path) -> str:
         "(the Spark comparison with the hand-written loop, and rows per CPU-second).\n"
     )
     add(
-        "```bash\n./dev bench          # the whole suite, 25-35 min: rewrites this file, its "
+        "```bash\n./dev bench          # the whole suite, 20-35 min: rewrites this file, its "
         "plots and their figures (docs/benchmarks/results.json)\n"
         "./dev bench --from-json docs/benchmarks/results.json  # this report again, from "
         "those figures\n"
@@ -1195,9 +1195,10 @@ def section_latency_variance(
         f"`ordered_wait` at the same capacity runs at {each('ordered_wait', 'vs_handwritten')}: "
         "in ordered mode a result that completes before an earlier element's waits in the "
         "queue and keeps its place there (Flink's `AsyncWaitOperator` does the same: the "
-        "capacity counts queue entries, DESIGN §3), so behind one slow request the queue fills "
-        "with finished results and the requests actually in flight fall far below the "
-        "capacity. The hand-written loop does not block that way: it buffers a whole batch's "
+        "capacity counts queue entries, README, 'Ordering modes'), so behind one slow "
+        "request the queue fills with finished results and the requests actually in flight "
+        "fall far below the capacity. The hand-written loop does not block that way: it "
+        "buffers a whole batch's "
         f"results ({batch:,} rows) and emits them in order only when the batch is done. "
         f"At {WIDE} times the capacity `ordered_wait` runs at "
         f"{each('ordered_wait', 'vs_handwritten', True)}, but then up to {wide_peak:,} "

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import socket
 import time
+from dataclasses import fields
 
 import pytest
 
 from stateful_async.chaos import MockService, MockServiceError, ServiceConfig
+from stateful_async.chaos._service import main as service_main
 
 
 def test_a_service_that_cannot_listen_fails_to_start_saying_why() -> None:
@@ -30,3 +32,20 @@ def test_a_started_service_answers_and_stops() -> None:
         pid = service.pid
         assert pid is not None and service.stats()["total"] == 0
     assert service.pid is None
+
+
+def test_the_command_line_help_lists_every_setting_and_refuses_an_unknown_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        service_main(["--help"])
+    assert info.value.code == 0
+    help_text = capsys.readouterr().out
+    for setting in fields(ServiceConfig):
+        assert f"  {setting.name} (default " in help_text, setting.name
+    assert "error_status (default 503)" in help_text
+
+    with pytest.raises(SystemExit) as info:
+        service_main(["--config", '{"latency": 20}'])
+    assert info.value.code == 2
+    assert "Unknown service settings: latency." in capsys.readouterr().err

@@ -19,8 +19,8 @@ class ServiceError(Exception):
 class ServiceEnrichment(AsyncFunction[dict[str, Any], dict[str, Any]]):
     """Looks up ``row[key_field]`` at ``{url}/enrich`` and returns the row with ``fields``
     of the answer added. One ``aiohttp.ClientSession`` per operator (made in ``open``, so
-    the function pickles for Spark). A 5xx raises ``ServiceError``; ``fallback``, if given,
-    is returned (merged into the row) when an element times out.
+    the function pickles for Spark). An HTTP error status (>= 400) raises ``ServiceError``;
+    ``fallback``, if given, is returned (merged into the row) when an element times out.
     """
 
     def __init__(

@@ -226,7 +226,7 @@ def _arg(cmdline: Sequence[str], name: str) -> str:
 class LocalCluster:
     """A Spark standalone cluster on 127.0.0.1: one master and ``workers`` workers.
 
-        with LocalCluster() as cluster:            # ~15-35 s until the workers are alive
+        with LocalCluster() as cluster:            # ~5-35 s until the workers are alive
             spark = session_for(cluster.master_url)
             ...
             cluster.kill_executor(app_id)          # SIGKILL one executor JVM

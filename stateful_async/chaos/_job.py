@@ -228,7 +228,10 @@ def parse_args(argv: Sequence[str] | None = None) -> JobOptions:
     parser.add_argument("--retain", type=int, default=3, help="checkpoints kept per partition")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per row")
     parser.add_argument(
-        "--max-attempts", type=int, default=1, help="total attempts per row on a 5xx"
+        "--max-attempts",
+        type=int,
+        default=1,
+        help="total attempts per row on an HTTP error status (>= 400)",
     )
     parser.add_argument("--retry-delay", type=float, default=0.05, help="seconds between attempts")
     parser.add_argument(

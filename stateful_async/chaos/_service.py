@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import math
 import random
 import signal
 import sys
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from aiohttp import web
@@ -220,11 +221,27 @@ async def serve(port: int, config: ServiceConfig, host: str = "127.0.0.1") -> No
     await runner.cleanup()
 
 
+def _config_help() -> str:
+    """--config's settings and their defaults, with ServiceConfig's own description."""
+    defaults = ServiceConfig()
+    lines = [f"  {f.name} (default {getattr(defaults, f.name)!r})" for f in fields(ServiceConfig)]
+    description = inspect.cleandoc(ServiceConfig.__doc__ or "")
+    return "--config settings:\n" + "\n".join(lines) + "\n\n" + description
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="The stateful-async mock enrichment service.")
+    parser = argparse.ArgumentParser(
+        description="The stateful-async mock enrichment service.",
+        epilog=_config_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--config", default="{}", help="initial ServiceConfig as JSON")
+    parser.add_argument(
+        "--config",
+        default="{}",
+        help='initial settings as JSON, e.g. \'{"latency_ms": 20, "error_rate": 0.01}\'',
+    )
     args = parser.parse_args(argv)
     try:
         config = ServiceConfig().merged(json.loads(args.config))
