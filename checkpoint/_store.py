@@ -315,9 +315,9 @@ def _claim_app_id(run_id: str) -> str:
     return f"stateful-async-claim:{run_id}"
 
 
-def _claimer_app_id(run_id: str) -> str:
-    """The Delta app transaction whose version names who made the newest claim on a run."""
-    return f"stateful-async-claimed-by:{run_id}"
+def _claimer_app_id(run_id: str, owner: str) -> str:
+    """The Delta app transaction whose version is the newest claim ``owner`` made on a run."""
+    return f"stateful-async-claimed-by:{run_id}:{owner}"
 
 
 def _schema_differences(old: pa.Schema, new: pa.Schema) -> list[str]:
@@ -811,7 +811,7 @@ class SubtaskLog:
             raise CheckpointError(f"Cannot read checkpoint table {self.uri}: {exc}") from exc
         return _metadata_from_row(rows.to_pylist()[0]) if rows.num_rows else None
 
-    def claim(self, run_id: str, owner: int | None = None) -> int | None:
+    def claim(self, run_id: str, owner: str | None = None) -> int | None:
         """Take ``run_id`` over from the attempts before this one, which may still be
         running (a cancelled task's Python worker lives on for a while; a speculative copy
         runs beside the original): from now on their commits of this run are refused, so a
@@ -820,8 +820,8 @@ class SubtaskLog:
         Call it before reading the run's restore point: a commit that lands before the claim
         is seen by that read, one after it is refused. One empty Delta commit, made only if
         the run has committed something (otherwise there is nothing to take over); returns
-        the claim, or None. ``owner`` (an integer naming the attempt, e.g. Spark's task
-        attempt id) is recorded with the claim: ``claimed_by`` reads it.
+        the claim, or None. ``owner`` (a name of the attempt, unique among every attempt
+        that may ever claim the run) is recorded with the claim: ``claimed_by`` reads it.
         """
         app_id, claim_app = _app_id(run_id), _claim_app_id(run_id)
         for _ in range(_COMMIT_RETRIES):
@@ -840,7 +840,11 @@ class SubtaskLog:
                     mode="append",
                     commit_properties=CommitProperties(
                         app_transactions=[Transaction(claim_app, claim)]
-                        + ([] if owner is None else [Transaction(_claimer_app_id(run_id), owner)]),
+                        + (
+                            []
+                            if owner is None
+                            else [Transaction(_claimer_app_id(run_id, owner), claim)]
+                        ),
                         custom_metadata={"stateful_async.claim": f"{run_id}#{claim}"},
                     ),
                 )
@@ -875,7 +879,7 @@ class SubtaskLog:
         return claimed if claimed is not None and claimed > self._claims.get(run_id, 0) else None
 
     def take_over(
-        self, run_id: str, owner: int | None = None
+        self, run_id: str, owner: str | None = None
     ) -> tuple[int | None, CheckpointMetadata | None]:
         """Claim ``run_id`` (see ``claim``) and return the claim and the run's newest
         restorable checkpoint, which no earlier attempt can supersede any more. If the run
@@ -888,11 +892,16 @@ class SubtaskLog:
             latest = self.latest(run_id=run_id)
         return claim, latest
 
-    def claimed_by(self, run_id: str) -> int | None:
-        """The ``owner`` recorded with the newest claim on ``run_id`` that named one (None
-        if none did)."""
+    def claimed_by(self, run_id: str, owner: str) -> bool:
+        """Whether ``owner`` made the newest claim on ``run_id``."""
         table = self._open(refresh=True)
-        return None if table is None else table.transaction_version(_claimer_app_id(run_id))
+        if table is None:
+            return False
+        newest = table.transaction_version(_claim_app_id(run_id))
+        return (
+            newest is not None
+            and table.transaction_version(_claimer_app_id(run_id, owner)) == newest
+        )
 
     def expire(self, retain: int, vacuum: bool = True, run_id: str | None = None) -> ExpireReport:
         """Keep the ``retain`` newest checkpoints of this subtask restorable; drop the rest.

@@ -451,15 +451,19 @@ def test_a_claim_records_its_owner(tmp_path: Path) -> None:
     # The Spark task reads it to tell a retry (another attempt claimed last) from one task
     # attempt computing a partition twice (coalesce after the enrichment).
     log = SnapshotStore(tmp_path).subtask("job", "op", 0)
-    assert log.claimed_by("run") is None  # no table yet
+    assert not log.claimed_by("run", "app-1/17")  # no table yet
     commit(log, "run", 1)
-    assert log.claimed_by("run") is None
-    assert SnapshotStore(tmp_path).subtask("job", "op", 0).take_over("run", owner=17)[0] == 1
-    assert log.claimed_by("run") == 17
-    assert log.claim("run", owner=23) == 2
-    assert log.claim("run") == 3  # no owner: the last one named stays
-    assert log.claimed_by("run") == 23
-    assert log.claimed_by("other-run") is None
+    assert not log.claimed_by("run", "app-1/17")  # not claimed yet
+    assert SnapshotStore(tmp_path).subtask("job", "op", 0).take_over("run", "app-1/17")[0] == 1
+    assert log.claimed_by("run", "app-1/17")
+    assert not log.claimed_by("run", "app-2/17")  # owners are names, not numbers
+    assert log.claim("run", owner="app-2/17") == 2
+    assert log.claimed_by("run", "app-2/17") and not log.claimed_by("run", "app-1/17")
+    assert log.claim("run") == 3  # a claim naming no owner: nobody named made the newest
+    assert not log.claimed_by("run", "app-2/17")
+    assert log.claim("run", owner="app-1/17") == 4  # an owner claiming again
+    assert log.claimed_by("run", "app-1/17")
+    assert not log.claimed_by("other-run", "app-1/17")
 
 
 def test_taking_over_claims_again_if_the_run_got_its_first_commit_meanwhile(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import numbers
+import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -206,6 +207,7 @@ def _async_wait(
         app_id=_app_id(df.sparkSession),
         metrics=None if metrics is None else metrics.accumulator,
         input_names=input_names,
+        driver=_DRIVER,
     )
     task = PartitionTask(spec)
     _check_picklable(task, fn)
@@ -586,6 +588,10 @@ def _check_order_kept(every: list[Any], config: CheckpointConfig) -> None:
             "input order. Resume with unordered_wait, or start ordered_wait fresh: drop "
             "restore_from, or give it a new operator_id (CheckpointConfig(..., operator_id=...))."
         )
+
+
+# This driver process's name in the task attempts' owner property (TaskSpec.driver).
+_DRIVER = uuid.uuid4().hex[:16]
 
 
 def _app_id(session: Any) -> str:

@@ -63,6 +63,7 @@ _MAX_QUEUED_BATCHES = 16  # output backpressure: stop reading input past this
 _PROGRESS_SECONDS = 60.0  # a task logs its progress this often (STATEFUL_ASYNC_PROGRESS_SECONDS)
 _EXPIRE_EVERY = 20  # a long task expires old checkpoints every this many checkpoints
 _WATERMARK = "watermark"  # checkpoint property: the last watermark the task generated
+_OWNER = "owner"  # checkpoint property: the task attempt that wrote it, as app/driver/attempt
 EVENT_TIME_PROPERTY = "event_time"  # checkpoint properties: what watermarks came from
 _OUT_OF_ORDERNESS = "max_out_of_orderness"
 _SAME_WATERMARKS = (EVENT_TIME_PROPERTY, _OUT_OF_ORDERNESS)
@@ -272,6 +273,10 @@ class TaskSpec:
     # The input's column names where Spark was handed the input under other ones (names
     # with a dot, which mapInArrow cannot resolve): each batch gets them back.
     input_names: tuple[str, ...] | None = None
+    # A random name of the driver process that built the enrichment. With app_id it names
+    # a task attempt uniquely across applications: Spark's task attempt ids start from 0
+    # again in each one (a streaming query restarted, a YARN application attempt).
+    driver: str = ""
 
 
 class PartitionTask:
@@ -281,7 +286,13 @@ class PartitionTask:
         self.spec = spec
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        return _TaskRun(self.spec, batches, _task_identity(self.spec.app_id)).run()
+        try:
+            from pyspark import TaskContext
+
+            context = TaskContext.get()
+        except ImportError:  # pragma: no cover - the adapter always runs under Spark
+            context = None
+        return _TaskRun(self.spec, batches, _task_identity(self.spec, context)).run()
 
 
 @dataclass(frozen=True)
@@ -292,14 +303,8 @@ class TaskIdentity:
     properties: dict[str, str]
 
 
-def _task_identity(app_id: str) -> TaskIdentity:
-    """Which run this task belongs to (see docs/checkpointing.md)."""
-    try:
-        from pyspark import TaskContext
-
-        context = TaskContext.get()
-    except ImportError:  # pragma: no cover - the adapter always runs under Spark
-        context = None
+def _task_identity(spec: TaskSpec, context: Any) -> TaskIdentity:
+    """Which run this task belongs to (see docs/checkpointing.md), from its TaskContext."""
     if context is None:  # called outside Spark (tests of the task itself)
         return TaskIdentity(0, 0, os.environ.get("STATEFUL_ASYNC_RUN_ID", "local"), {})
     batch_id = context.getLocalProperty("streaming.sql.batchId")
@@ -307,12 +312,14 @@ def _task_identity(app_id: str) -> TaskIdentity:
     if batch_id is not None and query_id is not None:
         run_id = f"{query_id}.batch{batch_id}"
     else:
-        run_id = f"{app_id}.stage{context.stageId()}"
+        run_id = f"{spec.app_id}.stage{context.stageId()}"
     properties = {
         "attempt": str(context.attemptNumber()),
         "task_attempt_id": str(context.taskAttemptId()),  # unique in the application
+        # unique across applications and drivers: who wrote a checkpoint, made a claim
+        _OWNER: f"{spec.app_id}/{spec.driver}/{context.taskAttemptId()}",
         "stage": str(context.stageId()),
-        "app_id": app_id,
+        "app_id": spec.app_id,
     }
     if batch_id is not None:
         properties["batch_id"] = batch_id
@@ -680,9 +687,8 @@ class _TaskRun:
 
     def _find_restore_point(self, config: CheckpointConfig) -> Any:
         log = self.log
-        attempt_id = self.properties.get("task_attempt_id")
-        owner = int(attempt_id) if attempt_id is not None else None
-        if owner is not None and log.claimed_by(self.identity.run_id) == owner:
+        owner = self.properties.get(_OWNER)
+        if owner is not None and log.claimed_by(self.identity.run_id, owner):
             latest = log.latest(run_id=self.identity.run_id)
             if latest is not None:
                 self._check_same_enrichment(latest)  # another enrichment took it over
@@ -754,10 +760,14 @@ class _TaskRun:
         several of its partitions one after another in one task, and they all report that
         task's partition number, so their checkpoints would mix (the next one would take
         the previous one's as its own and refuse its input)."""
-        ours = self.properties.get("task_attempt_id")
-        if ours is None or meta.properties.get("task_attempt_id") != ours:
-            return
-        raise self._run_twice_in_one_task(f"already wrote checkpoint {meta.ref}")
+        if self._written_by_this_attempt(meta):
+            raise self._run_twice_in_one_task(f"already wrote checkpoint {meta.ref}")
+
+    def _written_by_this_attempt(self, meta: Any) -> bool:
+        """Whether this very task attempt wrote the checkpoint ``meta``. (Checkpoints older
+        than the owner property are taken as another attempt's.)"""
+        ours = self.properties.get(_OWNER)
+        return ours is not None and meta.properties.get(_OWNER) == ours
 
     def _run_twice_in_one_task(self, done: str) -> ConfigurationError:
         """The error for a partition of the enrichment computed twice in one task attempt
@@ -962,8 +972,7 @@ class _TaskRun:
             latest = self.log.latest(run_id=run_id)
             if latest is None or latest.checkpoint_id < checkpoint_id:
                 raise
-            ours = self.properties.get("task_attempt_id")
-            if ours is None or latest.properties.get("task_attempt_id") != ours:
+            if not self._written_by_this_attempt(latest):
                 raise
             raise self._shared_checkpoint(
                 f"could not commit checkpoint {checkpoint_id}: this same task attempt has "
