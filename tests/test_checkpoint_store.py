@@ -668,6 +668,12 @@ def test_a_schema_change_between_runs_is_refused(tmp_path: Path) -> None:
         SchemaChangedError, match=r"written with: 'id' \(int64\) was nullable, is now NOT NULL\."
     ):
         fresh.commit("run2", 1, [], None, input_schema=nullable, output_schema=OUT, position=0)
+    strict = SnapshotStore(tmp_path).subtask("strict-job", "op", 0)
+    strict.commit("run", 1, [], None, input_schema=nullable, output_schema=OUT, position=0)
+    with pytest.raises(
+        SchemaChangedError, match=r"written with: 'id' \(int64\) was NOT NULL, is now nullable\."
+    ):
+        strict.commit("run2", 1, [], None, input_schema=OUT, output_schema=OUT, position=0)
 
 
 @pytest.mark.parametrize("interrupted", [False, True])

@@ -18,7 +18,7 @@ from .._function import as_async_function
 from .._operator import OutputMode, check_capacity_and_timeout
 from .._retry import RetryStrategy
 from ._config import CheckpointConfig
-from ._metrics import EnrichmentMetrics
+from ._metrics import DriverOnlyError, EnrichmentMetrics
 from ._session import is_connect, task_attempts
 from ._task import OUTPUT_MODE_PROPERTY, PartitionTask, TaskSpec
 
@@ -217,10 +217,11 @@ def _async_wait(
 def _resolvable(df: Any) -> tuple[Any, tuple[str, ...] | None]:
     """``df`` as ``mapInArrow`` can take it, and the column names the task gives its rows
     back. mapInArrow resolves every input column by name, and a name with a dot in it
-    (``a.b``, common after flattening JSON) reads as a struct field: UNRESOLVED_COLUMN. Such
-    an input goes to Spark under positional names instead (``toDF`` renames by position)."""
+    (``a.b``, common after flattening JSON) reads as a struct field: UNRESOLVED_COLUMN; one
+    with a backtick cannot be parsed (INVALID_ATTRIBUTE_NAME_SYNTAX). Such an input goes to
+    Spark under positional names instead (``toDF`` renames by position)."""
     names = df.columns
-    if not any("." in name for name in names):
+    if not any("." in name or "`" in name for name in names):
         return df, None
     return df.toDF(*[f"_stateful_async_{i}" for i in range(len(names))]), tuple(names)
 
@@ -321,6 +322,16 @@ def _variant_field(data_type: Any) -> str | None:
     return next((p for p, t in _nested_types(data_type) if isinstance(t, VariantType)), None)
 
 
+def _year_month_field(data_type: Any) -> tuple[str, Any] | None:
+    """The path and type of a YEAR-MONTH interval inside ``data_type``, if it holds one."""
+    from pyspark.sql.types import YearMonthIntervalType
+
+    return next(
+        ((p, t) for p, t in _nested_types(data_type) if isinstance(t, YearMonthIntervalType)),
+        None,
+    )
+
+
 def _arrow_schema(struct: Any, what: str) -> pa.Schema:
     from pyspark.sql.pandas.types import to_arrow_schema
 
@@ -335,34 +346,48 @@ def _arrow_schema(struct: Any, what: str) -> pa.Schema:
                 else "Return JSON text in a STRING field instead, and parse_json() it after."
             )
         )
+    interval = _year_month_field(struct)
+    if interval is not None:  # Spark has no Arrow type for them (DAY TO SECOND: durations)
+        path, interval_type = interval
+        raise ConfigurationError(
+            f"The {what} field {path!r} is an {interval_type.simpleString()}, which Spark "
+            "cannot hand to Arrow (mapInArrow, which the adapter runs on, needs Arrow-"
+            "compatible columns). "
+            + (
+                "Pass it as its number of months instead: select cast(cast(col AS interval "
+                "year to month) AS int) AS col first (a cast to int alone gives years for an "
+                "interval year). DAY TO SECOND intervals go through as they are."
+                if what == "input"
+                else "Return its number of months in an INT field instead, and "
+                "make_ym_interval(0, col) of it after."
+            )
+        )
     try:
         return to_arrow_schema(struct, timezone="UTC")
     except Exception as exc:
-        advice = ""
-        if "YearMonthIntervalType" in str(exc):
-            advice = " A YEAR TO MONTH interval is one: " + (
-                "pass it as a number of months, e.g. select cast(col AS int) AS col "
-                "first (DAY TO SECOND intervals go through as they are)."
-                if what == "input"
-                else "return a number of months in an INT field instead, and make_ym_"
-                "interval(0, col) of it after."
-            )
         raise ConfigurationError(
             f"The {what} schema has a type Arrow cannot carry ({exc}); mapInArrow, which "
-            f"the adapter runs on, needs Arrow-compatible columns.{advice}"
+            "the adapter runs on, needs Arrow-compatible columns."
         ) from exc
 
 
 def _resolve_column(df: Any, name: Any) -> Any:
     """The input column ``name`` means, as Spark resolves names: with its default
     ``spark.sql.caseSensitive=false``, ``event_time="TS"`` is the column ``ts``."""
-    if not isinstance(name, str) or name in df.columns:
+    if not isinstance(name, str):
         return name
     matches = [c for c in df.columns if c.lower() == name.lower()]
-    if len(matches) != 1:
+    if len(matches) < 2 and name in df.columns:
         return name
     sensitive = str(df.sparkSession.conf.get("spark.sql.caseSensitive", "false")).lower()
-    return matches[0] if sensitive != "true" else name
+    if not matches or sensitive == "true":
+        return name
+    if len(matches) > 1:
+        raise ConfigurationError(
+            f"event_time {name!r} names the columns {', '.join(map(repr, matches))}, which "
+            "Spark tells apart only with spark.sql.caseSensitive=true: rename one of them."
+        )
+    return matches[0]
 
 
 def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
@@ -669,9 +694,14 @@ def _check_picklable(task: PartitionTask, fn: Any) -> None:
         cloudpickle.dumps(task)
     except Exception as exc:
         name = getattr(fn, "__qualname__", type(fn).__name__)
+        advice = (
+            ""
+            if isinstance(exc, DriverOnlyError)  # says what to do itself
+            else " Create clients (HTTP sessions, connection pools, locks) in "
+            "AsyncFunction.open(), not in __init__ or at module level, and keep only "
+            "picklable settings (URLs, keys) on the object."
+        )
         raise FunctionNotSerializableError(
             f"The async function {name} cannot be pickled, so Spark cannot send it to the "
-            f"executors: {type(exc).__name__}: {exc}. Create clients (HTTP sessions, "
-            "connection pools, locks) in AsyncFunction.open(), not in __init__ or at module "
-            "level, and keep only picklable settings (URLs, keys) on the object."
+            f"executors: {type(exc).__name__}: {exc}{advice}"
         ) from exc

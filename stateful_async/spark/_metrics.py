@@ -27,6 +27,10 @@ def zero_counters() -> dict[str, int]:
     return dict.fromkeys(COUNTERS, 0)
 
 
+class DriverOnlyError(TypeError):
+    """Raised when something that lives on the driver is pickled to go to the executors."""
+
+
 class _CountersParam:
     """How Spark adds up the tasks' counters (PySpark's ``AccumulatorParam`` protocol)."""
 
@@ -98,7 +102,7 @@ class EnrichmentMetrics:
         self._accumulator.value = zero_counters()
 
     def __reduce__(self) -> Any:
-        raise TypeError(
+        raise DriverOnlyError(
             "EnrichmentMetrics lives on the driver: pass it as ordered_wait(..., metrics=...) "
             "rather than using it inside a function that Spark ships to executors."
         )

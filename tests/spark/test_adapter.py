@@ -761,15 +761,20 @@ def test_input_columns_with_a_dot_in_their_name_reach_the_function_as_they_are(
     spark, tmp_path
 ) -> None:
     # mapInArrow resolves its input columns by name and reads `a.b` as a struct field
-    # (UNRESOLVED_COLUMN before any job ran); common after flattening JSON.
+    # (UNRESOLVED_COLUMN before any job ran); common after flattening JSON. A name with a
+    # backtick failed to parse (INVALID_ATTRIBUTE_NAME_SYNTAX).
     async def fn(row):  # type: ignore[no-untyped-def]
-        return [{"id": row["id"], "x.y": row["a.b"], "c": row["s.t"]["c.d"]}]
+        return [{"id": row["id"], "x.y": row["a.b"] + row["q`b"], "c": row["s.t"]["c.d"]}]
 
     df = spark.range(0, 200, numPartitions=2).selectExpr(
-        "id", "id * 3 AS `a.b`", "named_struct('c.d', -id) AS `s.t`", "id AS `e.t`"
+        "id",
+        "id * 3 AS `a.b`",
+        "named_struct('c.d', -id) AS `s.t`",
+        "id AS `e.t`",
+        "id * 10 AS `q``b`",
     )
     schema = "id long, `x.y` long, c long"
-    want = [(i, 3 * i, -i) for i in range(200)]
+    want = [(i, 13 * i, -i) for i in range(200)]
     out = ordered_wait(df, fn, schema, capacity=4).collect()
     assert [tuple(r) for r in out] == want
     # with event time from such a column, and a crash resumed from a checkpoint
@@ -779,8 +784,13 @@ def test_input_columns_with_a_dot_in_their_name_reach_the_function_as_they_are(
         df, crashing, schema, capacity=4, event_time="e.t", checkpoint=config
     ).collect()
     assert sorted(tuple(r) for r in out) == want
-    metas = SnapshotStore(str(tmp_path)).checkpoints("dots", include_expired=True)
+    store = SnapshotStore(str(tmp_path))
+    metas = store.checkpoints("dots", include_expired=True)
     assert any(m.properties["attempt"] == "1" and m.parent is not None for m in metas)
+    # the checkpoints know the columns by their own names, not the ones Spark was handed
+    assert {m.properties["event_time"] for m in metas} == {"e.t"}
+    input_schema, _ = store.subtask("dots", "enrich", 0).schemas()  # type: ignore[misc]
+    assert input_schema.names == ["id", "a.b", "s.t", "e.t", "q`b"]
 
 
 def test_coalesce_after_a_checkpointed_enrichment_is_refused_with_what_to_do(
@@ -1803,6 +1813,10 @@ def test_event_time_names_its_column_as_spark_does_ignoring_case(spark, tmp_path
     assert sorted(r.id for r in out) == list(range(100))
     metas = SnapshotStore(str(tmp_path)).checkpoints("cased", include_expired=True)
     assert {m.properties["event_time"] for m in metas} == {"ts"}  # the watermarks' column
+    both = df.selectExpr("id", "ts", "id AS Ts")
+    for name in ("TS", "ts"):
+        with pytest.raises(ConfigurationError, match="names the columns 'ts', 'Ts', which"):
+            unordered_wait(both, f, "id long", event_time=name)
     spark.conf.set("spark.sql.caseSensitive", "true")
     try:
         with pytest.raises(ConfigurationError, match="event_time column 'TS' is not in the"):
@@ -1811,21 +1825,38 @@ def test_event_time_names_its_column_as_spark_does_ignoring_case(spark, tmp_path
         spark.conf.unset("spark.sql.caseSensitive")
 
 
-def test_year_to_month_intervals_are_refused_with_a_cast_to_use(spark) -> None:
+def test_year_to_month_intervals_are_refused_with_an_expression_to_use(spark) -> None:
     # Spark cannot hand them to Arrow at all; DAY TO SECOND ones go through as durations.
+    # The advice was a cast to int, which gives years for an INTERVAL YEAR (3 years became
+    # 3 months on the way back), and named no column.
     async def f(row):  # type: ignore[no-untyped-def]
-        return [{"id": row["id"]}]
+        return [{"id": row["id"], "iv": row["iv"] + 1}]
 
-    df = spark.range(3).selectExpr("id", "INTERVAL '14' MONTH AS iv", "INTERVAL '3' DAY AS d")
-    with pytest.raises(
-        ConfigurationError,
-        match=r"input schema has a type Arrow cannot carry .*YearMonthIntervalType.* A YEAR TO "
-        r"MONTH interval is one: pass it as a number of months, e.g. select cast\(col AS int\)",
-    ):
-        ordered_wait(df, f, "id long")
-    with pytest.raises(ConfigurationError, match=r"INT field instead, and make_ym_interval"):
-        ordered_wait(df.drop("iv"), f, "id long, iv interval year to month")
-    assert len(ordered_wait(df.drop("iv"), f, "id long").collect()) == 3
+    df = spark.range(3).selectExpr(
+        "id", "INTERVAL '3' YEAR AS iv", "named_struct('ym', INTERVAL '14' MONTH) AS s"
+    )
+    with pytest.raises(ConfigurationError) as refused:
+        ordered_wait(df.drop("s"), f, "id long")
+    text = str(refused.value)
+    assert "The input field 'iv' is an interval year, which Spark cannot hand to Arrow" in text
+    advice = "cast(cast(col AS interval year to month) AS int) AS col"
+    assert f"Pass it as its number of months instead: select {advice} first" in text
+    with pytest.raises(ConfigurationError, match=r"The input field 's.ym' is an interval month"):
+        ordered_wait(df.drop("iv"), f, "id long")
+    with pytest.raises(ConfigurationError) as refused:
+        ordered_wait(df.select("id"), f, "id long, iv interval year to month")
+    text = str(refused.value)
+    assert "The output field 'iv' is an interval year to month" in text
+    assert (
+        "Return its number of months in an INT field instead, and make_ym_interval(0, col)" in text
+    )
+
+    # The advice, followed: 3 years in as 36 months, 37 months out as 3 years 1 month.
+    months = df.selectExpr("id", advice.replace("col", "iv"))
+    out = ordered_wait(months, f, "id long, iv int").selectExpr(
+        "cast(make_ym_interval(0, iv) AS string) AS iv"  # PySpark cannot collect the interval
+    )
+    assert [r.iv for r in out.collect()] == ["INTERVAL '3-1' YEAR TO MONTH"] * 3
 
 
 def test_an_event_time_given_as_a_column_is_refused_naming_the_name_to_give(spark) -> None:

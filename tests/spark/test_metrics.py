@@ -8,7 +8,12 @@ from typing import Any
 import pytest
 
 from checkpoint import SnapshotStore
-from stateful_async import AsyncFunction, ConfigurationError, RetryStrategy
+from stateful_async import (
+    AsyncFunction,
+    ConfigurationError,
+    FunctionNotSerializableError,
+    RetryStrategy,
+)
 from stateful_async.chaos import CrashOnElement
 from stateful_async.spark import CheckpointConfig, EnrichmentMetrics, ordered_wait, unordered_wait
 
@@ -112,8 +117,17 @@ def test_metrics_must_be_an_enrichment_metrics(spark: Any) -> None:
     async def uses_metrics(row: dict[str, Any]) -> list[dict[str, Any]]:
         return [{"id": row["id"], "v": len(repr(metrics))}]
 
-    with pytest.raises(Exception, match=r"EnrichmentMetrics lives on the driver"):
+    with pytest.raises(FunctionNotSerializableError) as refused:
         ordered_wait(df, uses_metrics, SCHEMA)
+    text = str(refused.value)
+    assert (
+        "The async function test_metrics_must_be_an_enrichment_metrics.<locals>.uses_metrics"
+        in text
+    )
+    assert (
+        "EnrichmentMetrics lives on the driver: pass it as ordered_wait(..., metrics=...)" in text
+    )
+    assert "AsyncFunction.open()" not in text  # advice for clients, not for this
 
 
 def test_a_streaming_querys_metrics_add_up_over_its_micro_batches(spark: Any, tmp_path) -> None:
