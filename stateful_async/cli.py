@@ -466,6 +466,7 @@ def show_checkpoint(
                     "checkpoint_id": s.metadata.checkpoint_id,
                     "position": s.metadata.position,
                     "results_committed": s.metadata.result_count,
+                    "properties": dict(s.metadata.properties),
                     "elements": [
                         {
                             "kind": "watermark" if _is_watermark(e) else "record",

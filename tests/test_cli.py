@@ -82,6 +82,7 @@ async def snapshot_mid_job(location: Path) -> list[dict]:
             output_schema=OUTPUT,
             position=8,
             parent=first.ref,
+            properties={"owner": f"app/1/{partition}", "attempt": "0"},
         )
         if partition == 0:
             in_flight = [e.value for e in snapshot if isinstance(e, StreamRecord)]
@@ -167,6 +168,7 @@ def test_show_lists_in_flight_records_and_watermarks(checkpoints) -> None:
     kinds = [e["kind"] for e in snapshot["elements"]]
     assert kinds.count("watermark") == 1
     assert [e["value"] for e in snapshot["elements"] if e["kind"] == "record"] == in_flight
+    assert snapshot["properties"] == {"owner": "app/1/0", "attempt": "0"}  # who wrote it
     table = invoke("checkpoints", "show", str(location), "2")
     assert table.exit_code == 0
     assert '"name": "[n7]"' in table.output and "watermark" in table.output

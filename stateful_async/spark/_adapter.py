@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import math
 import numbers
-import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -207,7 +206,7 @@ def _async_wait(
         app_id=_app_id(df.sparkSession),
         metrics=None if metrics is None else metrics.accumulator,
         input_names=input_names,
-        driver=_DRIVER,
+        app_start=_app_start(df.sparkSession),
     )
     task = PartitionTask(spec)
     _check_picklable(task, fn)
@@ -218,10 +217,13 @@ def _resolvable(df: Any) -> tuple[Any, tuple[str, ...] | None]:
     """``df`` as ``mapInArrow`` can take it, and the column names the task gives its rows
     back. mapInArrow resolves every input column by name, and a name with a dot in it
     (``a.b``, common after flattening JSON) reads as a struct field: UNRESOLVED_COLUMN; one
-    with a backtick cannot be parsed (INVALID_ATTRIBUTE_NAME_SYNTAX). Such an input goes to
-    Spark under positional names instead (``toDF`` renames by position)."""
+    with a backtick cannot be parsed (INVALID_ATTRIBUTE_NAME_SYNTAX), ``*`` is a star, and
+    two names that differ only in case are AMBIGUOUS_REFERENCE (unless
+    spark.sql.caseSensitive). Such an input goes to Spark under positional names instead
+    (``toDF`` renames by position)."""
     names = df.columns
-    if not any("." in name or "`" in name for name in names):
+    special = any("." in name or "`" in name or "*" in name for name in names)
+    if not special and len({name.lower() for name in names}) == len(names):
         return df, None
     return df.toDF(*[f"_stateful_async_{i}" for i in range(len(names))]), tuple(names)
 
@@ -349,16 +351,21 @@ def _arrow_schema(struct: Any, what: str) -> pa.Schema:
     interval = _year_month_field(struct)
     if interval is not None:  # Spark has no Arrow type for them (DAY TO SECOND: durations)
         path, interval_type = interval
+        nested = (
+            ""
+            if path in struct.names
+            else " (inside a struct or an array: do it there, with withField or transform)"
+        )
         raise ConfigurationError(
             f"The {what} field {path!r} is an {interval_type.simpleString()}, which Spark "
             "cannot hand to Arrow (mapInArrow, which the adapter runs on, needs Arrow-"
             "compatible columns). "
             + (
                 "Pass it as its number of months instead: select cast(cast(col AS interval "
-                "year to month) AS int) AS col first (a cast to int alone gives years for an "
-                "interval year). DAY TO SECOND intervals go through as they are."
+                f"year to month) AS int) AS col first{nested} (a cast to int alone gives "
+                "years for an interval year). DAY TO SECOND intervals go through as they are."
                 if what == "input"
-                else "Return its number of months in an INT field instead, and "
+                else f"Return its number of months in an INT field instead{nested}, and "
                 "make_ym_interval(0, col) of it after."
             )
         )
@@ -615,16 +622,23 @@ def _check_order_kept(every: list[Any], config: CheckpointConfig) -> None:
         )
 
 
-# This driver process's name in the task attempts' owner property (TaskSpec.driver).
-_DRIVER = uuid.uuid4().hex[:16]
-
-
 def _app_id(session: Any) -> str:
     """The application's id (run ids start with it), from the SparkContext, or on Spark
     Connect, which has none, from the session's conf (Spark copies it there)."""
     if not is_connect(session):
         return str(session.sparkContext.applicationId)
     return str(session.conf.get("spark.app.id"))  # raises if missing, never a blank id
+
+
+def _app_start(session: Any) -> str:
+    """When the application's SparkContext started (ms since the epoch; on Spark Connect
+    from the session's conf, where Spark copies it). An application id can repeat (a YARN
+    application attempt; a fixed spark.app.id and a SparkContext made again in one
+    process), and task attempt and stage ids start from 0 in each SparkContext: with the
+    start time, run ids and task attempt owners name one SparkContext's."""
+    if not is_connect(session):
+        return str(session.sparkContext.startTime)
+    return str(session.conf.get("spark.app.startTime"))
 
 
 def _warn_if_tasks_never_retry(session: Any) -> None:
@@ -703,5 +717,5 @@ def _check_picklable(task: PartitionTask, fn: Any) -> None:
         )
         raise FunctionNotSerializableError(
             f"The async function {name} cannot be pickled, so Spark cannot send it to the "
-            f"executors: {type(exc).__name__}: {exc}{advice}"
+            f"executors: {type(exc).__name__}: {str(exc).rstrip('.')}.{advice}"
         ) from exc

@@ -63,7 +63,7 @@ _MAX_QUEUED_BATCHES = 16  # output backpressure: stop reading input past this
 _PROGRESS_SECONDS = 60.0  # a task logs its progress this often (STATEFUL_ASYNC_PROGRESS_SECONDS)
 _EXPIRE_EVERY = 20  # a long task expires old checkpoints every this many checkpoints
 _WATERMARK = "watermark"  # checkpoint property: the last watermark the task generated
-_OWNER = "owner"  # checkpoint property: the task attempt that wrote it, as app/driver/attempt
+_OWNER = "owner"  # checkpoint property: the task attempt that wrote it (app/start/attempt id)
 EVENT_TIME_PROPERTY = "event_time"  # checkpoint properties: what watermarks came from
 _OUT_OF_ORDERNESS = "max_out_of_orderness"
 _SAME_WATERMARKS = (EVENT_TIME_PROPERTY, _OUT_OF_ORDERNESS)
@@ -273,10 +273,9 @@ class TaskSpec:
     # The input's column names where Spark was handed the input under other ones (names
     # with a dot, which mapInArrow cannot resolve): each batch gets them back.
     input_names: tuple[str, ...] | None = None
-    # A random name of the driver process that built the enrichment. With app_id it names
-    # a task attempt uniquely across applications: Spark's task attempt ids start from 0
-    # again in each one (a streaming query restarted, a YARN application attempt).
-    driver: str = ""
+    # When the SparkContext started (_adapter._app_start): with app_id it names one
+    # SparkContext, in whose run ids and task attempt owners it goes.
+    app_start: str = ""
 
 
 class PartitionTask:
@@ -312,12 +311,12 @@ def _task_identity(spec: TaskSpec, context: Any) -> TaskIdentity:
     if batch_id is not None and query_id is not None:
         run_id = f"{query_id}.batch{batch_id}"
     else:
-        run_id = f"{spec.app_id}.stage{context.stageId()}"
+        run_id = f"{spec.app_id}.{spec.app_start}.stage{context.stageId()}"
     properties = {
         "attempt": str(context.attemptNumber()),
         "task_attempt_id": str(context.taskAttemptId()),  # unique in the application
-        # unique across applications and drivers: who wrote a checkpoint, made a claim
-        _OWNER: f"{spec.app_id}/{spec.driver}/{context.taskAttemptId()}",
+        # unique across SparkContexts: who wrote a checkpoint, made a claim
+        _OWNER: f"{spec.app_id}/{spec.app_start}/{context.taskAttemptId()}",
         "stage": str(context.stageId()),
         "app_id": spec.app_id,
     }

@@ -359,6 +359,11 @@ def test_a_worker_crash_resumes_from_the_checkpoint_exactly_once(
     assert retried and all(m.subtask == 0 for m in retried)
     restored_from = retried[0].parent
     assert restored_from is not None
+    # A batch run is one stage of one SparkContext (its application id can repeat).
+    context = spark.sparkContext
+    assert re.fullmatch(
+        rf"{re.escape(context.applicationId)}\.{context.startTime}\.stage\d+", restored_from.run_id
+    )
     restored = store.load("crash", "enrich", 0, restored_from.checkpoint_id, restored_from.run_id)
     in_flight = {e.value["id"] for e in restored.elements}
     position = restored.metadata.position
@@ -762,7 +767,8 @@ def test_input_columns_with_a_dot_in_their_name_reach_the_function_as_they_are(
 ) -> None:
     # mapInArrow resolves its input columns by name and reads `a.b` as a struct field
     # (UNRESOLVED_COLUMN before any job ran); common after flattening JSON. A name with a
-    # backtick failed to parse (INVALID_ATTRIBUTE_NAME_SYNTAX).
+    # backtick failed to parse (INVALID_ATTRIBUTE_NAME_SYNTAX); `*` read as a star; two
+    # names differing only in case were AMBIGUOUS_REFERENCE.
     async def fn(row):  # type: ignore[no-untyped-def]
         return [{"id": row["id"], "x.y": row["a.b"] + row["q`b"], "c": row["s.t"]["c.d"]}]
 
@@ -777,6 +783,13 @@ def test_input_columns_with_a_dot_in_their_name_reach_the_function_as_they_are(
     want = [(i, 13 * i, -i) for i in range(200)]
     out = ordered_wait(df, fn, schema, capacity=4).collect()
     assert [tuple(r) for r in out] == want
+
+    async def seen(row):  # type: ignore[no-untyped-def]
+        return [{"names": ",".join(row), "star": row["*"], "upper": row["A"]}]
+
+    odd = spark.range(3).selectExpr("id AS a", "-id AS A", "2 * id AS `*`")
+    out = ordered_wait(odd, seen, "names string, star long, upper long").collect()
+    assert [tuple(r) for r in out] == [("a,A,*", 2 * i, -i) for i in range(3)]
     # with event time from such a column, and a crash resumed from a checkpoint
     config = CheckpointConfig(str(tmp_path), "dots", interval_records=20)
     crashing = CrashOnElement(fn, at=[150])
@@ -1716,7 +1729,8 @@ def test_an_unpicklable_function_fails_before_the_job_starts(spark) -> None:
             self.lock = threading.Lock()
 
     with pytest.raises(
-        FunctionNotSerializableError, match="Create clients .* in AsyncFunction.open"
+        FunctionNotSerializableError,
+        match=r"cannot pickle '_thread.lock' object\. Create clients .* in AsyncFunction.open",
     ):
         ordered_wait(spark.range(3), HoldsALock(), SCHEMA)
 
@@ -1841,8 +1855,11 @@ def test_year_to_month_intervals_are_refused_with_an_expression_to_use(spark) ->
     assert "The input field 'iv' is an interval year, which Spark cannot hand to Arrow" in text
     advice = "cast(cast(col AS interval year to month) AS int) AS col"
     assert f"Pass it as its number of months instead: select {advice} first" in text
-    with pytest.raises(ConfigurationError, match=r"The input field 's.ym' is an interval month"):
+    with pytest.raises(ConfigurationError) as refused:
         ordered_wait(df.drop("iv"), f, "id long")
+    text = str(refused.value)
+    assert "The input field 's.ym' is an interval month" in text
+    assert "AS col first (inside a struct or an array: do it there, with withField or" in text
     with pytest.raises(ConfigurationError) as refused:
         ordered_wait(df.select("id"), f, "id long, iv interval year to month")
     text = str(refused.value)

@@ -339,26 +339,35 @@ def test_a_micro_batch_replayed_by_a_new_application_resumes_though_its_task_ids
                 raise RuntimeError("the driver was killed")
             yield pa.record_batch([pa.array(range(start, start + 3), pa.int64())], schema=schema)
 
-    def attempt(app: str, driver: str, killed_after: int | None = None) -> list[int]:
-        spec = dataclasses.replace(base, app_id=app, driver=driver)
-        identity = _task_identity(spec, TaskContextOf(0, job_group=f"{app}-run"))
+    def attempt(app: str, started: str, killed_after: int | None = None) -> list[int]:
+        spec = dataclasses.replace(base, app_id=app, app_start=started)
+        identity = _task_identity(spec, TaskContextOf(0, job_group=f"{app}-{started}"))
         out = _TaskRun(spec, batches(killed_after), identity).run()
         return [i for batch in out for i in batch.column("id").to_pylist()]
 
     with pytest.raises(RuntimeError, match="the driver was killed"):
-        attempt("app-1", "driver-1", killed_after=6)
+        attempt("app-1", "1000", killed_after=6)
     store = SnapshotStore(tmp_path / "snapshots")
     interrupted = store.checkpoints("stream")
     assert interrupted and not any(m.final for m in interrupted)
+    # Killed again after a restart in a SparkContext of the same application id (a YARN
+    # application attempt; a fixed spark.app.id), started later: it resumed and went on.
+    with pytest.raises(RuntimeError, match="the driver was killed"):
+        attempt("app-1", "2000", killed_after=9)
+    resumed = store.checkpoints("stream")
+    assert resumed[-1].checkpoint_id > interrupted[-1].checkpoint_id
+    interrupted = resumed
+    assert not any(m.final for m in interrupted)
     assert {m.properties["task_attempt_id"] for m in interrupted} == {"0"}
 
-    # The restarted query's application runs the batch as task attempt 0 too: it resumes.
-    assert attempt("app-2", "driver-2") == list(range(12))
+    # A new application runs the batch as task attempt 0 too: it resumes.
+    assert attempt("app-2", "3000") == list(range(12))
     final = [m for m in store.checkpoints("stream") if m.final]
     assert len(final) == 1 and final[0].properties["task_attempt_id"] == "0"
     chain = store.subtask("stream", "enrich", 0).chain(final[0])
     assert interrupted[-1].ref in {m.ref for m in chain}  # resumed, not restarted
+    assert interrupted[0].ref in {m.ref for m in chain}
 
     # The very same task attempt computing the partition again is still refused.
     with pytest.raises(ConfigurationError, match="a second time in one task"):
-        attempt("app-2", "driver-2")
+        attempt("app-2", "3000")
