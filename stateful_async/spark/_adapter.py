@@ -383,18 +383,16 @@ def _resolve_column(df: Any, name: Any) -> Any:
     ``spark.sql.caseSensitive=false``, ``event_time="TS"`` is the column ``ts``."""
     if not isinstance(name, str):
         return name
-    matches = [c for c in df.columns if c.lower() == name.lower()]
-    if len(matches) < 2 and name in df.columns:
-        return name
     sensitive = str(df.sparkSession.conf.get("spark.sql.caseSensitive", "false")).lower()
-    if not matches or sensitive == "true":
+    if sensitive == "true":
         return name
+    matches = [c for c in df.columns if c.lower() == name.lower()]
     if len(matches) > 1:
         raise ConfigurationError(
             f"event_time {name!r} names the columns {', '.join(map(repr, matches))}, which "
             "Spark tells apart only with spark.sql.caseSensitive=true: rename one of them."
         )
-    return matches[0]
+    return matches[0] if matches else name
 
 
 def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
