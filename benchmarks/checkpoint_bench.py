@@ -1,6 +1,6 @@
 """Snapshot store latency: commit and load sizes, and concurrent committers.
 
-    python benchmarks/checkpoint_bench.py           # full run (~2 minutes)
+    python benchmarks/checkpoint_bench.py           # full run (~7 minutes)
     python benchmarks/checkpoint_bench.py --quick
 
 1. Commit latency of one checkpoint holding 100, 10k and 100k in-flight elements (median
@@ -10,6 +10,11 @@
    appending to ONE shared Delta table (the layout this store avoids). Committers are paced
    like periodic checkpoints (one every ``--period`` seconds, random phase), so the figure
    shows commit contention rather than 32 processes sharing 2 CPU cores.
+3. A long task: one subtask log committing 1,000 checkpoints in a row (100 in-flight
+   elements and 20 results each), in a process of its own: commit latency of the first
+   and the last 100, and the process's peak RSS. Once as the store works (its Delta table
+   object opened afresh every 100 versions) and once with one object kept for every commit,
+   interleaved.
 """
 
 from __future__ import annotations
@@ -157,6 +162,60 @@ def _committer(root: str, layout: str, subtask: int, count: int, period: float, 
     print(json.dumps(latencies))
 
 
+def _long_task(root: str, count: int, keep_table: bool) -> None:
+    import resource
+
+    from checkpoint import _store
+
+    if keep_table:
+        _store._REOPEN_VERSIONS = 10**9  # type: ignore[attr-defined]
+    log = SnapshotStore(root).subtask("bench", "op", 0)
+    batch, out = elements(100), results(20)
+    parent = None
+    latencies = []
+    for ckpt in range(1, count + 1):
+        start = time.perf_counter()
+        meta = log.commit(
+            "run", ckpt, batch, out, input_schema=INPUT, output_schema=OUTPUT,
+            position=ckpt * 100, parent=parent,
+        )  # fmt: skip
+        latencies.append(time.perf_counter() - start)
+        parent = meta.ref
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"latencies": latencies, "peak_rss_mib": peak}))
+
+
+def long_task(count: int, repeat: int) -> list[dict[str, Any]]:
+    """Each variant ``repeat`` times, interleaved; the best run of each (least disturbed)."""
+    runs: dict[str, list[dict[str, Any]]] = {"reopened": [], "kept": []}
+    for _ in range(repeat):
+        for variant in runs:
+            with tempfile.TemporaryDirectory() as root:
+                done = subprocess.run(
+                    [sys.executable, __file__, "--long-task", root, str(count), variant],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+            runs[variant].append(json.loads(done.stdout.splitlines()[-1]))
+    rows = []
+    window = min(100, count // 2)
+    for variant, measured in runs.items():
+        best = min(measured, key=lambda m: sum(m["latencies"]))
+        lat = best["latencies"]
+        rows.append(
+            {
+                "table_object": variant,
+                "commits": count,
+                "first_ms": statistics.median(lat[:window]) * 1000,
+                "last_ms": statistics.median(lat[-window:]) * 1000,
+                "total_s": sum(lat),
+                "peak_rss_mib": best["peak_rss_mib"],
+            }
+        )
+    return rows
+
+
 def concurrency(committers: list[int], count: int, period: float) -> list[dict[str, Any]]:
     rows = []
     for layout in ("per-subtask", "shared-table"):
@@ -242,6 +301,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "concurrency": concurrency(
             [1, 8] if quick else [1, 8, 32], 5 if quick else 12, 1.0 if quick else 2.0
         ),
+        "long_task": long_task(250 if quick else 1_000, 1 if quick else 2),
     }
 
 
@@ -262,6 +322,13 @@ def report(result: dict[str, Any]) -> str:
             f"{r['p95_ms']:>7.1f} {r['failed_processes']:>8}   "
             f"({r['median_ms'] / base[r['layout']]:.2f}x of 1 committer)"
         )
+    lines.append("")
+    lines.append("table object   commits  first 100 ms  last 100 ms  total s  peak RSS MiB")
+    for r in result.get("long_task", []):
+        lines.append(
+            f"{r['table_object']:<14} {r['commits']:>7,} {r['first_ms']:>13.1f} "
+            f"{r['last_ms']:>12.1f} {r['total_s']:>8.1f} {r['peak_rss_mib']:>13.0f}"
+        )
     return "\n".join(lines)
 
 
@@ -269,6 +336,10 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--committer":
         root, layout, subtask, count, period, go = sys.argv[2:8]
         _committer(root, layout, int(subtask), int(count), float(period), go)
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--long-task":
+        root, count, variant = sys.argv[2:5]
+        _long_task(root, int(count), keep_table=variant == "kept")
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")

@@ -172,3 +172,37 @@ def test_interleaved_cases_take_turns_at_running_first() -> None:
     assert all(sorted(order) == sorted(cases) for order in orders)
     assert [order[0] for order in orders] == [*cases, *cases]
     assert spark_bench.rotated((), 3) == []
+
+
+def test_the_long_task_benchmark_compares_a_reopened_table_object_with_a_kept_one() -> None:
+    rows = checkpoint_bench.long_task(count=6, repeat=1)
+    assert [r["table_object"] for r in rows] == ["reopened", "kept"]
+    for r in rows:
+        assert r["commits"] == 6 and r["first_ms"] > 0 and r["last_ms"] > 0
+        assert r["total_s"] > 0 and r["peak_rss_mib"] > 50
+    text = checkpoint_bench.report({"sizes": [], "concurrency": [], "long_task": rows})
+    assert text.splitlines()[-2].startswith("reopened ") and " 6 " in text.splitlines()[-1]
+
+
+def test_the_report_compares_the_long_tasks_table_objects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def row(variant: str, last_ms: float, total_s: float, rss: float) -> dict[str, Any]:
+        return {
+            "table_object": variant, "commits": 1000, "first_ms": 20.0, "last_ms": last_ms,
+            "total_s": total_s, "peak_rss_mib": rss,
+        }  # fmt: skip
+
+    store = {
+        "sizes": [],
+        "concurrency": [],
+        "long_task": [row("reopened", 40.0, 30.0, 250.0), row("kept", 160.0, 100.0, 400.0)],
+    }
+    report(tmp_path, monkeypatch, saved_run(store=store))
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "one subtask log committing 1,000 checkpoints in a row" in text
+    assert "| reopened | 20.0 | 40.0 | 30.0 | 250 |" in text
+    assert (
+        "Reopened against kept: the last 100 commits 0.25x the latency, the whole task 0.30x "
+        "the time, peak RSS 0.62x. The last 100 commits still take 2.0x the first 100"
+    ) in text

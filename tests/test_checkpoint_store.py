@@ -1069,3 +1069,26 @@ def test_not_null_input_fields_store_and_restore(tmp_path: Path) -> None:
     assert rows.schema.field("input").type.field("id").nullable
     pq.write_table(rows, tmp_path / "copy.parquet")
     assert pq.read_table(tmp_path / "copy.parquet").num_rows == 3
+
+
+def test_a_long_lived_log_opens_its_table_afresh_every_so_many_versions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One DeltaTable object brought forward through every commit got slower and bigger
+    # with each (benchmarks/checkpoint_bench.py, "long task"); the log reopens it.
+    from checkpoint import _store
+
+    monkeypatch.setattr(_store, "_REOPEN_VERSIONS", 3)
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    parent, objects = None, []
+    for ckpt in range(1, 9):
+        parent = commit(log, "run", ckpt, parent=parent).ref
+        objects.append(log._open(refresh=True))
+    distinct = [o for i, o in enumerate(objects) if all(o is not p for p in objects[:i])]
+    assert 2 <= len(distinct) <= 4  # a new object every 3 versions, not one per commit
+    assert (
+        objects[-1].version() == SnapshotStore(tmp_path).subtask("job", "op", 0)._open().version()
+    )
+    latest = log.latest(run_id="run")
+    assert latest is not None and latest.checkpoint_id == 8
+    assert [m.checkpoint_id for m in log.chain(latest)] == list(range(1, 9))
