@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from peak_rss import peak_rss_mib  # benchmarks/ is on sys.path: these are scripts
 
 from checkpoint import SnapshotStore
 from stateful_async import StreamRecord, Watermark
@@ -163,8 +164,6 @@ def _committer(root: str, layout: str, subtask: int, count: int, period: float, 
 
 
 def _long_task(root: str, count: int, keep_table: bool) -> None:
-    import resource
-
     from checkpoint import _store
 
     if keep_table:
@@ -181,8 +180,7 @@ def _long_task(root: str, count: int, keep_table: bool) -> None:
         )  # fmt: skip
         latencies.append(time.perf_counter() - start)
         parent = meta.ref
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"latencies": latencies, "peak_rss_mib": peak}))
+    print(json.dumps({"latencies": latencies, "peak_rss_mib": peak_rss_mib()}))
 
 
 def long_task(count: int, repeat: int) -> list[dict[str, Any]]:

@@ -17,12 +17,13 @@ import argparse
 import asyncio
 import gc
 import json
-import resource
 import subprocess
 import sys
 import time
 from collections import deque
 from typing import Any, Awaitable, Callable
+
+from peak_rss import peak_rss_mib  # benchmarks/ is on sys.path: these are scripts
 
 from stateful_async import AsyncWaitOperator, OutputMode, StreamRecord
 
@@ -147,8 +148,7 @@ def _rss_child(n: int, capacity: int, mode: str) -> None:
         assert count == n
 
     asyncio.run(main())
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_rss_mib": peak_kib / 1024}))
+    print(json.dumps({"peak_rss_mib": peak_rss_mib()}))
 
 
 def peak_rss(n: int, capacity: int, mode: str) -> float:

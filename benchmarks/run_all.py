@@ -1628,13 +1628,13 @@ def section_memory(
     spark = results.get("spark", {})
     lines = [
         "## 6. Memory\n",
-        "Peak RSS (`ru_maxrss`) of one partition task: `PartitionTask` — the function "
-        "`ordered_wait` hands to `mapInArrow` — run outside Spark in a fresh process, fed by "
-        "a generator of 10k-row Arrow batches as Spark feeds it, with a function that yields "
-        "once and answers (`await asyncio.sleep(0)`; the queue stays full at any capacity), "
-        "output batches consumed and dropped. Outside Spark so that the figure is the "
-        "task's alone (a Spark Python worker also holds PySpark's own state); the baseline "
-        "is the process after its imports.\n",
+        "Peak RSS (`VmHWM`: its own, since it started) of one partition task: `PartitionTask` —"
+        " the function `ordered_wait` hands to `mapInArrow` — run outside Spark in a fresh "
+        "process, fed by a generator of 10k-row Arrow batches as Spark feeds it, with a "
+        "function that yields once and answers (`await asyncio.sleep(0)`; the queue stays full "
+        "at any capacity), output batches consumed and dropped. Outside Spark so that the "
+        "figure is the task's alone (a Spark Python worker also holds PySpark's own state); the"
+        " baseline is the process after its imports.\n",
     ]
     if not ok(spark):
         return "\n".join(lines) + failed(spark)

@@ -75,6 +75,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pyarrow as pa
+from peak_rss import peak_rss_mib  # benchmarks/ is on sys.path: these are scripts
 
 SCHEMA = "id long, name string, score double, label string"
 OUTPUT = pa.schema(
@@ -942,15 +943,12 @@ def _memory_child(rows: int, capacity: int, checkpoint_dir: str) -> None:
         app_id="memory-bench",
     )
 
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    baseline = peak_rss_mib()
     start = time.perf_counter()
     out = sum(batch.num_rows for batch in PartitionTask(spec)(input_batches(rows)))
     elapsed = time.perf_counter() - start
     assert out == rows, (out, rows)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(
-        json.dumps({"baseline_mib": baseline / 1024, "peak_mib": peak / 1024, "seconds": elapsed})
-    )
+    print(json.dumps({"baseline_mib": baseline, "peak_mib": peak_rss_mib(), "seconds": elapsed}))
 
 
 def memory(sizes: Sizes, work: str) -> list[dict[str, Any]]:

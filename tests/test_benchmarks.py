@@ -206,3 +206,23 @@ def test_the_report_compares_the_long_tasks_table_objects(
         "Reopened against kept: the last 100 commits 0.25x the latency, the whole task 0.30x "
         "the time, peak RSS 0.62x. The last 100 commits still take 2.0x the first 100"
     ) in text
+
+
+def test_a_child_process_measures_its_own_peak_rss_not_its_parents() -> None:
+    # ru_maxrss in a child started by a big parent reported the parent's peak (vfork): every
+    # memory figure measured in a child of run_all was at least run_all's own size.
+    import peak_rss
+
+    held = bytearray(400 * 2**20)
+    held[:: 2**12] = b"\x01" * len(held[:: 2**12])  # touch every page: resident
+    code = "from peak_rss import peak_rss_mib; print(peak_rss_mib())"
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(peak_rss.__file__).parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert peak_rss.peak_rss_mib() > 400
+    assert float(child.stdout) < 100, child.stdout  # a bare interpreter: about 10 MiB
+    del held
