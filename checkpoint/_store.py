@@ -1031,9 +1031,8 @@ class SubtaskLog:
 
     def _open(self, refresh: bool = False) -> DeltaTable | None:
         """The table (None if there is none yet); ``refresh`` brings it to its newest
-        version. A DeltaTable object brought forward commit by commit gets slower with each
-        (measured: one object's 1,000th commit took 2x as long as with an object opened
-        afresh every 100 versions, and its process grew more): after ``_REOPEN_VERSIONS``
+        version. A DeltaTable object brought forward commit by commit gets slower and bigger
+        with each (benchmarks/checkpoint_bench.py, "long task"): after ``_REOPEN_VERSIONS``
         versions a fresh object starts again from the newest Delta log checkpoint."""
         if self._table is not None:
             if not refresh:
