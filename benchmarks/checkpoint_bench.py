@@ -15,6 +15,11 @@
    and the last 100, and the process's peak RSS. Once as the store works (its Delta table
    object opened afresh every 100 versions) and once with one object kept for every commit,
    interleaved.
+4. Earlier runs' fences: a task starting a new run (taking it over and committing its first
+   checkpoint, as a streaming query's task does every micro-batch) on a subtask table that
+   holds the app transactions of 60,480 earlier runs (a week of micro-batches every 10 s),
+   kept (unstamped, as the store wrote them before they expired) against expired (stamped
+   8 days ago) against none; and how long opening that table takes.
 """
 
 from __future__ import annotations
@@ -214,6 +219,74 @@ def long_task(count: int, repeat: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _plant_fences(root: str, runs: int, stamp_ms: int | None) -> str:
+    """A subtask table with one checkpoint and the fences ``runs`` earlier runs left (their
+    checkpoint id and their claim), stamped ``stamp_ms`` (None: unstamped), in a Delta log
+    checkpoint as delta-rs writes one every 100 commits. Returns the table's URI."""
+    from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+
+    from checkpoint import _layout, _store
+
+    log = SnapshotStore(root).subtask("bench", "op", 0)
+    log.commit(
+        "seed", 1, elements(100), results(20), input_schema=INPUT, output_schema=OUTPUT,
+        position=100,
+    )  # fmt: skip
+    for start in range(0, runs, 5_000):
+        table = DeltaTable(log.uri)
+        fences = []
+        for run in range(start, min(runs, start + 5_000)):
+            run_id = f"query.{run}"
+            fences.append(Transaction(_store._app_id(run_id), 1, stamp_ms))
+            fences.append(Transaction(_store._claim_app_id(run_id), 0, stamp_ms))
+        write_deltalake(
+            table,
+            _layout.delta_dataset(table).schema.empty_table(),
+            mode="append",
+            commit_properties=CommitProperties(app_transactions=fences),
+        )
+    DeltaTable(log.uri).create_checkpoint()
+    return log.uri
+
+
+def fences(runs: int, new_runs: int) -> list[dict[str, Any]]:
+    """Per variant: the median latency of a new run's take-over and first commit, each by
+    a log of its own (a task's), and the median time to open the table."""
+    from deltalake import DeltaTable
+
+    eight_days_ago = int((time.time() - 8 * 86_400) * 1000)
+    rows = []
+    for variant, planted, stamp in [
+        ("none", 0, None),
+        ("expired", runs, eight_days_ago),
+        ("kept", runs, None),
+    ]:
+        with tempfile.TemporaryDirectory() as root:
+            uri = _plant_fences(root, planted, stamp)
+            opens, starts = [], []
+            for run in range(new_runs):
+                begin = time.perf_counter()
+                DeltaTable(uri)
+                opens.append(time.perf_counter() - begin)
+                log = SnapshotStore(root).subtask("bench", "op", 0)
+                begin = time.perf_counter()
+                log.take_over(f"new.{run}", owner=f"attempt-{run}")
+                log.commit(
+                    f"new.{run}", 1, elements(100), results(20), input_schema=INPUT,
+                    output_schema=OUTPUT, position=100,
+                )  # fmt: skip
+                starts.append(time.perf_counter() - begin)
+            rows.append(
+                {
+                    "fences_of": variant,
+                    "earlier_runs": planted,
+                    "open_ms": statistics.median(opens) * 1000,
+                    "new_run_ms": statistics.median(starts) * 1000,
+                }
+            )
+    return rows
+
+
 def concurrency(committers: list[int], count: int, period: float) -> list[dict[str, Any]]:
     rows = []
     for layout in ("per-subtask", "shared-table"):
@@ -300,6 +373,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             [1, 8] if quick else [1, 8, 32], 5 if quick else 12, 1.0 if quick else 2.0
         ),
         "long_task": long_task(250 if quick else 1_000, 1 if quick else 2),
+        "fences": fences(6_048 if quick else 60_480, 10 if quick else 30),
     }
 
 
@@ -326,6 +400,14 @@ def report(result: dict[str, Any]) -> str:
         lines.append(
             f"{r['table_object']:<14} {r['commits']:>7,} {r['first_ms']:>13.1f} "
             f"{r['last_ms']:>12.1f} {r['total_s']:>8.1f} {r['peak_rss_mib']:>13.0f}"
+        )
+    if result.get("fences"):
+        lines.append("")
+        lines.append("fences of   earlier runs   open ms   new run ms")
+    for r in result.get("fences", []):
+        lines.append(
+            f"{r['fences_of']:<10} {r['earlier_runs']:>12,} {r['open_ms']:>9.1f} "
+            f"{r['new_run_ms']:>12.1f}"
         )
     return "\n".join(lines)
 

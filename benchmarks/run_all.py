@@ -1551,6 +1551,38 @@ def section_checkpoint(
                 "first 100: the table keeps a day of Delta commit files "
                 "(`delta.logRetentionDuration`), and commits slow down as they add up.\n"
             )
+        fences = {r["fences_of"]: r for r in store.get("fences", [])}
+        if fences:  # measured since stop 24
+            none, expired, kept = fences["none"], fences["expired"], fences["kept"]
+            lines.append(
+                "Earlier runs' fences: a task starting a new run (taking it over and committing "
+                "its first checkpoint, as a streaming query's task does every micro-batch) on "
+                f"a subtask table holding the app transactions of {kept['earlier_runs']:,} "
+                "earlier runs (a week of micro-batches every 10 s): *kept* as the store wrote "
+                "them before they expired, *expired* a week after their last write, as they "
+                "are now; median of several new runs, each by a log of its own.\n"
+            )
+            lines.append(
+                table(
+                    ["fences of", "earlier runs", "open table ms", "new run ms"],
+                    [
+                        [
+                            r["fences_of"],
+                            f"{r['earlier_runs']:,}",
+                            f"{r['open_ms']:.1f}",
+                            f"{r['new_run_ms']:.1f}",
+                        ]
+                        for r in fences.values()
+                    ],
+                )
+                + "\n"
+            )
+            slower = kept["new_run_ms"] / expired["new_run_ms"]
+            lines.append(
+                f"Kept against expired: a new run {slower:.1f}x "
+                f"the time, opening the table {kept['open_ms'] / expired['open_ms']:.1f}x; "
+                f"expired against none: {expired['new_run_ms'] / none['new_run_ms']:.2f}x.\n"
+            )
     else:
         lines.append(failed(store))
     return "\n".join(lines)

@@ -28,6 +28,9 @@ Guarantees:
 * **Fenced**: an attempt that resumes a run first claims it (a second app transaction,
   version = the number of takeovers): commits and expiries of attempts with an older claim
   are refused or skipped, even when they are ahead of it.
+
+A run's app transactions (its fences) are stamped by each of its writes; Delta drops them
+``_TRANSACTION_RETENTION`` after the last (``_TABLE_CONFIGURATION``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
@@ -106,9 +110,18 @@ _COMMIT_RETRIES = 100
 # that checkpoints often commits to it often (a streaming query: every micro-batch is a run,
 # with at least one commit per partition): keep one day of Delta log, not the default 30,
 # so that delta-rs's automatic log checkpoints (every 100 commits) also drop older entries.
+#
+# Every run leaves two or three Delta app transactions (its newest checkpoint id, its
+# claim, who claimed it) in every table it wrote, and a streaming query makes a run per
+# micro-batch: kept for ever, a query with a micro-batch every 10 s leaves the ids of 60,000
+# runs a week in each partition's table, and every open and lookup reads them all. Each write of a run stamps the
+# ids it carries, and Delta drops an id a week after its last stamp: a run's fences hold
+# while it writes and for a week after, far longer than any cancelled attempt lives on.
+_TRANSACTION_RETENTION = "interval 7 days"
 _TABLE_CONFIGURATION = {
     "delta.logRetentionDuration": "interval 1 day",
     "delta.enableExpiredLogCleanup": "true",
+    "delta.setTransactionRetentionDuration": _TRANSACTION_RETENTION,
 }
 _EXPIRE_TRIES = 10  # an expiry reads every checkpoint again on each try
 _REOPEN_VERSIONS = 100  # a table object is opened afresh after this many versions (_open)
@@ -311,6 +324,12 @@ def _vacuumed_under_us(error: Exception) -> bool:
     )
 
 
+def _transaction(app_id: str, version: int) -> Transaction:
+    """An app transaction stamped now: Delta drops it ``_TRANSACTION_RETENTION`` after
+    the last write that carried it."""
+    return Transaction(app_id, version, last_updated=int(time.time() * 1000))
+
+
 def _claim_app_id(run_id: str) -> str:
     """The Delta app transaction whose version is the newest claim on a run (``claim``)."""
     return f"stateful-async-claim:{run_id}"
@@ -376,6 +395,8 @@ class SubtaskLog:
         self._metadata: tuple[int, list[CheckpointMetadata]] | None = None
         # run id -> this attempt's claim on the run (see ``claim``); 0 if it never claimed
         self._claims: dict[str, int] = {}
+        # run id -> the owner this attempt's claim on it named, if it named one
+        self._owners: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"SubtaskLog({self.uri!r})"
@@ -683,7 +704,7 @@ class SubtaskLog:
         )
         app_id = _app_id(run_id)
         properties_for_commit = CommitProperties(
-            app_transactions=[Transaction(app_id, checkpoint_id), self._claim_transaction(run_id)],
+            app_transactions=[_transaction(app_id, checkpoint_id), *self._fences(run_id)],
             max_commit_retries=_COMMIT_RETRIES,
             custom_metadata={"stateful_async.checkpoint": str(meta.ref)},
         )
@@ -813,7 +834,7 @@ class SubtaskLog:
             raise CheckpointError(f"Cannot read checkpoint table {self.uri}: {exc}") from exc
         return _metadata_from_row(rows.to_pylist()[0]) if rows.num_rows else None
 
-    def claim(self, run_id: str, owner: str | None = None) -> int | None:
+    def claim(self, run_id: str, owner: str | None = None, *, force: bool = False) -> int | None:
         """Take ``run_id`` over from the attempts before this one, which may still be
         running (a cancelled task's Python worker lives on for a while; a speculative copy
         runs beside the original): from now on their commits of this run are refused, so a
@@ -824,6 +845,8 @@ class SubtaskLog:
         the run has committed something (otherwise there is nothing to take over); returns
         the claim, or None. ``owner`` (a name of the attempt, unique among every attempt
         that may ever claim the run) is recorded with the claim: ``claimed_by`` reads it.
+        ``force`` claims a run whose app transactions have expired (it wrote nothing for
+        ``_TRANSACTION_RETENTION``) but whose checkpoints are still there.
         """
         app_id, claim_app = _app_id(run_id), _claim_app_id(run_id)
         for _ in range(_COMMIT_RETRIES):
@@ -831,7 +854,7 @@ class SubtaskLog:
             if table is None:
                 return None
             current = table.transaction_version(claim_app)
-            if current is None and table.transaction_version(app_id) is None:
+            if current is None and not force and table.transaction_version(app_id) is None:
                 return None
             claim = (current or 0) + 1
             read_version = table.version()
@@ -841,11 +864,11 @@ class SubtaskLog:
                     _layout.delta_dataset(table, self._storage_options).schema.empty_table(),
                     mode="append",
                     commit_properties=CommitProperties(
-                        app_transactions=[Transaction(claim_app, claim)]
+                        app_transactions=[_transaction(claim_app, claim)]
                         + (
                             []
                             if owner is None
-                            else [Transaction(_claimer_app_id(run_id, owner), claim)]
+                            else [_transaction(_claimer_app_id(run_id, owner), claim)]
                         ),
                         custom_metadata={"stateful_async.claim": f"{run_id}#{claim}"},
                     ),
@@ -857,6 +880,10 @@ class SubtaskLog:
                     f"Claiming run {run_id!r} in {self.uri} failed: {exc}"
                 ) from exc
             self._claims[run_id] = claim
+            if owner is None:
+                self._owners.pop(run_id, None)
+            else:
+                self._owners[run_id] = owner
             cached = self._metadata
             if (
                 cached is not None
@@ -870,10 +897,17 @@ class SubtaskLog:
             f"committed to it each of {_COMMIT_RETRIES} times this attempt tried."
         )
 
-    def _claim_transaction(self, run_id: str) -> Transaction:
+    def _fences(self, run_id: str) -> list[Transaction]:
         """What every write of this attempt to ``run_id`` carries: its claim (0 if it never
-        claimed), so that a claim racing with the write makes one of the two fail."""
-        return Transaction(_claim_app_id(run_id), self._claims.get(run_id, 0))
+        claimed), so that a claim racing with the write makes one of the two fail, and the
+        owner the claim named; stamped now, so that they outlive the run's last write by
+        ``_TRANSACTION_RETENTION``."""
+        claim = self._claims.get(run_id, 0)
+        owner = self._owners.get(run_id)
+        fences = [_transaction(_claim_app_id(run_id), claim)]
+        if owner is not None:
+            fences.append(_transaction(_claimer_app_id(run_id, owner), claim))
+        return fences
 
     def _taken_over(self, table: DeltaTable, run_id: str) -> int | None:
         """The later claim that took ``run_id`` over from this attempt, if one did."""
@@ -889,8 +923,10 @@ class SubtaskLog:
         attempt's first commit), claim again and read again."""
         claim = self.claim(run_id, owner)
         latest = self.latest(run_id=run_id)
-        while claim is None and latest is not None:
-            claim = self.claim(run_id, owner)
+        if claim is None and latest is not None:
+            # A commit landed after the claim looked (or the run's app transactions have
+            # expired): claim it now that it has a checkpoint, and read after that claim.
+            claim = self.claim(run_id, owner, force=True)
             latest = self.latest(run_id=run_id)
         return claim, latest
 
@@ -960,7 +996,7 @@ class SubtaskLog:
         if run_id is not None and self._taken_over(table, run_id) is not None:
             return report  # taken over: expiry is the new attempt's to do
         properties = CommitProperties(
-            app_transactions=[self._claim_transaction(run_id)] if run_id is not None else None,
+            app_transactions=self._fences(run_id) if run_id is not None else None,
             max_commit_retries=_COMMIT_RETRIES,
         )
         predicate = _refs_predicate(to_expire + to_delete)

@@ -7,6 +7,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,54 @@ def test_the_report_compares_the_long_tasks_table_objects(
     assert (
         "Reopened against kept: the last 100 commits 0.25x the latency, the whole task 0.30x "
         "the time, peak RSS 0.62x. The last 100 commits still take 2.0x the first 100"
+    ) in text
+
+
+def test_the_fences_benchmark_plants_earlier_runs_and_starts_new_ones(tmp_path: Path) -> None:
+    from deltalake import DeltaTable
+
+    from checkpoint import _store
+
+    rows = checkpoint_bench.fences(runs=30, new_runs=2)
+    assert [(r["fences_of"], r["earlier_runs"]) for r in rows] == [
+        ("none", 0), ("expired", 30), ("kept", 30)
+    ]  # fmt: skip
+    assert all(r["open_ms"] > 0 and r["new_run_ms"] > 0 for r in rows)
+    text = checkpoint_bench.report({"sizes": [], "concurrency": [], "fences": rows})
+    assert text.splitlines()[-1].startswith("kept ") and " 30 " in text.splitlines()[-1]
+    # What each variant plants: unstamped ids stay, ids stamped 8 days ago are dropped.
+    now = int(time.time() * 1000)
+    for stamp, kept in ((None, True), (now, True), (now - 8 * 86_400_000, False)):
+        uri = checkpoint_bench._plant_fences(str(tmp_path / str(stamp)), 30, stamp)
+        found = DeltaTable(uri).transaction_version(_store._app_id("query.29"))
+        assert found == (1 if kept else None), stamp
+
+
+def test_the_report_compares_kept_and_expired_fences(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def row(variant: str, runs: int, open_ms: float, new_run_ms: float) -> dict[str, Any]:
+        return {
+            "fences_of": variant, "earlier_runs": runs, "open_ms": open_ms,
+            "new_run_ms": new_run_ms,
+        }  # fmt: skip
+
+    store = {
+        "sizes": [],
+        "concurrency": [],
+        "fences": [
+            row("none", 0, 5.0, 40.0),
+            row("expired", 60480, 6.0, 50.0),
+            row("kept", 60480, 90.0, 175.0),
+        ],  # fmt: skip
+    }
+    report(tmp_path, monkeypatch, saved_run(store=store))
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "holding the app transactions of 60,480 earlier runs" in text
+    assert "| kept | 60,480 | 90.0 | 175.0 |" in text
+    assert (
+        "Kept against expired: a new run 3.5x the time, opening the table 15.0x; expired "
+        "against none: 1.25x."
     ) in text
 
 

@@ -394,6 +394,60 @@ def test_a_checkpoint_table_drops_its_delta_log_after_a_day_not_thirty(
     assert fresh.restore(12).results.column("id").to_pylist() == list(range(1, 13))
 
 
+def test_a_runs_app_transactions_expire_a_week_after_its_last_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A streaming query is a run per micro-batch, and every run leaves app transactions (its
+    # fences) in every partition's table: kept for ever, they pile up and slow every open
+    # and lookup. Delta drops an id the table's retention after the last write that stamped
+    # it: a week (here 2 s); a run that keeps writing keeps its fences.
+    from checkpoint import _store
+
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    commit(log, "run", 1)
+    config = DeltaTable(log.uri).metadata().configuration
+    assert config["delta.setTransactionRetentionDuration"] == "interval 7 days"
+
+    short = {
+        **_store._TABLE_CONFIGURATION,
+        "delta.setTransactionRetentionDuration": "interval 2 seconds",
+    }
+    monkeypatch.setattr(_store, "_TABLE_CONFIGURATION", short)
+
+    def attempt():  # type: ignore[no-untyped-def]
+        return SnapshotStore(tmp_path).subtask("job", "op", 1)
+
+    first = attempt()
+    done = commit(first, "finished", 1)
+    zombie = attempt()
+    started = commit(zombie, "live", 1)
+    successor = attempt()
+    assert successor.take_over("live", "attempt-b") == (1, started)
+    parent = started.ref
+    for checkpoint_id in range(2, 8):  # the live run writes for 3 s, the finished one not
+        time.sleep(0.5)
+        parent = commit(successor, "live", checkpoint_id, parent=parent).ref
+
+    table = DeltaTable(first.uri)
+
+    def fences(run: str) -> list[int | None]:
+        return [
+            table.transaction_version(a) for a in (_store._app_id(run), _store._claim_app_id(run))
+        ]
+
+    assert fences("finished") == [None, None]
+    assert fences("live") == [7, 1]
+    assert table.transaction_version(_store._claimer_app_id("live", "attempt-b")) == 1
+    assert successor.claimed_by("live", "attempt-b")
+    with pytest.raises(CheckpointConflictError, match="taken it over"):
+        commit(zombie, "live", 8, parent=parent)
+    # A run whose fences expired while its checkpoints stayed is still taken over when it
+    # resumes, and its earlier attempt fenced off again.
+    assert attempt().take_over("finished", "attempt-c") == (1, done)
+    with pytest.raises(CheckpointConflictError, match="taken it over"):
+        commit(first, "finished", 2, parent=done.ref)
+
+
 def test_an_equal_or_older_checkpoint_id_is_refused_without_duplicates(tmp_path: Path) -> None:
     log = SnapshotStore(tmp_path).subtask("job", "op", 0)
     commit(log, "run", 1)
