@@ -20,6 +20,11 @@
    holds the app transactions of 60,480 earlier runs (a week of micro-batches every 10 s),
    kept (unstamped, as the store wrote them before they expired) against expired (stamped
    8 days ago) against none; and how long opening that table takes.
+5. Delta log files: one subtask log committing 3,000 checkpoints as a streaming query's
+   tasks do (a new run every 5 checkpoints, retention every 20), in a process of its own:
+   commit latency of the first and the last 200, once with every commit file kept (as
+   while they are younger than the table's log retention) and once with a retention of
+   1 s (older commit files deleted at each Delta log checkpoint, as after the retention).
 """
 
 from __future__ import annotations
@@ -186,6 +191,56 @@ def _long_task(root: str, count: int, keep_table: bool) -> None:
         latencies.append(time.perf_counter() - start)
         parent = meta.ref
     print(json.dumps({"latencies": latencies, "peak_rss_mib": peak_rss_mib()}))
+
+
+def _log_files(root: str, count: int, cleaned: bool) -> None:
+    from checkpoint import _store
+
+    retention = "interval 1 second" if cleaned else "interval 1 day"
+    _store._TABLE_CONFIGURATION = {  # type: ignore[attr-defined]
+        **_store._TABLE_CONFIGURATION,
+        "delta.logRetentionDuration": retention,
+    }
+    log = SnapshotStore(root).subtask("bench", "op", 0)
+    batch, out = elements(10), results(2)
+    latencies = []
+    for ckpt in range(1, count + 1):
+        start = time.perf_counter()
+        log.commit(
+            f"run.{ckpt // 5}", ckpt, batch, out, input_schema=INPUT, output_schema=OUTPUT,
+            position=ckpt,
+        )  # fmt: skip
+        if ckpt % 20 == 0:
+            log.expire(2)
+        latencies.append(time.perf_counter() - start)
+    files = sum(name.endswith(".json") for name in os.listdir(os.path.join(log.uri, "_delta_log")))
+    print(json.dumps({"latencies": latencies, "log_files": files}))
+
+
+def log_files(count: int) -> list[dict[str, Any]]:
+    """Commit latency with every Delta commit file kept against older ones cleaned."""
+    rows = []
+    window = min(200, count // 2)
+    for variant in ("kept", "cleaned"):
+        with tempfile.TemporaryDirectory() as root:
+            done = subprocess.run(
+                [sys.executable, __file__, "--log-files", root, str(count), variant],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+        measured = json.loads(done.stdout.splitlines()[-1])
+        lat = measured["latencies"]
+        rows.append(
+            {
+                "commit_files": variant,
+                "commits": count,
+                "log_files": measured["log_files"],
+                "first_ms": statistics.median(lat[:window]) * 1000,
+                "last_ms": statistics.median(lat[-window:]) * 1000,
+            }
+        )
+    return rows
 
 
 def long_task(count: int, repeat: int) -> list[dict[str, Any]]:
@@ -374,6 +429,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         ),
         "long_task": long_task(250 if quick else 1_000, 1 if quick else 2),
         "fences": fences(6_048 if quick else 60_480, 10 if quick else 30),
+        "log_files": log_files(400 if quick else 3_000),
     }
 
 
@@ -409,6 +465,14 @@ def report(result: dict[str, Any]) -> str:
             f"{r['fences_of']:<10} {r['earlier_runs']:>12,} {r['open_ms']:>9.1f} "
             f"{r['new_run_ms']:>12.1f}"
         )
+    if result.get("log_files"):
+        lines.append("")
+        lines.append("commit files   commits   log files   first 200 ms   last 200 ms")
+    for r in result.get("log_files", []):
+        lines.append(
+            f"{r['commit_files']:<12} {r['commits']:>9,} {r['log_files']:>11,} "
+            f"{r['first_ms']:>14.1f} {r['last_ms']:>13.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -420,6 +484,10 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--long-task":
         root, count, variant = sys.argv[2:5]
         _long_task(root, int(count), keep_table=variant == "kept")
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--log-files":
+        root, count, variant = sys.argv[2:5]
+        _log_files(root, int(count), cleaned=variant == "cleaned")
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")

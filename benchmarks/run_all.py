@@ -1548,8 +1548,9 @@ def section_checkpoint(
                 f"{reopened['total_s'] / kept['total_s']:.2f}x the time, peak RSS "
                 f"{reopened['peak_rss_mib'] / kept['peak_rss_mib']:.2f}x. The last 100 "
                 f"commits still take {reopened['last_ms'] / reopened['first_ms']:.1f}x the "
-                "first 100: the table keeps a day of Delta commit files "
-                "(`delta.logRetentionDuration`), and commits slow down as they add up.\n"
+                "first 100: the task's commit files and data files are all still in the "
+                "table (its Delta log keeps an hour of commit files; the results along the "
+                "run's chain stay), and commits slow down as they add up.\n"
             )
         fences = {r["fences_of"]: r for r in store.get("fences", [])}
         if fences:  # measured since stop 24
@@ -1558,7 +1559,8 @@ def section_checkpoint(
                 "Earlier runs' fences: a task starting a new run (taking it over and committing "
                 "its first checkpoint, as a streaming query's task does every micro-batch) on "
                 f"a subtask table holding the app transactions of {kept['earlier_runs']:,} "
-                "earlier runs (a week of micro-batches every 10 s): *kept* as the store wrote "
+                "earlier runs (60,480 is a week of micro-batches every 10 s): *kept* as the "
+                "store wrote "
                 "them before they expired, *expired* a week after their last write, as they "
                 "are now; median of several new runs, each by a log of its own.\n"
             )
@@ -1582,6 +1584,37 @@ def section_checkpoint(
                 f"Kept against expired: a new run {slower:.1f}x "
                 f"the time, opening the table {kept['open_ms'] / expired['open_ms']:.1f}x; "
                 f"expired against none: {expired['new_run_ms'] / none['new_run_ms']:.2f}x.\n"
+            )
+        logs = {r["commit_files"]: r for r in store.get("log_files", [])}
+        if logs:  # measured since stop 24
+            kept_logs, cleaned = logs["kept"], logs["cleaned"]
+            lines.append(
+                f"Delta log files: one subtask log committing {kept_logs['commits']:,} "
+                "checkpoints as a streaming query's tasks do (a new run every 5 checkpoints, "
+                "retention every 20), in a process of its own: *kept* keeps every commit "
+                "file, as a table does while they are younger than its log retention (an "
+                "hour); *cleaned* has a retention of 1 s, so that older commit files go at "
+                "each Delta log checkpoint, as they do after the hour.\n"
+            )
+            lines.append(
+                table(
+                    ["commit files", "log files at the end", "first 200 ms", "last 200 ms"],
+                    [
+                        [
+                            r["commit_files"],
+                            f"{r['log_files']:,}",
+                            f"{r['first_ms']:.1f}",
+                            f"{r['last_ms']:.1f}",
+                        ]
+                        for r in logs.values()
+                    ],
+                )
+                + "\n"
+            )
+            lines.append(
+                f"Kept against cleaned: the last 200 commits "
+                f"{kept_logs['last_ms'] / cleaned['last_ms']:.1f}x the latency, with "
+                f"{kept_logs['log_files']:,} commit files against {cleaned['log_files']:,}.\n"
             )
     else:
         lines.append(failed(store))

@@ -108,18 +108,23 @@ _META_COLUMNS = [f.name for f in _KEY_FIELDS] + [f.name for f in _META_FIELDS]
 _COMMIT_RETRIES = 100
 # A checkpoint table is only ever read at its latest version (no time travel), and a job
 # that checkpoints often commits to it often (a streaming query: every micro-batch is a run,
-# with at least one commit per partition): keep one day of Delta log, not the default 30,
-# so that delta-rs's automatic log checkpoints (every 100 commits) also drop older entries.
+# with at least one commit per partition). Every commit file in the Delta log slows down
+# the next commits (benchmarks/checkpoint_bench.py, "log files"): keep an hour of them, not
+# Delta's default 30 days, dropped as delta-rs writes its log checkpoints (every 100
+# commits). What an hour costs: a writer whose snapshot is older than an hour and than the
+# newest log checkpoint fails, writing nothing ("Invalid table version"); the store reads
+# the table afresh before each commit, and an expiry takes seconds.
 #
 # Every run leaves two or three Delta app transactions (its newest checkpoint id, its
 # claim, who claimed it) in every table it wrote, and a streaming query makes a run per
-# micro-batch: kept for ever, a query with a micro-batch every 10 s leaves the ids of 60,000
-# runs a week in each partition's table, and every open and lookup reads them all. Each write of a run stamps the
-# ids it carries, and Delta drops an id a week after its last stamp: a run's fences hold
-# while it writes and for a week after, far longer than any cancelled attempt lives on.
+# micro-batch: kept for ever, a query with a micro-batch every 10 s leaves the ids of
+# 60,000 runs a week in each partition's table, and every open and lookup reads them all.
+# Each write of a run stamps the ids it carries, and Delta drops an id a week after its
+# last stamp: a run's fences hold while it writes and for a week after, far longer than
+# any cancelled attempt lives on.
 _TRANSACTION_RETENTION = "interval 7 days"
 _TABLE_CONFIGURATION = {
-    "delta.logRetentionDuration": "interval 1 day",
+    "delta.logRetentionDuration": "interval 1 hour",
     "delta.enableExpiredLogCleanup": "true",
     "delta.setTransactionRetentionDuration": _TRANSACTION_RETENTION,
 }

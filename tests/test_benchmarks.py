@@ -257,6 +257,42 @@ def test_the_report_compares_kept_and_expired_fences(
     ) in text
 
 
+def test_the_log_files_benchmark_keeps_commit_files_in_one_variant_only() -> None:
+    rows = checkpoint_bench.log_files(count=60)
+    assert [(r["commit_files"], r["commits"]) for r in rows] == [("kept", 60), ("cleaned", 60)]
+    kept, cleaned = rows
+    # 60 commits, 3 expiries (an expiry and its vacuum: 3 commit files each), table creation
+    assert kept["log_files"] == 69
+    assert all(r["first_ms"] > 0 and r["last_ms"] > 0 for r in rows)
+    assert cleaned["log_files"] <= kept["log_files"]  # 1 s: only what is older goes
+    text = checkpoint_bench.report({"sizes": [], "concurrency": [], "log_files": rows})
+    assert text.splitlines()[-1].startswith("cleaned ") and " 60 " in text.splitlines()[-1]
+
+
+def test_the_report_compares_kept_and_cleaned_commit_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def row(variant: str, files: int, last_ms: float) -> dict[str, Any]:
+        return {
+            "commit_files": variant, "commits": 3000, "log_files": files, "first_ms": 20.0,
+            "last_ms": last_ms,
+        }  # fmt: skip
+
+    store = {
+        "sizes": [],
+        "concurrency": [],
+        "log_files": [row("kept", 3485, 50.0), row("cleaned", 53, 25.0)],
+    }
+    report(tmp_path, monkeypatch, saved_run(store=store))
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "one subtask log committing 3,000 checkpoints as a streaming query's" in text
+    assert "| kept | 3,485 | 20.0 | 50.0 |" in text
+    assert (
+        "Kept against cleaned: the last 200 commits 2.0x the latency, with 3,485 commit "
+        "files against 53."
+    ) in text
+
+
 def test_a_child_process_measures_its_own_peak_rss_not_its_parents() -> None:
     # ru_maxrss in a child started by a big parent reported the parent's peak (vfork): every
     # memory figure measured in a child of run_all was at least run_all's own size.

@@ -361,19 +361,20 @@ def commit(
     )
 
 
-def test_a_checkpoint_table_drops_its_delta_log_after_a_day_not_thirty(
+def test_a_checkpoint_table_drops_its_delta_log_after_an_hour_not_thirty_days(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A streaming query commits to every partition's table in every micro-batch: with
-    # Delta's default 30 days of log, a query a minute left ~6,000 log files per partition
-    # per day, for 30 days. The store's tables keep one day (here: 1 s, and a log checkpoint
-    # every 5 commits, so that the test need not wait a day or make 100 commits).
+    # A streaming query commits to every partition's table in every micro-batch, and every
+    # commit file slows down the next commits: with Delta's default 30 days of log, a query
+    # a minute left ~43,000 log files per partition. The store's tables keep one hour (here:
+    # 1 s, and a log checkpoint every 5 commits, so that the test need not wait an hour or
+    # make 100 commits).
     import checkpoint._store as store_module
 
     log = SnapshotStore(tmp_path).subtask("job", "op", 0)
     commit(log, "run", 1)
     config = DeltaTable(log.uri).metadata().configuration
-    assert config["delta.logRetentionDuration"] == "interval 1 day"
+    assert config["delta.logRetentionDuration"] == "interval 1 hour"
     assert config["delta.enableExpiredLogCleanup"] == "true"
 
     short = {**store_module._TABLE_CONFIGURATION, "delta.logRetentionDuration": "interval 1 second"}
