@@ -1,6 +1,6 @@
-"""Snapshot store latency: commit and load sizes, and concurrent committers.
+"""Snapshot store latency: commits, loads, concurrency, long tasks, fences, log files.
 
-    python benchmarks/checkpoint_bench.py           # full run (~7 minutes)
+    python benchmarks/checkpoint_bench.py           # full run (~10 minutes)
     python benchmarks/checkpoint_bench.py --quick
 
 1. Commit latency of one checkpoint holding 100, 10k and 100k in-flight elements (median
@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 from peak_rss import peak_rss_mib  # benchmarks/ is on sys.path: these are scripts
@@ -217,19 +217,25 @@ def _log_files(root: str, count: int, cleaned: bool) -> None:
     print(json.dumps({"latencies": latencies, "log_files": files}))
 
 
+def _in_child(part: str, count: int, variant: str) -> dict[str, Any]:
+    """What this script prints for ``part`` run in a process of its own, in a fresh
+    directory (its peak RSS is its own, and module settings a variant changes stay there)."""
+    with tempfile.TemporaryDirectory() as root:
+        done = subprocess.run(
+            [sys.executable, __file__, part, root, str(count), variant],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
 def log_files(count: int) -> list[dict[str, Any]]:
     """Commit latency with every Delta commit file kept against older ones cleaned."""
     rows = []
     window = min(200, count // 2)
     for variant in ("kept", "cleaned"):
-        with tempfile.TemporaryDirectory() as root:
-            done = subprocess.run(
-                [sys.executable, __file__, "--log-files", root, str(count), variant],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-        measured = json.loads(done.stdout.splitlines()[-1])
+        measured = _in_child("--log-files", count, variant)
         lat = measured["latencies"]
         rows.append(
             {
@@ -248,14 +254,7 @@ def long_task(count: int, repeat: int) -> list[dict[str, Any]]:
     runs: dict[str, list[dict[str, Any]]] = {"reopened": [], "kept": []}
     for _ in range(repeat):
         for variant in runs:
-            with tempfile.TemporaryDirectory() as root:
-                done = subprocess.run(
-                    [sys.executable, __file__, "--long-task", root, str(count), variant],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                )
-            runs[variant].append(json.loads(done.stdout.splitlines()[-1]))
+            runs[variant].append(_in_child("--long-task", count, variant))
     rows = []
     window = min(100, count // 2)
     for variant, measured in runs.items():
@@ -433,6 +432,35 @@ def run(quick: bool = False) -> dict[str, Any]:
     }
 
 
+# Sections 3-5 in the report: key in run()'s result, header, one row's line.
+_LATER_SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], str]]] = [
+    (
+        "long_task",
+        "table object   commits  first 100 ms  last 100 ms  total s  peak RSS MiB",
+        lambda r: (
+            f"{r['table_object']:<14} {r['commits']:>7,} {r['first_ms']:>13.1f} "
+            f"{r['last_ms']:>12.1f} {r['total_s']:>8.1f} {r['peak_rss_mib']:>13.0f}"
+        ),
+    ),
+    (
+        "fences",
+        "fences of   earlier runs   open ms   new run ms",
+        lambda r: (
+            f"{r['fences_of']:<10} {r['earlier_runs']:>12,} {r['open_ms']:>9.1f} "
+            f"{r['new_run_ms']:>12.1f}"
+        ),
+    ),
+    (
+        "log_files",
+        "commit files   commits   log files   first 200 ms   last 200 ms",
+        lambda r: (
+            f"{r['commit_files']:<12} {r['commits']:>9,} {r['log_files']:>11,} "
+            f"{r['first_ms']:>14.1f} {r['last_ms']:>13.1f}"
+        ),
+    ),
+]
+
+
 def report(result: dict[str, Any]) -> str:
     lines = ["in-flight   first commit ms   commit ms   load ms   restore ms"]
     for r in result["sizes"]:
@@ -450,29 +478,9 @@ def report(result: dict[str, Any]) -> str:
             f"{r['p95_ms']:>7.1f} {r['failed_processes']:>8}   "
             f"({r['median_ms'] / base[r['layout']]:.2f}x of 1 committer)"
         )
-    lines.append("")
-    lines.append("table object   commits  first 100 ms  last 100 ms  total s  peak RSS MiB")
-    for r in result.get("long_task", []):
-        lines.append(
-            f"{r['table_object']:<14} {r['commits']:>7,} {r['first_ms']:>13.1f} "
-            f"{r['last_ms']:>12.1f} {r['total_s']:>8.1f} {r['peak_rss_mib']:>13.0f}"
-        )
-    if result.get("fences"):
-        lines.append("")
-        lines.append("fences of   earlier runs   open ms   new run ms")
-    for r in result.get("fences", []):
-        lines.append(
-            f"{r['fences_of']:<10} {r['earlier_runs']:>12,} {r['open_ms']:>9.1f} "
-            f"{r['new_run_ms']:>12.1f}"
-        )
-    if result.get("log_files"):
-        lines.append("")
-        lines.append("commit files   commits   log files   first 200 ms   last 200 ms")
-    for r in result.get("log_files", []):
-        lines.append(
-            f"{r['commit_files']:<12} {r['commits']:>9,} {r['log_files']:>11,} "
-            f"{r['first_ms']:>14.1f} {r['last_ms']:>13.1f}"
-        )
+    for key, header, line in _LATER_SECTIONS:
+        if result.get(key):
+            lines += ["", header, *(line(r) for r in result[key])]
     return "\n".join(lines)
 
 
