@@ -26,8 +26,8 @@ Guarantees:
   same table snapshot, so an equal or older id (a zombie or speculative attempt
   committing late) is refused, and of two attempts racing on one id exactly one lands.
 * **Fenced**: an attempt that resumes a run first claims it (a second app transaction,
-  version = the number of takeovers): commits and expiries of attempts with an older claim
-  are refused or skipped, even when they are ahead of it.
+  version = a number that grows with every takeover): commits and expiries of attempts
+  with an older claim are refused or skipped, even when they are ahead of it.
 
 A run's app transactions (its fences) are stamped by each of its writes; Delta drops them
 ``_TRANSACTION_RETENTION`` after the last (``_TABLE_CONFIGURATION``).
@@ -118,11 +118,13 @@ _COMMIT_RETRIES = 100
 # Every run leaves two or three Delta app transactions (its newest checkpoint id, its
 # claim, who claimed it) in every table it wrote, and a streaming query makes a run per
 # micro-batch: kept for ever, a query with a micro-batch every 10 s leaves the ids of
-# 60,000 runs a week in each partition's table, and every open and lookup reads them all.
-# Each write of a run stamps the ids it carries, and Delta drops an id a week after its
-# last stamp: a run's fences hold while it writes and for a week after, far longer than
-# any cancelled attempt lives on.
-_TRANSACTION_RETENTION = "interval 7 days"
+# 260,000 runs a month in each partition's table, and every open and lookup reads them
+# all. Each write of a run stamps the ids it carries, and Delta drops an id a day after its
+# last stamp: a run's fences hold while any attempt of it writes, and for a day after, far
+# longer than a cancelled attempt lives on. A run whose ids expired is claimed afresh when
+# it resumes, with a claim above any it had (``claim``), so its earlier attempts are fenced
+# off again.
+_TRANSACTION_RETENTION = "interval 1 day"
 _TABLE_CONFIGURATION = {
     "delta.logRetentionDuration": "interval 1 hour",
     "delta.enableExpiredLogCleanup": "true",
@@ -861,7 +863,9 @@ class SubtaskLog:
             current = table.transaction_version(claim_app)
             if current is None and not force and table.transaction_version(app_id) is None:
                 return None
-            claim = (current or 0) + 1
+            # After the run's ids expired (force), count on from the table's version: no
+            # earlier claim, each made in a commit of its own, can be above it.
+            claim = current + 1 if current is not None else table.version() + 1
             read_version = table.version()
             try:
                 write_deltalake(

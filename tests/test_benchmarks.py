@@ -214,13 +214,13 @@ def test_the_fences_benchmark_plants_earlier_runs_and_starts_new_ones(tmp_path: 
 
     from checkpoint import _store
 
-    rows = checkpoint_bench.fences(runs=30, new_runs=2)
+    rows = checkpoint_bench.fences(runs_a_day=3, new_runs=2)
     assert [(r["fences_of"], r["earlier_runs"]) for r in rows] == [
-        ("none", 0), ("expired", 30), ("kept", 30)
+        ("none", 0), ("a day", 3), ("a month", 90), ("a month, expired", 90)
     ]  # fmt: skip
     assert all(r["open_ms"] > 0 and r["new_run_ms"] > 0 for r in rows)
     text = checkpoint_bench.report({"sizes": [], "concurrency": [], "fences": rows})
-    assert text.splitlines()[-1].startswith("kept ") and " 30 " in text.splitlines()[-1]
+    assert text.splitlines()[-1].startswith("a month, expired ") and " 90 " in text
     # What each variant plants: unstamped ids stay, ids stamped 8 days ago are dropped.
     now = int(time.time() * 1000)
     for stamp, kept in ((None, True), (now, True), (now - 8 * 86_400_000, False)):
@@ -229,7 +229,7 @@ def test_the_fences_benchmark_plants_earlier_runs_and_starts_new_ones(tmp_path: 
         assert found == (1 if kept else None), stamp
 
 
-def test_the_report_compares_kept_and_expired_fences(
+def test_the_report_compares_a_days_fences_with_a_months(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def row(variant: str, runs: int, open_ms: float, new_run_ms: float) -> dict[str, Any]:
@@ -243,17 +243,18 @@ def test_the_report_compares_kept_and_expired_fences(
         "concurrency": [],
         "fences": [
             row("none", 0, 5.0, 40.0),
-            row("expired", 60480, 6.0, 50.0),
-            row("kept", 60480, 90.0, 175.0),
+            row("a day", 8640, 6.0, 50.0),
+            row("a month", 259200, 90.0, 200.0),
+            row("a month, expired", 259200, 5.5, 42.0),
         ],  # fmt: skip
     }
     report(tmp_path, monkeypatch, saved_run(store=store))
     text = (tmp_path / "benchmarks.md").read_text()
-    assert "holding the app transactions of 60,480 earlier runs" in text
-    assert "| kept | 60,480 | 90.0 | 175.0 |" in text
+    assert "holding the app transactions of earlier runs, 8,640 a day" in text
+    assert "| a month | 259,200 | 90.0 | 200.0 |" in text
     assert (
-        "Kept against expired: a new run 3.5x the time, opening the table 15.0x; expired "
-        "against none: 1.25x."
+        "Against none: a new run takes 1.25x the time with a day's fences, 5.0x with a "
+        "month's (opening the table 18.0x), 1.05x with a month's expired."
     ) in text
 
 

@@ -395,19 +395,19 @@ def test_a_checkpoint_table_drops_its_delta_log_after_an_hour_not_thirty_days(
     assert fresh.restore(12).results.column("id").to_pylist() == list(range(1, 13))
 
 
-def test_a_runs_app_transactions_expire_a_week_after_its_last_write(
+def test_a_runs_app_transactions_expire_a_day_after_its_last_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A streaming query is a run per micro-batch, and every run leaves app transactions (its
     # fences) in every partition's table: kept for ever, they pile up and slow every open
     # and lookup. Delta drops an id the table's retention after the last write that stamped
-    # it: a week (here 2 s); a run that keeps writing keeps its fences.
+    # it: a day (here 2 s); a run that keeps writing keeps its fences.
     from checkpoint import _store
 
     log = SnapshotStore(tmp_path).subtask("job", "op", 0)
     commit(log, "run", 1)
     config = DeltaTable(log.uri).metadata().configuration
-    assert config["delta.setTransactionRetentionDuration"] == "interval 7 days"
+    assert config["delta.setTransactionRetentionDuration"] == "interval 1 day"
 
     short = {
         **_store._TABLE_CONFIGURATION,
@@ -419,34 +419,43 @@ def test_a_runs_app_transactions_expire_a_week_after_its_last_write(
         return SnapshotStore(tmp_path).subtask("job", "op", 1)
 
     first = attempt()
-    done = commit(first, "finished", 1)
+    earlier = commit(first, "finished", 1)
+    done = commit(first, "finished", 2, parent=earlier.ref)
+    assert first.expire(1, run_id="finished").expired == [earlier.ref]  # its last write
+    assert attempt().claim("claimed-only", "attempt-x") is None  # nothing to claim yet
+    claimed = attempt()
+    commit(claimed, "claimed-only", 1)
+    assert claimed.claim("claimed-only", "attempt-x") == 1  # the run's last write
     zombie = attempt()
     started = commit(zombie, "live", 1)
     successor = attempt()
     assert successor.take_over("live", "attempt-b") == (1, started)
     parent = started.ref
-    for checkpoint_id in range(2, 8):  # the live run writes for 3 s, the finished one not
+    for checkpoint_id in range(2, 8):  # the live run writes for 3 s, the others not
         time.sleep(0.5)
         parent = commit(successor, "live", checkpoint_id, parent=parent).ref
 
     table = DeltaTable(first.uri)
 
-    def fences(run: str) -> list[int | None]:
-        return [
-            table.transaction_version(a) for a in (_store._app_id(run), _store._claim_app_id(run))
-        ]
+    def fences(run: str, owner: str) -> list[int | None]:
+        ids = (_store._app_id(run), _store._claim_app_id(run), _store._claimer_app_id(run, owner))
+        return [table.transaction_version(i) for i in ids]
 
-    assert fences("finished") == [None, None]
-    assert fences("live") == [7, 1]
-    assert table.transaction_version(_store._claimer_app_id("live", "attempt-b")) == 1
+    assert fences("finished", "-") == [None, None, None]
+    assert fences("claimed-only", "attempt-x") == [None, None, None]
+    assert fences("live", "attempt-b") == [7, 1, 1]
     assert successor.claimed_by("live", "attempt-b")
     with pytest.raises(CheckpointConflictError, match="taken it over"):
         commit(zombie, "live", 8, parent=parent)
     # A run whose fences expired while its checkpoints stayed is still taken over when it
-    # resumes, and its earlier attempt fenced off again.
-    assert attempt().take_over("finished", "attempt-c") == (1, done)
+    # resumes, with a claim above any it had: its earlier attempts are fenced off again.
+    claim, latest = attempt().take_over("claimed-only", "attempt-y")
+    assert claim is not None and claim > 1 and latest is not None
     with pytest.raises(CheckpointConflictError, match="taken it over"):
-        commit(first, "finished", 2, parent=done.ref)
+        commit(claimed, "claimed-only", 2, parent=latest.ref)  # it holds claim 1
+    assert attempt().take_over("finished", "attempt-z")[1] == done
+    with pytest.raises(CheckpointConflictError, match="taken it over"):
+        commit(first, "finished", 3, parent=done.ref)
 
 
 def test_an_equal_or_older_checkpoint_id_is_refused_without_duplicates(tmp_path: Path) -> None:
