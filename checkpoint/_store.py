@@ -852,8 +852,9 @@ class SubtaskLog:
         the run has committed something (otherwise there is nothing to take over); returns
         the claim, or None. ``owner`` (a name of the attempt, unique among every attempt
         that may ever claim the run) is recorded with the claim: ``claimed_by`` reads it.
-        ``force`` claims a run whose app transactions have expired (it wrote nothing for
-        ``_TRANSACTION_RETENTION``) but whose checkpoints are still there.
+        ``force`` claims even a run whose app transactions show nothing of it: one seen to
+        have a checkpoint (``take_over``) whose ids expired (no attempt wrote for
+        ``_TRANSACTION_RETENTION``), or whose first commit landed after this look.
         """
         app_id, claim_app = _app_id(run_id), _claim_app_id(run_id)
         for _ in range(_COMMIT_RETRIES):
