@@ -380,6 +380,14 @@ def table(header: list[str], rows: list[list[Any]], align: str | None = None) ->
     return "\n".join(lines)
 
 
+def columns_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """``table`` of ``rows`` by (header, key, format spec) per column, and a blank line."""
+    return (
+        table([h for h, _, _ in columns], [[format(r[k], f) for _, k, f in columns] for r in rows])
+        + "\n"
+    )
+
+
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Every target of issues 4 and 8: measured value, met or missed, and by how much."""
     out: list[dict[str, Any]] = []
@@ -1527,20 +1535,16 @@ def section_checkpoint(
                 "store did before.\n"
             )
             lines.append(
-                table(
-                    ["table object", "first 100 ms", "last 100 ms", "total s", "peak RSS MiB"],
+                columns_table(
+                    long_task,
                     [
-                        [
-                            r["table_object"],
-                            f"{r['first_ms']:.1f}",
-                            f"{r['last_ms']:.1f}",
-                            f"{r['total_s']:.1f}",
-                            f"{r['peak_rss_mib']:.0f}",
-                        ]
-                        for r in long_task
+                        ("table object", "table_object", ""),
+                        ("first 100 ms", "first_ms", ".1f"),
+                        ("last 100 ms", "last_ms", ".1f"),
+                        ("total s", "total_s", ".1f"),
+                        ("peak RSS MiB", "peak_rss_mib", ".0f"),
                     ],
                 )
-                + "\n"
             )
             lines.append(
                 f"Reopened against kept: the last 100 commits "
@@ -1565,19 +1569,15 @@ def section_checkpoint(
                 "day); median of several new runs, each by a log of its own.\n"
             )
             lines.append(
-                table(
-                    ["fences of", "earlier runs", "open table ms", "new run ms"],
+                columns_table(
+                    list(fences.values()),
                     [
-                        [
-                            r["fences_of"],
-                            f"{r['earlier_runs']:,}",
-                            f"{r['open_ms']:.1f}",
-                            f"{r['new_run_ms']:.1f}",
-                        ]
-                        for r in fences.values()
+                        ("fences of", "fences_of", ""),
+                        ("earlier runs", "earlier_runs", ","),
+                        ("open table ms", "open_ms", ".1f"),
+                        ("new run ms", "new_run_ms", ".1f"),
                     ],
                 )
-                + "\n"
             )
             expired = fences["a month, expired"]
             lines.append(
@@ -1598,19 +1598,15 @@ def section_checkpoint(
                 "each Delta log checkpoint, as they do after the hour.\n"
             )
             lines.append(
-                table(
-                    ["commit files", "log files at the end", "first 200 ms", "last 200 ms"],
+                columns_table(
+                    list(logs.values()),
                     [
-                        [
-                            r["commit_files"],
-                            f"{r['log_files']:,}",
-                            f"{r['first_ms']:.1f}",
-                            f"{r['last_ms']:.1f}",
-                        ]
-                        for r in logs.values()
+                        ("commit files", "commit_files", ""),
+                        ("log files at the end", "log_files", ","),
+                        ("first 200 ms", "first_ms", ".1f"),
+                        ("last 200 ms", "last_ms", ".1f"),
                     ],
                 )
-                + "\n"
             )
             lines.append(
                 f"Kept against cleaned: the last 200 commits "
