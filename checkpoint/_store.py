@@ -1149,7 +1149,18 @@ class SubtaskLog:
         commit_properties: CommitProperties,
     ) -> bool:
         """Create the table with the first checkpoint in its first commit; False if another
-        attempt created it meanwhile."""
+        attempt created it meanwhile.
+
+        Never retried: deltalake would land a create that lost the race for version 0 as
+        version 1 without checking its app transactions, so two attempts of one run racing
+        on an empty partition would both commit checkpoint 1 (and no resume could read
+        their mixed rows). The loser returns False and goes the way of every append, whose
+        app transaction refuses it."""
+        once = CommitProperties(
+            app_transactions=commit_properties.app_transactions,
+            max_commit_retries=0,
+            custom_metadata=commit_properties.custom_metadata,
+        )
         try:
             write_deltalake(
                 self.uri,
@@ -1158,7 +1169,7 @@ class SubtaskLog:
                 description=_description(input_schema, output_schema),
                 configuration=_TABLE_CONFIGURATION,
                 storage_options=self._storage_options,
-                commit_properties=commit_properties,
+                commit_properties=once,
                 name=f"{self.job_id}/{self.operator_id}/subtask={self.subtask:05d}",
             )
         except CommitFailedError:
