@@ -460,6 +460,15 @@ class SubtaskLog:
         """
         return newest_restorable(self.checkpoints(), run_id, max_id)
 
+    def last_committed_id(self, run_id: str) -> int | None:
+        """The highest checkpoint id ``run_id`` committed to this subtask, as its Delta app
+        transaction records it: also when those checkpoints are gone (expired by another
+        run of the job, deleted by hand) or unrestorable, and until the id itself expires
+        (``_TRANSACTION_RETENTION`` after the run's last write). A retry numbers its
+        checkpoints above it, or its commits would be refused as late ones."""
+        table = self._open(refresh=True)
+        return None if table is None else table.transaction_version(_app_id(run_id))
+
     def sizes(self) -> dict[CheckpointRef, int]:
         """Bytes of the Parquet files that hold one checkpoint each, by checkpoint (read
         from the Delta log's file statistics, without opening the files). Files that

@@ -642,12 +642,15 @@ class _TaskRun:
         self.last_checkpoint = time.monotonic()
         self.restored_final = False
         point = await self._in_io(self._find_restore_point, config)
-        self.next_id = 1
+        # Above every id this run committed, restorable or not: its checkpoints may be gone
+        # (another run's retention, an expire by hand) while its app transaction, which
+        # refuses any id at or below it, stays.
+        committed = await self._in_io(self.log.last_committed_id, self.identity.run_id) or 0
+        self.next_id = max(committed, point.metadata.checkpoint_id if point else 0) + 1
         self.parent = None
         if point is None:
             return []
         meta = point.metadata
-        self.next_id = meta.checkpoint_id + 1
         self.parent = meta.ref
         self.restored_final = meta.final
         self.stats.update(

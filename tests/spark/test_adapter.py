@@ -2000,6 +2000,49 @@ def test_the_resume_log_counts_re_invoked_records_apart_from_replayed_watermarks
     ), logged
 
 
+@pytest.mark.parametrize("deleted_by", ["another run's retention", "expire --retain 0"])
+def test_a_retry_whose_runs_checkpoints_are_gone_starts_over_above_their_ids(
+    tmp_path, deleted_by: str
+) -> None:
+    # The task itself, in this process. A run's checkpoints can go while its attempts are
+    # still to come: another run of the job expires them, or a user runs `checkpoints
+    # expire --retain 0` before a streaming query replays the batch. The retry restarted at
+    # checkpoint 1, which the run's app transaction (at 2) refused, on every retry.
+    from checkpoint import SnapshotStore
+    from stateful_async.spark._task import TaskIdentity, _TaskRun
+
+    async def echo(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    schema = pa.schema([("id", pa.int64())])
+
+    def attempt(run: str, number: int, fail_at: int | None = None, retain: int = 3) -> list[int]:
+        config = CheckpointConfig(str(tmp_path), "job", interval_records=2, retain=retain)
+
+        def batches():  # type: ignore[no-untyped-def]
+            for i in range(10):
+                if i == fail_at:
+                    raise RuntimeError("executor lost")
+                yield pa.record_batch([pa.array([i], pa.int64())], schema=schema)
+
+        identity = TaskIdentity(0, number, run, {"owner": f"app/{run}/{number}"})
+        out = _TaskRun(id_task(echo, checkpoint=config), batches(), identity).run()
+        return [i for batch in out for i in batch.column("id").to_pylist()]
+
+    with pytest.raises(RuntimeError, match="executor lost"):
+        attempt("app.stage2", 0, fail_at=5)
+    log = SnapshotStore(tmp_path).subtask("job", "enrich", 0)
+    assert [m.checkpoint_id for m in log.checkpoints()] == [1, 2]
+    if deleted_by == "expire --retain 0":
+        SnapshotStore(tmp_path).expire("job", 0)
+    else:
+        assert attempt("app.stage1", 0, retain=1) == list(range(10))
+    assert log.latest(run_id="app.stage2") is None  # nothing of the run left to resume
+    assert attempt("app.stage2", 1) == list(range(10))  # started over, and landed
+    ids = [m.checkpoint_id for m in log.checkpoints() if m.run_id == "app.stage2"]
+    assert ids == [3, 4, 5, 6, 7, 8], ids  # above the 2 the run had: 5 and a final one
+
+
 def test_a_micro_batch_restarted_with_ordered_wait_does_not_resume_unordered_waits_checkpoint(
     tmp_path,
 ) -> None:
