@@ -77,9 +77,9 @@ class _RowFunction(AsyncFunction[Any, Any]):
     """Calls the user's function with the argument of an ``(input_seq, row, argument)``
     record and pairs each result with the row (for error messages). The argument is the
     function's own copy of the row, the one every attempt and the timeout handler get: a
-    function that adds, changes or pops keys does not change the row that a checkpoint
-    saves or an error message shows. Result shape is checked here: a wrong shape is a
-    programming error and is never retried."""
+    function that adds, changes or pops keys, at any depth, does not change the row that a
+    checkpoint saves or an error message shows. Result shape is checked here: a wrong shape
+    is a programming error and is never retried."""
 
     def __init__(self, fn: AsyncFunction[Any, Any], names: frozenset[str]) -> None:
         self.fn = fn
@@ -136,12 +136,18 @@ _Convert = Callable[[Any], Any]
 
 
 def _argument_maker(schema: pa.Schema) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """How the function's copy of an input row is made. pyarrow gives a MAP value as a list
-    of (key, value) pairs, where a Spark user expects a dict (PySpark's Rows and pandas
-    UDFs give one): ``"k" in row["m"]`` was False, and ``row["m"]["k"]`` a TypeError. The
-    copy holds maps as dicts, at any depth (the last of equal keys wins, as in PySpark); the
-    row a checkpoint saves and the fingerprint keep pyarrow's form."""
-    converts = [(field.name, c) for field in schema if (c := _maps_as_dicts(field.type))]
+    """How the function's copy of an input row is made: a copy at every depth, since the
+    row itself is what a checkpoint saves while the call is in flight. With a shallow copy,
+    a function that appended to a list column or set a struct's field before awaiting
+    changed the saved row, and a resumed attempt called it again with the changed row (a
+    different result than a run without failures gives).
+
+    pyarrow gives a MAP value as a list of (key, value) pairs, where a Spark user expects a
+    dict (PySpark's Rows and pandas UDFs give one): ``"k" in row["m"]`` was False, and
+    ``row["m"]["k"]`` a TypeError. The copy holds maps as dicts, at any depth (the last of
+    equal keys wins, as in PySpark); the row a checkpoint saves and the fingerprint keep
+    pyarrow's form."""
+    converts = [(field.name, c) for field in schema if (c := _fresh(field.type))]
     if not converts:
         return dict
 
@@ -156,28 +162,23 @@ def _argument_maker(schema: pa.Schema) -> Callable[[dict[str, Any]], dict[str, A
     return argument
 
 
-def _maps_as_dicts(arrow_type: pa.DataType) -> _Convert | None:
-    """A value of ``arrow_type`` as pyarrow gives it -> the same with its maps as dicts;
-    None if it holds no map. A map whose keys are structs, lists or maps (which a dict
-    cannot hold) stays a list of pairs."""
+def _fresh(arrow_type: pa.DataType) -> _Convert | None:
+    """A value of ``arrow_type`` as pyarrow gives it -> a copy sharing no list or dict with
+    it, its maps as dicts; None for a type whose values are immutable (not nested). A map
+    whose keys are structs, lists or maps (which a dict cannot hold) stays a list of
+    pairs."""
     if pa.types.is_map(arrow_type):
-        item = _maps_as_dicts(arrow_type.item_type)
-        key = arrow_type.key_type
-        if pa.types.is_nested(key):
-            if item is None:
-                return None
-            return lambda pairs: [(k, None if v is None else item(v)) for k, v in pairs]
-        if item is None:
-            return dict
-        return lambda pairs: {k: None if v is None else item(v) for k, v in pairs}
+        item = _fresh(arrow_type.item_type) or _same
+        if pa.types.is_nested(arrow_type.key_type):
+            key = _fresh(arrow_type.key_type) or _same
+            return lambda pairs: [(key(k), _or_none(item, v)) for k, v in pairs]
+        return lambda pairs: {k: _or_none(item, v) for k, v in pairs}
     if pa.types.is_struct(arrow_type):
         children = [
             (child.name, c)
             for child in (arrow_type.field(i) for i in range(arrow_type.num_fields))
-            if (c := _maps_as_dicts(child.type))
+            if (c := _fresh(child.type))
         ]
-        if not children:
-            return None
 
         def struct(value: dict[str, Any]) -> dict[str, Any]:
             copied = dict(value)
@@ -188,11 +189,19 @@ def _maps_as_dicts(arrow_type: pa.DataType) -> _Convert | None:
 
         return struct
     if is_list_type(arrow_type):
-        element = _maps_as_dicts(arrow_type.value_type)
+        element = _fresh(arrow_type.value_type)
         if element is None:
-            return None
-        return lambda values: [None if v is None else element(v) for v in values]
+            return list
+        return lambda values: [_or_none(element, v) for v in values]
     return None
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _or_none(convert: _Convert, value: Any) -> Any:
+    return None if value is None else convert(value)
 
 
 def _pair(

@@ -2000,6 +2000,62 @@ def test_the_resume_log_counts_re_invoked_records_apart_from_replayed_watermarks
     ), logged
 
 
+def test_a_function_that_changes_nested_values_of_its_row_changes_no_checkpoint(
+    tmp_path,
+) -> None:
+    # The task itself, in this process. The function's copy of the row was shallow: a
+    # function that appended to a list column or set a struct's field, then awaited,
+    # changed the row the checkpoint saved for it, and the resumed attempt called it again
+    # with that row: ['a', 'enriched', 'enriched'] instead of ['a', 'enriched'].
+    from stateful_async import OutputMode
+    from stateful_async._function import as_async_function
+    from stateful_async.spark._task import TaskIdentity, TaskSpec, _TaskRun
+
+    async def enrich(row):  # type: ignore[no-untyped-def]
+        row["tags"].append("enriched")
+        row["s"]["seen"].append(1)
+        row["s"]["n"] += 1
+        row["m"]["k"].append("v2")
+        await asyncio.sleep(0.05)  # in flight at the next checkpoint
+        return [{"id": row["id"], "out": f"{row['tags']} {row['s']} {row['m']}"}]
+
+    inputs = pa.schema(
+        [
+            ("id", pa.int64()),
+            ("tags", pa.list_(pa.string())),
+            ("s", pa.struct([("n", pa.int64()), ("seen", pa.list_(pa.int64()))])),
+            ("m", pa.map_(pa.string(), pa.list_(pa.string()))),
+        ]
+    )
+    outputs = pa.schema([("id", pa.int64()), ("out", pa.string())])
+    expected = [
+        {"id": i, "out": "['a', 'enriched'] {'n': 1, 'seen': [0, 1]} {'k': ['v', 'v2']}"}
+        for i in range(6)
+    ]
+
+    def attempt(number: int, fail_at: int | None = None) -> list[dict]:
+        config = CheckpointConfig(str(tmp_path), "nested", interval_records=1)
+        spec = TaskSpec(
+            as_async_function(enrich), OutputMode.ORDERED, 8, None, None, inputs, outputs,
+            None, 0, config, "app",
+        )  # fmt: skip
+
+        def batches():  # type: ignore[no-untyped-def]
+            for i in range(6):
+                if i == fail_at:
+                    raise RuntimeError("executor lost")
+                yield pa.record_batch(
+                    [[i], [["a"]], [{"n": 0, "seen": [0]}], [[("k", ["v"])]]], schema=inputs
+                )
+
+        identity = TaskIdentity(0, number, "app.stage1", {"owner": f"app/{number}"})
+        return [r for b in _TaskRun(spec, batches(), identity).run() for r in b.to_pylist()]
+
+    with pytest.raises(RuntimeError, match="executor lost"):
+        attempt(0, fail_at=4)
+    assert attempt(1) == expected
+
+
 @pytest.mark.parametrize("deleted_by", ["another run's retention", "expire --retain 0"])
 def test_a_retry_whose_runs_checkpoints_are_gone_starts_over_above_their_ids(
     tmp_path, deleted_by: str
