@@ -19,7 +19,7 @@ from .._retry import RetryStrategy
 from ._config import CheckpointConfig
 from ._metrics import DriverOnlyError, EnrichmentMetrics
 from ._session import is_connect, task_attempts
-from ._task import OUTPUT_MODE_PROPERTY, PartitionTask, TaskSpec
+from ._task import OUTPUT_MODE_PROPERTY, PartitionTask, TaskSpec, function_name
 
 _MAX_OOO = 2**63 - 1  # event times are 64-bit integers (microseconds, days, or the column's)
 
@@ -188,7 +188,7 @@ def _async_wait(
                 "batch resumes from its own checkpoints. Drop restore_from (each micro-batch "
                 "is a run of its own, so it would only find the previous batch's checkpoints)."
             )
-        _check_checkpoint(checkpoint, input_schema, output_schema, mode)
+        _check_checkpoint(checkpoint, input_schema, output_schema, mode, function_name(function))
         _warn_if_tasks_never_retry(df.sparkSession)
     source, input_names = _resolvable(df)
     spec = TaskSpec(
@@ -475,9 +475,14 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
 
 
 def _check_checkpoint(
-    config: CheckpointConfig, input_schema: pa.Schema, output_schema: pa.Schema, mode: OutputMode
+    config: CheckpointConfig,
+    input_schema: pa.Schema,
+    output_schema: pa.Schema,
+    mode: OutputMode,
+    function: str,
 ) -> None:
-    """What the driver can check before any task runs."""
+    """What the driver can check before any task runs (``function``: the name of the
+    enrichment's function, as checkpoints record it)."""
     from checkpoint import (
         CheckpointError,
         CheckpointNotFoundError,
@@ -544,6 +549,7 @@ def _check_checkpoint(
             _check_every_partition_can_restore(every, wanted, config)
         if mode is OutputMode.ORDERED:
             _check_order_kept(every, config)
+        _warn_if_function_changed(every, config, function)
     except CheckpointError as exc:
         if isinstance(exc, SchemaChangedError):
             raise
@@ -592,10 +598,9 @@ def _check_every_partition_can_restore(
     )
 
 
-def _check_order_kept(every: list[Any], config: CheckpointConfig) -> None:
-    """ordered_wait cannot resume from unordered_wait's checkpoints (their results are in
-    completion order; the task refuses, see _TaskRun._check_order_kept): refuse up front,
-    rather than after all of Spark's attempts of the first such task."""
+def _restore_points(every: list[Any], config: CheckpointConfig) -> dict[int, Any]:
+    """The checkpoint each partition's task resumes from under ``config.restore_from``, by
+    partition (partitions with none left out)."""
     from checkpoint._store import newest_restorable
 
     restore = config.restore_from
@@ -603,12 +608,24 @@ def _check_order_kept(every: list[Any], config: CheckpointConfig) -> None:
     by_partition: dict[int, list[Any]] = {}
     for meta in every:
         by_partition.setdefault(meta.subtask, []).append(meta)
-    unordered, unordered_mode = [], OutputMode.UNORDERED.value
+    points = {}
     for partition, metas in sorted(by_partition.items()):
         metas.sort(key=lambda m: (m.created_at, m.checkpoint_id))  # as SubtaskLog lists them
         chosen = newest_restorable(metas, max_id=max_id)  # what the partition's task picks
-        if chosen is not None and chosen.properties.get(OUTPUT_MODE_PROPERTY) == unordered_mode:
-            unordered.append(partition)
+        if chosen is not None:
+            points[partition] = chosen
+    return points
+
+
+def _check_order_kept(every: list[Any], config: CheckpointConfig) -> None:
+    """ordered_wait cannot resume from unordered_wait's checkpoints (their results are in
+    completion order; the task refuses, see _TaskRun._check_order_kept): refuse up front,
+    rather than after all of Spark's attempts of the first such task."""
+    unordered = [
+        partition
+        for partition, chosen in _restore_points(every, config).items()
+        if chosen.properties.get(OUTPUT_MODE_PROPERTY) == OutputMode.UNORDERED.value
+    ]
     if unordered:
         raise ConfigurationError(
             f"restore_from={config.restore_from!r}: job {config.job_id!r} (operator "
@@ -618,6 +635,34 @@ def _check_order_kept(every: list[Any], config: CheckpointConfig) -> None:
             "input order. Resume with unordered_wait, or start ordered_wait fresh: drop "
             "restore_from, or give it a new operator_id (CheckpointConfig(..., operator_id=...))."
         )
+
+
+def _warn_if_function_changed(every: list[Any], config: CheckpointConfig, ours: str) -> None:
+    """A resumed partition re-emits the results its checkpoints committed as they are, and
+    calls this job's function for the rest: if another function wrote them, the output
+    mixes the two. That may be wanted (the same enrichment renamed or moved to a module),
+    so it is said, not refused."""
+    by_function: dict[str, list[int]] = {}
+    for partition, chosen in _restore_points(every, config).items():
+        theirs = chosen.properties.get("function")
+        if theirs is not None and theirs != ours:
+            by_function.setdefault(theirs, []).append(partition)
+    if not by_function:
+        return
+    written = "; ".join(
+        f"partition(s) {id_ranges(partitions)} from checkpoints function {theirs} wrote"
+        for theirs, partitions in sorted(by_function.items())
+    )
+    warnings.warn(
+        f"restore_from={config.restore_from!r}: job {config.job_id!r} (operator "
+        f"{config.operator_id!r}) resumes {written}, and this job calls function {ours}. "
+        "The results those checkpoints committed are re-emitted as they are; this function "
+        "computes the rest of each partition. If it is the same enrichment renamed or moved, "
+        "that is what you want; to compute every row with this function, drop restore_from "
+        "or give it a new operator_id (CheckpointConfig(..., operator_id=...)).",
+        UserWarning,
+        stacklevel=5,  # the call of ordered_wait / unordered_wait
+    )
 
 
 def _app_id(session: Any) -> str:

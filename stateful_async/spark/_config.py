@@ -34,12 +34,16 @@ class CheckpointConfig:
     ``restore_from`` decides what a *new run* starts from (a retried task attempt always
     resumes its own run's latest checkpoint, whatever this says):
 
-    * ``None`` — start fresh; never read another run's checkpoints;
+    * ``None`` — start fresh; never read another run's checkpoints (the job's checkpoints
+      must still have been written with this input and output schema, or the driver
+      raises ``SchemaChangedError``, saying how to clear them);
     * ``"latest"`` — each partition resumes from its most recently written checkpoint;
     * ``N`` (an int) — each partition resumes from its most recent checkpoint whose id is
       ``N`` or lower.
 
-    See ``docs/checkpointing.md`` for what a run and a checkpoint id are.
+    Resuming, the driver warns if another function wrote those checkpoints: their
+    results are re-emitted as they are. See ``docs/checkpointing.md`` for what a run and a
+    checkpoint id are.
     """
 
     location: str

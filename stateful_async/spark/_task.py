@@ -339,7 +339,7 @@ def _task_identity(spec: TaskSpec, context: Any) -> TaskIdentity:
     return TaskIdentity(context.partitionId(), context.attemptNumber(), run_id, properties)
 
 
-def _function_name(fn: Any) -> str:
+def function_name(fn: Any) -> str:
     """The user's function as module.qualname: the same in every attempt and restart of a
     run, different for two different enrichments."""
     target = fn.fn if isinstance(fn, CoroutineFunction) else type(fn)
@@ -361,7 +361,7 @@ class _TaskRun:
         # recorded on every checkpoint: who wrote it (see _check_same_enrichment)
         self.properties = {
             **identity.properties,
-            "function": _function_name(spec.fn),
+            "function": function_name(spec.fn),
             OUTPUT_MODE_PROPERTY: spec.mode.value,
         }
         if spec.event_time is not None:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
@@ -517,6 +518,33 @@ def test_a_function_that_changes_its_row_changes_neither_checkpoints_nor_resume(
     again = CheckpointConfig(str(tmp_path), "inplace", restore_from=2)
     out = ordered_wait(df, in_place, SCHEMA, capacity=50, checkpoint=again).collect()
     assert [r.asDict() for r in out] == [reference(i) for i in range(rows)]
+
+
+def test_restore_from_checkpoints_another_function_wrote_says_so(spark, tmp_path) -> None:
+    # A new run resuming another function's checkpoints re-emits that function's results
+    # and calls its own for the rest: it ran without a word.
+    async def first(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"], "by": "first"}]
+
+    async def second(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"], "by": "second"}]
+
+    df = spark.range(0, 40, numPartitions=2)
+    config = CheckpointConfig(str(tmp_path), "switch", interval_records=10)
+    assert ordered_wait(df, first, "id long, by string", checkpoint=config).count() == 40
+    again = CheckpointConfig(str(tmp_path), "switch", interval_records=10, restore_from="latest")
+    with pytest.warns(
+        UserWarning,
+        match=r"restore_from='latest': job 'switch' \(operator 'enrich'\) resumes partition"
+        r"\(s\) 0-1 from checkpoints function .*first wrote, and this job calls function "
+        r".*second\. The results those checkpoints committed are re-emitted as they are",
+    ) as said:
+        out = ordered_wait(df, second, "id long, by string", checkpoint=again).collect()
+    assert [w.filename for w in said] == [__file__]  # points at the user's call
+    assert sorted((r.id, r.by) for r in out) == [(i, "first") for i in range(40)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same function resuming: nothing to say
+        ordered_wait(df, first, "id long, by string", checkpoint=again).count()
 
 
 def test_maps_reach_the_function_as_dicts_before_and_after_a_resume(spark, tmp_path) -> None:
