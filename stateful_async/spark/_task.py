@@ -897,11 +897,14 @@ class _TaskRun:
                     "This attempt is Spark's retry of a task of the same run, so the "
                     "partition's input is not deterministic: after a shuffle (repartition, "
                     "join, groupBy), the order in which a task fetches its rows can differ "
-                    "from one attempt to the next; a source that changed under the job, or a "
-                    "non-deterministic expression (rand(), a UDF), does the same. Every retry "
-                    "of this task is refused alike. Make the input deterministic before the "
-                    "enrichment (after a shuffle: df.sortWithinPartitions(<a unique key>)) "
-                    "and run the job again."
+                    "from one attempt to the next; a source that changed under the job, a "
+                    "non-deterministic expression (rand(), a UDF), or an unordered_wait "
+                    "earlier in this stage (its results come in completion order, which "
+                    "differs from attempt to attempt, checkpointed or not) does the same. "
+                    "Every retry of this task is refused alike. Make the input deterministic "
+                    "before the enrichment (after a shuffle: df.sortWithinPartitions(<a "
+                    "unique key>); after unordered_wait: ordered_wait there, or write its "
+                    "output out first) and run the job again."
                 )
             else:
                 advice = (

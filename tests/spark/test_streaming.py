@@ -278,6 +278,7 @@ def test_a_replayed_micro_batch_split_differently_says_how_to_go_on(tmp_path: Pa
     text = str(refused.value)
     assert "This attempt is Spark's retry of a task of the same run" in text
     assert "df.sortWithinPartitions(<a unique key>)" in text
+    assert "after unordered_wait: ordered_wait there, or write its output out first" in text
     assert "restore_from" not in text
 
 
