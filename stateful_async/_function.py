@@ -177,6 +177,12 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
         self.max_workers = max_workers
         self._pool: ThreadPoolExecutor | None = None
 
+    @property
+    def __wrapped__(self) -> Callable[[IN], Iterable[OUT]] | None:
+        """The function it runs (what checkpoints name the enrichment after); None for a
+        subclass with its own ``invoke``."""
+        return self.fn if type(self).invoke is ThreadPoolAsyncFunction.invoke else None
+
     def invoke(self, value: IN) -> Iterable[OUT]:
         """The synchronous call; runs on a pool thread."""
         assert self.fn is not None

@@ -28,7 +28,18 @@ def _armed(attempt: int, partitions: frozenset[int] | None) -> bool:
     return current == attempt and (partitions is None or partition in partitions)
 
 
-class CrashOnElement(AsyncFunction[Any, Any]):
+class _Wrapper(AsyncFunction[Any, Any]):
+    """A fault around the user's function ``fn``: the same enrichment, so checkpoints name
+    it after ``fn`` (``__wrapped__``), and a job resumes them without it."""
+
+    fn: AsyncFunction[Any, Any]
+
+    @property
+    def __wrapped__(self) -> AsyncFunction[Any, Any]:
+        return self.fn
+
+
+class CrashOnElement(_Wrapper):
     """Wraps ``fn``; kills the worker process when invoked with a row whose ``key_field``
     is in ``at``, on task attempt ``attempt`` (default: the first) of ``partitions``
     (default: any). Other calls go to ``fn`` unchanged."""
@@ -68,7 +79,7 @@ class CrashOnElement(AsyncFunction[Any, Any]):
         return await super().timeout(row)
 
 
-class _CommitFault(AsyncFunction[Any, Any]):
+class _CommitFault(_Wrapper):
     """Base of wrappers that act on the snapshot store's commits in their own task."""
 
     def __init__(

@@ -26,6 +26,33 @@ import pyarrow as pa
 from .._elements import describe
 from .._exceptions import ResultSchemaError
 
+
+def describe_row(row: Any) -> str:
+    """An input row for an error message as the function got it: pyarrow gives a MAP value
+    as a list of (key, value) pairs, the function a dict (the rows a checkpoint saves keep
+    pyarrow's form)."""
+    return describe(_as_given(row))
+
+
+def _as_given(value: Any) -> Any:
+    """Maps as dicts, at any depth: in pyarrow's Python values, tuples are only ever a
+    map's (key, value) pairs. A map whose keys a dict cannot hold stays a list of pairs,
+    as the function gets it too."""
+    if type(value) is dict:
+        return {k: _as_given(v) for k, v in value.items()}
+    if type(value) is tuple:
+        return tuple(_as_given(v) for v in value)
+    if type(value) is not list:
+        return value
+    items = [_as_given(v) for v in value]
+    if items and all(type(i) is tuple and len(i) == 2 for i in items):
+        try:
+            return dict(items)
+        except TypeError:  # struct, list or map keys
+            pass
+    return items
+
+
 # what pyarrow raises for a value it cannot convert to a type
 _CONVERSION_ERRORS = (
     pa.ArrowInvalid,
@@ -69,8 +96,8 @@ def to_batch(
             except _CONVERSION_ERRORS as exc:
                 raise ResultSchemaError(
                     f"The result field {field.name!r} ({field.type}) cannot hold {describe(value)} "
-                    f"({type(value).__name__}), returned for input row {describe(source)}: {exc}. "
-                    "Return values of the types the output schema declares."
+                    f"({type(value).__name__}), returned for input row {describe_row(source)}: "
+                    f"{exc}. Return values of the types the output schema declares."
                 ) from exc
     # Every value converts alone but a column does not: pyarrow takes the form of a
     # column's values (a struct as a dict, or as a tuple) from its first one.
@@ -81,7 +108,7 @@ def to_batch(
         first = next(value for value in values if value is not None)
         raise ResultSchemaError(
             f"The result field {field.name!r} ({field.type}) cannot hold {describe(values[at])} "
-            f"({type(values[at]).__name__}), returned for input row {describe(sources[at])}, "
+            f"({type(values[at]).__name__}), returned for input row {describe_row(sources[at])}, "
             f"in the same batch as {describe(first)} ({type(first).__name__}). Return each "
             "field in one form for every row (a struct always as a dict, or always as a tuple)."
         )
@@ -113,7 +140,7 @@ def _refusal(name: str, problem: _Loss, source: dict[str, Any]) -> ResultSchemaE
     return ResultSchemaError(
         f"The result field {name + problem.path!r} ({problem.type}) cannot hold "
         f"{describe(problem.value)} ({type(problem.value).__name__}): {problem.reason}, "
-        f"returned for input row {describe(source)}. Return values of the types the output "
+        f"returned for input row {describe_row(source)}. Return values of the types the output "
         "schema declares."
     )
 

@@ -54,7 +54,7 @@ from .._function import (
 from .._operator import AsyncWaitOperator, OutputMode
 from .._retry import RetryStrategy, _never
 from ._config import CheckpointConfig
-from ._results import is_list_type, to_batch
+from ._results import describe_row, is_list_type, to_batch
 
 _CHUNK_ROWS = 1024  # rows converted to Python and fed per step (bounds loop latency)
 _OUTPUT_ROWS = 1024  # rows per output Arrow batch
@@ -211,7 +211,7 @@ def _pair(
         if not_a_result_list(results):
             raise InvalidResultError(
                 f"{source} returned {type(results).__name__} for input row "
-                f"{describe(row)}; it must return a list of result rows (dicts): [row] for one "
+                f"{describe_row(row)}; it must return a list of result rows (dicts): [row] for one "
                 "result, [] for none.",
                 element=row,
             )
@@ -220,7 +220,7 @@ def _pair(
         except TypeError:
             raise InvalidResultError(
                 f"{source} returned {type(results).__name__}, which is not iterable, "
-                f"for input row {describe(row)}; return a list of result rows (dicts).",
+                f"for input row {describe_row(row)}; return a list of result rows (dicts).",
                 element=row,
             ) from None
     paired = []
@@ -233,12 +233,12 @@ def _pair(
             else:
                 raise ResultSchemaError(
                     f"{source} returned a {type(result).__name__} result for input "
-                    f"row {describe(row)}; each result must be a dict with the fields "
+                    f"row {describe_row(row)}; each result must be a dict with the fields "
                     f"{sorted(names)}."
                 )
         if result.keys() != names:
             raise ResultSchemaError(
-                f"A result for input row {describe(row)} does not match the output schema: "
+                f"A result for input row {describe_row(row)} does not match the output schema: "
                 f"{_key_difference(result.keys(), names)}. The schema has the fields "
                 f"{sorted(names)}."
             )
@@ -341,8 +341,23 @@ def _task_identity(spec: TaskSpec, context: Any) -> TaskIdentity:
 
 def function_name(fn: Any) -> str:
     """The user's function as module.qualname: the same in every attempt and restart of a
-    run, different for two different enrichments."""
-    target = fn.fn if isinstance(fn, CoroutineFunction) else type(fn)
+    run, different for two different enrichments. A wrapper that calls another function
+    and says so with ``__wrapped__`` (``ThreadPoolAsyncFunction(f)``, the chaos faults) is
+    named after that one: ``CrashOnElement(f)`` and ``f`` are one enrichment."""
+    target: Any = fn
+    for _ in range(100):  # a chain of wrappers, never a cycle of them
+        if not isinstance(target, AsyncFunction):
+            break
+        if isinstance(target, CoroutineFunction):
+            target = target.fn
+            break
+        inner = getattr(target, "__wrapped__", None)
+        if inner is None:
+            target = type(target)
+            break
+        target = inner
+    if not hasattr(target, "__qualname__"):  # a callable object
+        target = type(target)
     module = getattr(target, "__module__", None) or "?"
     return f"{module}.{getattr(target, '__qualname__', type(target).__qualname__)}"
 
@@ -1105,7 +1120,7 @@ def _naming_the_row(error: BaseException, partition: int) -> BaseException:
         return error
     seq, row, _ = value
     wrapped = f"for element {describe(error.element)}"
-    plain = f"for input row {describe(row)} (record {seq} of partition {partition})"
+    plain = f"for input row {describe_row(row)} (record {seq} of partition {partition})"
     if wrapped not in str(error):
         return error
     renamed = type(error)(

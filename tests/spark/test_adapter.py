@@ -25,7 +25,7 @@ from pyspark import cloudpickle
 from pyspark.sql import Row
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
-from task_specs import id_task  # a helper module: tests/spark is on pythonpath
+from task_specs import ID_SCHEMA, id_task  # a helper module: tests/spark is on pythonpath
 
 from checkpoint import SnapshotStore, UnsupportedTypeError
 from stateful_async import (
@@ -545,6 +545,34 @@ def test_restore_from_checkpoints_another_function_wrote_says_so(spark, tmp_path
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same function resuming: nothing to say
         ordered_wait(df, first, "id long, by string", checkpoint=again).count()
+        # a chaos fault around it is the same enrichment (named through __wrapped__)
+        faulty = CrashOnElement(first, at=[])
+        ordered_wait(df, faulty, "id long, by string", checkpoint=again).count()
+
+
+def test_checkpoints_name_a_wrapped_function_after_the_function_it_runs() -> None:
+    # The name checkpoints record (and resumes compare): ThreadPoolAsyncFunction(f) was
+    # "ThreadPoolAsyncFunction" whatever f, and a chaos fault around f was not f.
+    from stateful_async import ThreadPoolAsyncFunction
+    from stateful_async._function import as_async_function
+    from stateful_async.chaos import CrashDuringCommit
+    from stateful_async.spark._task import function_name
+
+    def blocking(row):  # type: ignore[no-untyped-def]
+        return [row]
+
+    class Own(ThreadPoolAsyncFunction):
+        def invoke(self, value):  # type: ignore[no-untyped-def]
+            return [value]
+
+    def name(f: Any) -> str:
+        return f"{f.__module__}.{f.__qualname__}"
+
+    assert function_name(ThreadPoolAsyncFunction(blocking)) == name(blocking)
+    assert function_name(Own()) == name(Own)  # a subclass with its own invoke is itself
+    wrapped = CrashDuringCommit(CrashOnElement(ThreadPoolAsyncFunction(blocking), at=[]), 1)
+    assert function_name(wrapped) == name(blocking)
+    assert function_name(as_async_function(FailsAndFailsToClose())) == name(FailsAndFailsToClose)
 
 
 def test_maps_reach_the_function_as_dicts_before_and_after_a_resume(spark, tmp_path) -> None:
@@ -1333,6 +1361,41 @@ def test_a_failing_function_is_reported_with_the_input_row_and_the_line_that_rai
         message,
     ), message
     assert "StreamRecord" not in message
+
+
+@pytest.mark.parametrize("fails", ["raises", "returns a wrong result"])
+def test_an_error_shows_the_input_row_as_the_function_got_it(fails: str) -> None:
+    # The task itself, in this process. Maps reach the function as dicts, but the row an
+    # error named showed them as pyarrow gives them, lists of pairs: [('a', 1)].
+    from stateful_async import OutputMode
+    from stateful_async._function import as_async_function
+    from stateful_async.spark._task import TaskIdentity, TaskSpec, _TaskRun
+
+    async def enrich(row):  # type: ignore[no-untyped-def]
+        assert row["m"] == {"a": 1} and row["s"]["inner"] == {"b": [2]}
+        if fails == "raises":
+            raise ValueError("no such user")
+        return [{"id": row["id"], "extra": 1}]
+
+    inputs = pa.schema(
+        [
+            ("id", pa.int64()),
+            ("m", pa.map_(pa.string(), pa.int64())),
+            ("s", pa.struct([("inner", pa.map_(pa.string(), pa.list_(pa.int64())))])),
+            ("k", pa.map_(pa.struct([("p", pa.int64())]), pa.int64())),  # keys no dict holds
+        ]
+    )
+    spec = TaskSpec(
+        as_async_function(enrich), OutputMode.ORDERED, 4, None, None, inputs, ID_SCHEMA,
+        None, 0, None, "app",
+    )  # fmt: skip
+    batch = pa.record_batch(
+        [[7], [[("a", 1)]], [{"inner": [("b", [2])]}], [[({"p": 1}, 3)]]], schema=inputs
+    )
+    with pytest.raises(Exception) as info:
+        list(_TaskRun(spec, iter([batch]), TaskIdentity(0, 0, "app.stage1", {})).run())
+    shown = "{'id': 7, 'm': {'a': 1}, 's': {'inner': {'b': [2]}}, 'k': [({'p': 1}, 3)]}"
+    assert f"input row {shown}" in str(info.value), str(info.value)
 
 
 class FailsAndFailsToClose(AsyncFunction):
