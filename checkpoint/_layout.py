@@ -30,6 +30,10 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=-]{0,127}$")
 _SUBTASK_DIR = re.compile(r"^subtask=(\d{5,})$")
 
 
+#: where a location's credentials come from, as errors name it (the CLI names its option)
+CREDENTIALS = "the CheckpointConfig's storage_options"
+
+
 def check_name(kind: str, name: str) -> str:
     """Job and operator ids become directory names: keep them portable."""
     if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
@@ -262,7 +266,7 @@ def list_dirs(location: str, *parts: str, storage_options: StorageOptions = None
     except Exception as exc:  # pyarrow raises several types for remote stores
         raise CheckpointLocationError(
             f"Cannot list checkpoint directory {path}: {exc}. Check the location and the "
-            "credentials: the CheckpointConfig's storage_options, else the environment's."
+            f"credentials: {CREDENTIALS}, else the environment's."
         ) from exc
     return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
 

@@ -64,7 +64,10 @@ def _user_errors() -> Iterator[None]:
     try:
         yield
     except (Fail, StatefulAsyncError) as exc:
-        err.print(f"[bold red]Error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        from checkpoint._layout import CREDENTIALS
+
+        text = str(exc).replace(CREDENTIALS, "--storage-option / -o KEY=VALUE")
+        err.print(f"[bold red]Error:[/] {escape(text)}", highlight=False, soft_wrap=True)
         raise typer.Exit(USER_ERROR) from None
 
 
@@ -721,24 +724,31 @@ def _snapshots(
             f"Job {job} has no partition {partition}; it has partitions {id_ranges(subtasks)}."
         )
     # one partition's table alone when one is asked for: a job may have thousands
-    every = (
-        store.checkpoints(job, operator)
+    every = (  # expired ones too: for the message
+        store.checkpoints(job, operator, include_expired=True)
         if partition is None
-        else store.subtask(job, operator, partition).checkpoints(include_expired=False)
+        else store.subtask(job, operator, partition).checkpoints(include_expired=True)
     )
-    runs = sorted({m.run_id for m in every})
+    runs = sorted({m.run_id for m in every if not m.expired})
     if run is not None and run not in runs:
         whose = f"Job {job}" + (f", partition {partition}," if partition is not None else "")
         raise Fail(f"{whose} has no run {run!r}; its runs: {', '.join(runs) or 'none'}.")
     chosen = [m for m in every if run is None or m.run_id == run]
-    metas = [m for m in chosen if m.checkpoint_id == checkpoint_id]
+    metas = [m for m in chosen if m.checkpoint_id == checkpoint_id and not m.expired]
     if not metas:
-        ids = sorted({m.checkpoint_id for m in chosen})
+        ids = sorted({m.checkpoint_id for m in chosen if not m.expired})
         where = (
             f"job {job}"
             + (f", partition {partition}" if partition is not None else "")
             + (f", run {run}" if run else "")
         )
+        if any(m.checkpoint_id == checkpoint_id for m in chosen):
+            raise Fail(
+                f"Checkpoint {checkpoint_id} of {where} at {store.location} has expired: "
+                "retention (the job's `retain`, or `checkpoints expire`) deleted the "
+                "in-flight records it held; `checkpoints list --all` shows it. Checkpoint "
+                f"ids that can still be shown: {id_ranges(ids)}."
+            )
         raise Fail(
             f"There is no checkpoint {checkpoint_id} of {where} at {store.location}. "
             f"Checkpoint ids that exist: {id_ranges(ids)}."

@@ -122,6 +122,15 @@ def test_the_command_line_reads_checkpoints_on_s3_given_storage_options(s3, tmp_
     bad = cli("checkpoints", "list", location, "-o", "AWS_REGION")
     assert bad.returncode == 2
     assert "--storage-option 'AWS_REGION' is not KEY=VALUE" in bad.stderr
+    # A store it cannot reach: the error names the option to fix, not CheckpointConfig's.
+    from stateful_async.chaos._cluster import free_port
+
+    elsewhere = {**s3.options, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
+    away = [arg for key, value in elsewhere.items() for arg in ("-o", f"{key}={value}")]
+    unreachable = cli("checkpoints", "list", location, *away)
+    assert unreachable.returncode == 2
+    assert "Cannot list checkpoint directory s3://" in unreachable.stderr
+    assert "credentials: --storage-option / -o KEY=VALUE, else the" in unreachable.stderr
 
 
 def test_settings_the_options_leave_out_come_from_the_environment(s3, monkeypatch) -> None:

@@ -251,7 +251,11 @@ def test_expire_keeps_the_newest_and_reports(checkpoints) -> None:
     assert "1 checkpoint(s) expired (2 partition snapshot(s);" in result.output
     shown = invoke("checkpoints", "show", str(location), "1")
     assert shown.exit_code == 2
-    assert "Checkpoint ids that exist: 2" in shown.output
+    # It said "There is no checkpoint 1", which `list --all` goes on to show.
+    assert "Checkpoint 1 of job job at " in shown.output
+    assert "has expired: retention (the job's `retain`, or `checkpoints expire`)" in shown.output
+    assert "Checkpoint ids that can still be shown: 2." in shown.output
+    assert "checkpoint 7 of job job" in invoke("checkpoints", "show", str(location), "7").output
 
 
 def test_list_says_how_many_partitions_expired_a_checkpoint(checkpoints) -> None:

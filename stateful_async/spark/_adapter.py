@@ -148,8 +148,15 @@ def _async_wait(
     from pyspark.sql import DataFrame
 
     if not isinstance(df, DataFrame):
+        kind = type(df)
+        hint = (
+            ": make one with spark.createDataFrame(...)"
+            if kind.__module__.split(".")[0] in ("pandas", "pyarrow", "polars")
+            else ""
+        )
         raise ConfigurationError(
-            f"The first argument must be a pyspark DataFrame; got {type(df).__name__}."
+            "The first argument must be a pyspark DataFrame; got "
+            f"{kind.__module__}.{kind.__qualname__}{hint}."
         )
     function = as_async_function(fn)
     capacity, max_in_flight, seconds = check_capacity_and_timeout(

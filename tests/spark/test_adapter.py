@@ -1897,6 +1897,23 @@ def test_bad_arguments_fail_before_the_job_starts(spark, kwargs, message) -> Non
         unordered_wait(df, args.pop("fn"), args.pop("schema"), **args)
 
 
+def test_a_first_argument_that_is_not_a_spark_dataframe_is_named_in_full() -> None:
+    # "got DataFrame" for a pandas one read as a contradiction.
+    import pandas as pd
+
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [row]
+
+    with pytest.raises(
+        ConfigurationError,
+        match=r"must be a pyspark DataFrame; got pandas\.core\.frame\.DataFrame: make one "
+        r"with spark\.createDataFrame\(\.\.\.\)\.$",
+    ):
+        ordered_wait(pd.DataFrame({"id": [1]}), f, "id long")
+    with pytest.raises(ConfigurationError, match=r"got builtins\.list\.$"):
+        unordered_wait([{"id": 1}], f, "id long")
+
+
 def test_a_variant_input_column_is_refused_asking_for_json_text(spark) -> None:
     # It reached the function as its encoded bytes: {"value": b"...", "metadata": b"..."}.
     async def f(row):  # type: ignore[no-untyped-def]
