@@ -19,7 +19,7 @@ from .._retry import RetryStrategy
 from ._config import CheckpointConfig
 from ._metrics import DriverOnlyError, EnrichmentMetrics
 from ._session import is_connect, task_attempts
-from ._task import OUTPUT_MODE_PROPERTY, PartitionTask, TaskSpec, function_name
+from ._task import OUTPUT_MODE_PROPERTY, PartitionTask, TaskSpec, function_name, task_name
 
 _MAX_OOO = 2**63 - 1  # event times are 64-bit integers (microseconds, days, or the column's)
 
@@ -197,6 +197,7 @@ def _async_wait(
             )
         _check_checkpoint(checkpoint, input_schema, output_schema, mode, function_name(function))
         _warn_if_tasks_never_retry(df.sparkSession)
+        _warn_if_after_unordered_wait(df, mode)
     source, input_names = _resolvable(df)
     spec = TaskSpec(
         fn=function,
@@ -689,6 +690,55 @@ def _app_start(session: Any) -> str:
     if not is_connect(session):
         return str(session.sparkContext.startTime)
     return str(session.conf.get("spark.app.startTime"))
+
+
+#: logical plan nodes that keep their input's partitions and order, one stage with it
+_SAME_STAGE = frozenset(
+    {"Project", "Filter", "SubqueryAlias", "MapInArrow", "MapInPandas", "Union", "Sample",
+     "Generate", "Expand", "ResolvedHint", "LocalLimit", "MapPartitions"}
+)  # fmt: skip
+
+
+def _after_unordered_wait(df: Any) -> bool:
+    """Whether ``df`` is an unordered_wait's output with only narrow steps after it, in
+    the plan as Spark caches it (a persisted DataFrame is a leaf). Spark Connect's plans
+    cannot be walked from the client: False there, as for anything this cannot read."""
+    unordered = task_name(OutputMode.UNORDERED)
+    try:
+        plan = df._jdf.queryExecution()
+        # a streaming plan has no cached form (Spark refuses to make one outside a query)
+        pending, seen = [plan.analyzed() if df.isStreaming else plan.withCachedData()], 0
+        while pending and seen < 1000:  # a plan of thousands of nodes: look no further
+            node, seen = pending.pop(), seen + 1
+            name = node.nodeName()
+            if name == "MapInArrow" and node.functionExpr().name() == unordered:
+                return True
+            if name in _SAME_STAGE:
+                children = node.children()
+                pending.extend(children.apply(i) for i in range(children.size()))
+    except Exception:  # a heuristic: never fail the user's call over it
+        return False
+    return False
+
+
+def _warn_if_after_unordered_wait(df: Any, mode: OutputMode) -> None:
+    """A checkpointed enrichment resumes only over input that comes in the same order on
+    every attempt; unordered_wait's results come in completion order. Chained after one in
+    the same stage (nothing between but narrow steps), its retries fail with
+    InputMismatchError: say so before the job."""
+    if not _after_unordered_wait(df):
+        return
+    warnings.warn(
+        f"This checkpointed {task_name(mode)} reads the output of an unordered_wait in the "
+        "same Spark stage. unordered_wait's results come in completion order, which differs "
+        "from attempt to attempt, so a retried task of this enrichment reads other input "
+        "than its checkpoint consumed and cannot resume (it fails with InputMismatchError on "
+        "every attempt); the job then fails. Use ordered_wait there, sort its output within "
+        "partitions by a unique key (sortWithinPartitions), or write it out and read it back "
+        "first.",
+        UserWarning,
+        stacklevel=4,  # the call of ordered_wait / unordered_wait
+    )
 
 
 def _warn_if_tasks_never_retry(session: Any) -> None:

@@ -287,11 +287,18 @@ class TaskSpec:
     app_start: str = ""
 
 
+def task_name(mode: OutputMode) -> str:
+    """``ordered_wait`` / ``unordered_wait``: what a ``PartitionTask`` is called in plans."""
+    return f"{mode.value}_wait"
+
+
 class PartitionTask:
     """The ``mapInArrow`` function of ``ordered_wait`` / ``unordered_wait``."""
 
     def __init__(self, spec: TaskSpec) -> None:
         self.spec = spec
+        # the name Spark gives its MapInArrow (plans, the UI), which the adapter looks for
+        self.__name__ = task_name(spec.mode)
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         try:

@@ -550,6 +550,44 @@ def test_restore_from_checkpoints_another_function_wrote_says_so(spark, tmp_path
         ordered_wait(df, faulty, "id long, by string", checkpoint=again).count()
 
 
+def test_a_checkpointed_enrichment_after_unordered_wait_in_one_stage_is_warned_of(
+    spark, tmp_path
+) -> None:
+    # unordered_wait's output order differs between attempts, so a checkpointed enrichment
+    # reading it in the same stage cannot resume: every retry fails with InputMismatchError.
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    config = CheckpointConfig(str(tmp_path), "chained", operator_id="second")
+    unordered = unordered_wait(spark.range(0, 20, numPartitions=2), f, "id long")
+    with pytest.warns(
+        UserWarning,
+        match=r"This checkpointed ordered_wait reads the output of an unordered_wait in the "
+        r"same Spark stage\..* Use ordered_wait there, sort its output within partitions",
+    ) as said:
+        chained = ordered_wait(
+            unordered.filter("id > 2").select("id"), f, "id long", checkpoint=config
+        )
+    assert [w.filename for w in said] == [__file__]
+    assert chained.count() == 17  # a warning: the failure-free run is right
+    with pytest.warns(UserWarning, match="This checkpointed unordered_wait reads the output"):
+        unordered_wait(unordered.union(spark.range(3)), f, "id long", checkpoint=config)
+    stream = spark.readStream.format("rate").load().select(F.col("value").alias("id"))
+    with pytest.warns(UserWarning, match="This checkpointed ordered_wait reads the output"):
+        ordered_wait(unordered_wait(stream, f, "id long"), f, "id long", checkpoint=config)
+    ordered = ordered_wait(spark.range(0, 20, numPartitions=2), f, "id long")
+    cached = unordered_wait(spark.range(0, 20, numPartitions=2), f, "id long").persist()
+    cached.count()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of these is warned of
+        ordered_wait(ordered, f, "id long", checkpoint=config)  # same order every attempt
+        ordered_wait(unordered.sortWithinPartitions("id"), f, "id long", checkpoint=config)
+        ordered_wait(unordered.repartition(2), f, "id long", checkpoint=config)  # a shuffle
+        ordered_wait(cached, f, "id long", checkpoint=config)  # read from the cache
+        ordered_wait(unordered, f, "id long")  # no checkpoint: a retry starts over
+    cached.unpersist()
+
+
 def test_checkpoints_name_a_wrapped_function_after_the_function_it_runs() -> None:
     # The name checkpoints record (and resumes compare): ThreadPoolAsyncFunction(f) was
     # "ThreadPoolAsyncFunction" whatever f, and a chaos fault around f was not f.
