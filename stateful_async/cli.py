@@ -729,7 +729,7 @@ def _snapshots(
         if partition is None
         else store.subtask(job, operator, partition).checkpoints(include_expired=True)
     )
-    runs = sorted({m.run_id for m in every if not m.expired})
+    runs = sorted({m.run_id for m in every})
     if run is not None and run not in runs:
         whose = f"Job {job}" + (f", partition {partition}," if partition is not None else "")
         raise Fail(f"{whose} has no run {run!r}; its runs: {', '.join(runs) or 'none'}.")

@@ -258,6 +258,25 @@ def test_expire_keeps_the_newest_and_reports(checkpoints) -> None:
     assert "checkpoint 7 of job job" in invoke("checkpoints", "show", str(location), "7").output
 
 
+def test_show_of_a_run_whose_checkpoints_all_expired_says_they_expired(tmp_path) -> None:
+    # It said the job "has no run 'early'", which `list --all` goes on to show: a run that
+    # another resumed from, whose checkpoint retention expired (its results stay).
+    log = SnapshotStore(tmp_path).subtask("job", "enrich", 0)
+    schema = pa.schema([("id", pa.int64())])
+    parent = None
+    for run, ckpt in (("early", 1), ("late", 2)):
+        parent = log.commit(
+            run, ckpt, [StreamRecord({"id": ckpt})], [{"id": ckpt}], parent=parent,
+            input_schema=schema, output_schema=schema, position=ckpt,
+        ).ref  # fmt: skip
+    log.expire(1)
+    assert "expired" in invoke("checkpoints", "list", str(tmp_path), "--all").output
+    shown = invoke("checkpoints", "show", str(tmp_path), "1", "--run", "early")
+    assert shown.exit_code == 2
+    assert "Checkpoint 1 of job job, run early at " in shown.output, shown.output
+    assert "has expired" in shown.output
+
+
 def test_list_says_how_many_partitions_expired_a_checkpoint(checkpoints) -> None:
     # Each partition expires its own checkpoints: one that only partition 1 expired was
     # shown as "expired", though partition 0 can still restore it.

@@ -19,7 +19,7 @@ from .._retry import RetryStrategy
 from ._config import CheckpointConfig
 from ._metrics import DriverOnlyError, EnrichmentMetrics
 from ._session import is_connect, task_attempts
-from ._task import OUTPUT_MODE_PROPERTY, PartitionTask, TaskSpec, function_name, task_name
+from ._task import OUTPUT_MODE_PROPERTY, PartitionTask, TaskSpec, function_names, task_name
 
 _MAX_OOO = 2**63 - 1  # event times are 64-bit integers (microseconds, days, or the column's)
 
@@ -195,7 +195,7 @@ def _async_wait(
                 "batch resumes from its own checkpoints. Drop restore_from (each micro-batch "
                 "is a run of its own, so it would only find the previous batch's checkpoints)."
             )
-        _check_checkpoint(checkpoint, input_schema, output_schema, mode, function_name(function))
+        _check_checkpoint(checkpoint, input_schema, output_schema, mode, function_names(function))
         _warn_if_tasks_never_retry(df.sparkSession)
         _warn_if_after_unordered_wait(df, mode)
     source, input_names = _resolvable(df)
@@ -487,10 +487,10 @@ def _check_checkpoint(
     input_schema: pa.Schema,
     output_schema: pa.Schema,
     mode: OutputMode,
-    function: str,
+    function: tuple[str, ...],
 ) -> None:
-    """What the driver can check before any task runs (``function``: the name of the
-    enrichment's function, as checkpoints record it)."""
+    """What the driver can check before any task runs (``function``: the names of the
+    enrichment's function, as checkpoints record it, see ``function_names``)."""
     from checkpoint import (
         CheckpointError,
         CheckpointNotFoundError,
@@ -645,7 +645,9 @@ def _check_order_kept(every: list[Any], config: CheckpointConfig) -> None:
         )
 
 
-def _warn_if_function_changed(every: list[Any], config: CheckpointConfig, ours: str) -> None:
+def _warn_if_function_changed(
+    every: list[Any], config: CheckpointConfig, ours: tuple[str, ...]
+) -> None:
     """A resumed partition re-emits the results its checkpoints committed as they are, and
     calls this job's function for the rest: if another function wrote them, the output
     mixes the two. That may be wanted (the same enrichment renamed or moved to a module),
@@ -653,7 +655,7 @@ def _warn_if_function_changed(every: list[Any], config: CheckpointConfig, ours: 
     by_function: dict[str, list[int]] = {}
     for partition, chosen in _restore_points(every, config).items():
         theirs = chosen.properties.get("function")
-        if theirs is not None and theirs != ours:
+        if theirs is not None and theirs not in ours:
             by_function.setdefault(theirs, []).append(partition)
     if not by_function:
         return
@@ -663,7 +665,7 @@ def _warn_if_function_changed(every: list[Any], config: CheckpointConfig, ours: 
     )
     warnings.warn(
         f"restore_from={config.restore_from!r}: job {config.job_id!r} (operator "
-        f"{config.operator_id!r}) resumes {written}, and this job calls function {ours}. "
+        f"{config.operator_id!r}) resumes {written}, and this job calls function {ours[0]}. "
         "The results those checkpoints committed are re-emitted as they are; this function "
         "computes the rest of each partition. If it is the same enrichment renamed or moved, "
         "that is what you want; to compute every row with this function, drop restore_from "
@@ -731,11 +733,11 @@ def _warn_if_after_unordered_wait(df: Any, mode: OutputMode) -> None:
     warnings.warn(
         f"This checkpointed {task_name(mode)} reads the output of an unordered_wait in the "
         "same Spark stage. unordered_wait's results come in completion order, which differs "
-        "from attempt to attempt, so a retried task of this enrichment reads other input "
-        "than its checkpoint consumed and cannot resume (it fails with InputMismatchError on "
-        "every attempt); the job then fails. Use ordered_wait there, sort its output within "
-        "partitions by a unique key (sortWithinPartitions), or write it out and read it back "
-        "first.",
+        "from attempt to attempt, so a retried task of this enrichment almost always reads "
+        "other input than its checkpoint consumed and cannot resume (it fails with "
+        "InputMismatchError on every attempt); the job then fails. Use ordered_wait there, "
+        "sort its output within partitions by a unique key (sortWithinPartitions), or write "
+        "it out and read it back first.",
         UserWarning,
         stacklevel=4,  # the call of ordered_wait / unordered_wait
     )

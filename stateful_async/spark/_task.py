@@ -346,11 +346,16 @@ def _task_identity(spec: TaskSpec, context: Any) -> TaskIdentity:
     return TaskIdentity(context.partitionId(), context.attemptNumber(), run_id, properties)
 
 
-def function_name(fn: Any) -> str:
-    """The user's function as module.qualname: the same in every attempt and restart of a
-    run, different for two different enrichments. A wrapper that calls another function
-    and says so with ``__wrapped__`` (``ThreadPoolAsyncFunction(f)``, the chaos faults) is
-    named after that one: ``CrashOnElement(f)`` and ``f`` are one enrichment."""
+def function_names(fn: Any) -> tuple[str, ...]:
+    """The names checkpoints record for the user's function (the first) or recorded before
+    (the others, which resumes accept as the same function): module.qualname, the same in
+    every attempt and restart of a run, different for two different enrichments.
+
+    A wrapper that calls another function and says so with ``__wrapped__``
+    (``ThreadPoolAsyncFunction(f)``, the chaos faults) is named after that one:
+    ``CrashOnElement(f)`` and ``f`` are one enrichment. Earlier versions named it after
+    the wrapper's class, and checkpoints they wrote (a streaming batch stopped before an
+    upgrade) still resume."""
     target: Any = fn
     for _ in range(100):  # a chain of wrappers, never a cycle of them
         if not isinstance(target, AsyncFunction):
@@ -363,6 +368,12 @@ def function_name(fn: Any) -> str:
             target = type(target)
             break
         target = inner
+    before = fn.fn if isinstance(fn, CoroutineFunction) else type(fn)
+    names = [_qualified(target), _qualified(before)]
+    return tuple(dict.fromkeys(names))  # without repeats, in order
+
+
+def _qualified(target: Any) -> str:
     if not hasattr(target, "__qualname__"):  # a callable object
         target = type(target)
     module = getattr(target, "__module__", None) or "?"
@@ -381,9 +392,10 @@ class _TaskRun:
         self.batches = batches
         self.identity = identity
         # recorded on every checkpoint: who wrote it (see _check_same_enrichment)
+        self.function_names = function_names(spec.fn)
         self.properties = {
             **identity.properties,
-            "function": function_name(spec.fn),
+            "function": self.function_names[0],
             OUTPUT_MODE_PROPERTY: spec.mode.value,
         }
         if spec.event_time is not None:
@@ -765,7 +777,7 @@ class _TaskRun:
         query (a stream-stream join), or in foreachBatch, where every action of a micro-batch
         shares its run. Resuming would re-emit the other's results as this one's."""
         theirs, ours = meta.properties, self.properties
-        other_function = theirs.get("function", ours["function"]) != ours["function"]
+        other_function = theirs.get("function", ours["function"]) not in self.function_names
         other_stage = (
             theirs.get("job_group") == ours.get("job_group")
             and theirs.get("app_id") == ours.get("app_id")

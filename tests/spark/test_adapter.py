@@ -590,11 +590,12 @@ def test_a_checkpointed_enrichment_after_unordered_wait_in_one_stage_is_warned_o
 
 def test_checkpoints_name_a_wrapped_function_after_the_function_it_runs() -> None:
     # The name checkpoints record (and resumes compare): ThreadPoolAsyncFunction(f) was
-    # "ThreadPoolAsyncFunction" whatever f, and a chaos fault around f was not f.
+    # "ThreadPoolAsyncFunction" whatever f, and a chaos fault around f was not f. The name
+    # recorded before is still taken as the same function (the second).
     from stateful_async import ThreadPoolAsyncFunction
     from stateful_async._function import as_async_function
     from stateful_async.chaos import CrashDuringCommit
-    from stateful_async.spark._task import function_name
+    from stateful_async.spark._task import function_names
 
     def blocking(row):  # type: ignore[no-untyped-def]
         return [row]
@@ -606,11 +607,53 @@ def test_checkpoints_name_a_wrapped_function_after_the_function_it_runs() -> Non
     def name(f: Any) -> str:
         return f"{f.__module__}.{f.__qualname__}"
 
-    assert function_name(ThreadPoolAsyncFunction(blocking)) == name(blocking)
-    assert function_name(Own()) == name(Own)  # a subclass with its own invoke is itself
+    pool = "stateful_async._function.ThreadPoolAsyncFunction"
+    assert function_names(ThreadPoolAsyncFunction(blocking)) == (name(blocking), pool)
+    assert function_names(Own()) == (name(Own),)  # a subclass with its own invoke is itself
     wrapped = CrashDuringCommit(CrashOnElement(ThreadPoolAsyncFunction(blocking), at=[]), 1)
-    assert function_name(wrapped) == name(blocking)
-    assert function_name(as_async_function(FailsAndFailsToClose())) == name(FailsAndFailsToClose)
+    assert function_names(wrapped) == (name(blocking), name(CrashDuringCommit))
+    assert function_names(as_async_function(FailsAndFailsToClose())) == (
+        name(FailsAndFailsToClose),
+    )
+
+
+def test_a_micro_batch_stopped_before_an_upgrade_resumes_after_it(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The task itself, in this process. Checkpoints of ThreadPoolAsyncFunction(f) written
+    # before it was named after f: the replayed batch was refused as another function's.
+    import stateful_async.spark._task as task_module
+    from stateful_async import ThreadPoolAsyncFunction
+    from stateful_async.spark._task import TaskIdentity, _TaskRun
+
+    def blocking(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    def attempt(group: str, fail_at: int | None = None) -> list[int]:
+        config = CheckpointConfig(str(tmp_path), "stream", interval_records=2)
+        spec = id_task(ThreadPoolAsyncFunction(blocking), checkpoint=config)
+        properties = {"batch_id": "3", "query_id": "query", "job_group": group}
+        identity = TaskIdentity(0, 0, "query.batch3", properties)
+
+        def batches():  # type: ignore[no-untyped-def]
+            for i in range(8):
+                if i == fail_at:
+                    raise RuntimeError("the query stopped")
+                yield pa.record_batch([pa.array([i], pa.int64())], schema=ID_SCHEMA)
+
+        return [i for b in _TaskRun(spec, batches(), identity).run() for i in b["id"].to_pylist()]
+
+    with monkeypatch.context() as before_the_upgrade:
+        before_the_upgrade.setattr(
+            task_module,
+            "function_names",
+            lambda fn: ("stateful_async._function.ThreadPoolAsyncFunction",),
+        )
+        with pytest.raises(RuntimeError, match="the query stopped"):
+            attempt("run-1", fail_at=5)
+    assert attempt("run-2") == list(range(8))
+    resumed = SnapshotStore(tmp_path).subtask("stream", "enrich", 0).checkpoints()
+    assert [m.checkpoint_id for m in resumed] == [1, 2, 3, 4, 5]  # went on from 2
 
 
 def test_maps_reach_the_function_as_dicts_before_and_after_a_resume(spark, tmp_path) -> None:
@@ -781,7 +824,7 @@ def test_a_checkpoint_written_before_event_time_was_recorded_still_carries_its_w
         output_schema=output_schema,
         position=150,
         fingerprint=fingerprint.hexdigest(),
-        properties={"function": "enrich", "watermark": "148999999"},
+        properties={"function": f"{__name__}.{enrich.__qualname__}", "watermark": "148999999"},
     )
     config = CheckpointConfig(str(tmp_path), "old", interval_records=50, restore_from="latest")
     out = unordered_wait(df, enrich, "id long", checkpoint=config, event_time="ts").collect()
