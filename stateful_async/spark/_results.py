@@ -26,33 +26,6 @@ import pyarrow as pa
 from .._elements import describe
 from .._exceptions import ResultSchemaError
 
-
-def describe_row(row: Any) -> str:
-    """An input row for an error message as the function got it: pyarrow gives a MAP value
-    as a list of (key, value) pairs, the function a dict (the rows a checkpoint saves keep
-    pyarrow's form)."""
-    return describe(_as_given(row))
-
-
-def _as_given(value: Any) -> Any:
-    """Maps as dicts, at any depth: in pyarrow's Python values, tuples are only ever a
-    map's (key, value) pairs. A map whose keys a dict cannot hold stays a list of pairs,
-    as the function gets it too."""
-    if type(value) is dict:
-        return {k: _as_given(v) for k, v in value.items()}
-    if type(value) is tuple:
-        return tuple(_as_given(v) for v in value)
-    if type(value) is not list:
-        return value
-    items = [_as_given(v) for v in value]
-    if items and all(type(i) is tuple and len(i) == 2 for i in items):
-        try:
-            return dict(items)
-        except TypeError:  # struct, list or map keys
-            pass
-    return items
-
-
 # what pyarrow raises for a value it cannot convert to a type
 _CONVERSION_ERRORS = (
     pa.ArrowInvalid,
@@ -65,8 +38,14 @@ _CONVERSION_ERRORS = (
 
 
 def to_batch(
-    rows: list[dict[str, Any]], sources: list[dict[str, Any]], schema: pa.Schema
+    rows: list[dict[str, Any]],
+    sources: list[dict[str, Any]],
+    schema: pa.Schema,
+    shown: Callable[[dict[str, Any]], Any] = dict,
 ) -> pa.RecordBatch:
+    """``rows`` (results of the input rows ``sources``) as a batch of ``schema``; a result
+    that does not fit fails with ``ResultSchemaError`` naming its input row, as ``shown``
+    gives it (the function's form of a row: maps as dicts)."""
     try:
         batch = pa.RecordBatch.from_pylist(rows, schema=schema)
     except _CONVERSION_ERRORS:
@@ -81,12 +60,12 @@ def to_batch(
             for row, source in zip(rows, sources, strict=True):
                 value = row[name]
                 if value is not None and (problem := check(value)) is not None:
-                    raise _refusal(name, problem, source)
+                    raise _refusal(name, problem, describe(shown(source)))
         # ... and lets a null into a NOT NULL field, which Spark's JVM fails on.
         found = _first_null(batch, [field for _, field in _required_fields(schema)])
         if found is not None:
             row_index, required, problem = found
-            raise _refusal(required.name, problem, sources[row_index])
+            raise _refusal(required.name, problem, describe(shown(sources[row_index])))
         return batch
     for row, source in zip(rows, sources, strict=True):  # find the culprit, for the message
         for field in schema:
@@ -96,7 +75,7 @@ def to_batch(
             except _CONVERSION_ERRORS as exc:
                 raise ResultSchemaError(
                     f"The result field {field.name!r} ({field.type}) cannot hold {describe(value)} "
-                    f"({type(value).__name__}), returned for input row {describe_row(source)}: "
+                    f"({type(value).__name__}), returned for input row {describe(shown(source))}: "
                     f"{exc}. Return values of the types the output schema declares."
                 ) from exc
     # Every value converts alone but a column does not: pyarrow takes the form of a
@@ -108,9 +87,10 @@ def to_batch(
         first = next(value for value in values if value is not None)
         raise ResultSchemaError(
             f"The result field {field.name!r} ({field.type}) cannot hold {describe(values[at])} "
-            f"({type(values[at]).__name__}), returned for input row {describe_row(sources[at])}, "
-            f"in the same batch as {describe(first)} ({type(first).__name__}). Return each "
-            "field in one form for every row (a struct always as a dict, or always as a tuple)."
+            f"({type(values[at]).__name__}), returned for input row "
+            f"{describe(shown(sources[at]))}, in the same batch as {describe(first)} "
+            f"({type(first).__name__}). Return each field in one form for every row (a struct "
+            "always as a dict, or always as a tuple)."
         )
     raise ResultSchemaError(  # pragma: no cover - one of the searches above finds it
         f"The results could not be converted to the output schema {schema}."
@@ -136,12 +116,14 @@ def _first_failing_prefix(values: list[Any], arrow_type: pa.DataType) -> int | N
     return bad - 1
 
 
-def _refusal(name: str, problem: _Loss, source: dict[str, Any]) -> ResultSchemaError:
+def _refusal(name: str, problem: _Loss, source: str) -> ResultSchemaError:
+    """The error for a result value that ``problem`` says pyarrow would change; ``source``
+    describes the input row."""
     return ResultSchemaError(
         f"The result field {name + problem.path!r} ({problem.type}) cannot hold "
         f"{describe(problem.value)} ({type(problem.value).__name__}): {problem.reason}, "
-        f"returned for input row {describe_row(source)}. Return values of the types the output "
-        "schema declares."
+        f"returned for input row {source}. Return values of the types the output schema "
+        "declares."
     )
 
 

@@ -54,7 +54,7 @@ from .._function import (
 from .._operator import AsyncWaitOperator, OutputMode
 from .._retry import RetryStrategy, _never
 from ._config import CheckpointConfig
-from ._results import describe_row, is_list_type, to_batch
+from ._results import is_list_type, to_batch
 
 _CHUNK_ROWS = 1024  # rows converted to Python and fed per step (bounds loop latency)
 _OUTPUT_ROWS = 1024  # rows per output Arrow batch
@@ -81,9 +81,15 @@ class _RowFunction(AsyncFunction[Any, Any]):
     checkpoint saves or an error message shows. Result shape is checked here: a wrong shape
     is a programming error and is never retried."""
 
-    def __init__(self, fn: AsyncFunction[Any, Any], names: frozenset[str]) -> None:
+    def __init__(
+        self,
+        fn: AsyncFunction[Any, Any],
+        names: frozenset[str],
+        shown: Callable[[dict[str, Any]], Any],
+    ) -> None:
         self.fn = fn
         self.names = names
+        self.shown = shown  # an input row as errors show it: as the function gets it
 
     async def open(self) -> None:
         fn = self.fn
@@ -94,12 +100,14 @@ class _RowFunction(AsyncFunction[Any, Any]):
         await self.fn.close()
 
     async def async_invoke(self, value: tuple[int, dict[str, Any], dict[str, Any]]) -> list[Any]:
-        return _pair(await self._invoke(value[2]), value[1], self.names)
+        return _pair(await self._invoke(value[2]), value[1], self.names, self.shown)
 
 
 class _RowFunctionWithTimeout(_RowFunction):
     async def timeout(self, value: tuple[int, dict[str, Any], dict[str, Any]]) -> list[Any]:
-        return _pair(await self.fn.timeout(value[2]), value[1], self.names, "The timeout handler")
+        return _pair(
+            await self.fn.timeout(value[2]), value[1], self.names, self.shown, "The timeout handler"
+        )
 
 
 def _on_rows(retry: RetryStrategy | None) -> RetryStrategy | None:
@@ -205,14 +213,18 @@ def _or_none(convert: _Convert, value: Any) -> Any:
 
 
 def _pair(
-    results: Any, row: dict[str, Any], names: frozenset[str], source: str = "The async function"
+    results: Any,
+    row: dict[str, Any],
+    names: frozenset[str],
+    shown: Callable[[dict[str, Any]], Any],
+    source: str = "The async function",
 ) -> list[Any]:
     if type(results) is not list:
         if not_a_result_list(results):
             raise InvalidResultError(
                 f"{source} returned {type(results).__name__} for input row "
-                f"{describe_row(row)}; it must return a list of result rows (dicts): [row] for one "
-                "result, [] for none.",
+                f"{describe(shown(row))}; it must return a list of result rows (dicts): [row] "
+                "for one result, [] for none.",
                 element=row,
             )
         try:
@@ -220,7 +232,7 @@ def _pair(
         except TypeError:
             raise InvalidResultError(
                 f"{source} returned {type(results).__name__}, which is not iterable, "
-                f"for input row {describe_row(row)}; return a list of result rows (dicts).",
+                f"for input row {describe(shown(row))}; return a list of result rows (dicts).",
                 element=row,
             ) from None
     paired = []
@@ -233,12 +245,12 @@ def _pair(
             else:
                 raise ResultSchemaError(
                     f"{source} returned a {type(result).__name__} result for input "
-                    f"row {describe_row(row)}; each result must be a dict with the fields "
+                    f"row {describe(shown(row))}; each result must be a dict with the fields "
                     f"{sorted(names)}."
                 )
         if result.keys() != names:
             raise ResultSchemaError(
-                f"A result for input row {describe_row(row)} does not match the output schema: "
+                f"A result for input row {describe(shown(row))} does not match the output schema: "
                 f"{_key_difference(result.keys(), names)}. The schema has the fields "
                 f"{sorted(names)}."
             )
@@ -458,7 +470,12 @@ class _TaskRun:
         try:
             asyncio.run(self._main())
         except BaseException as exc:
-            self.out.put(("error", _naming_the_row(self.error or exc, self.identity.partition)))
+            self.out.put(
+                (
+                    "error",
+                    _naming_the_row(self.error or exc, self.identity.partition, self.argument),
+                )
+            )
         else:
             self.out.put(("done", None))
 
@@ -487,7 +504,7 @@ class _TaskRun:
         spec = self.spec
         self.progress = _progress_seconds()  # a bad setting fails the task before any I/O
         fn_class = _RowFunctionWithTimeout if has_timeout_handler(spec.fn) else _RowFunction
-        function = fn_class(spec.fn, frozenset(spec.output_schema.names))
+        function = fn_class(spec.fn, frozenset(spec.output_schema.names), self.argument)
         self.op = AsyncWaitOperator(
             function,
             self._on_output,
@@ -657,7 +674,7 @@ class _TaskRun:
             return
         rows, sources = self.rows, self.sources
         self.rows, self.sources = [], []
-        batch = to_batch(rows, sources, self.spec.output_schema)
+        batch = to_batch(rows, sources, self.spec.output_schema, self.argument)
         if self.checkpointing:
             self.uncommitted.append(batch)
         self.out.put(("batch", batch))
@@ -1129,7 +1146,9 @@ def _progress_seconds() -> float:
     return seconds
 
 
-def _naming_the_row(error: BaseException, partition: int) -> BaseException:
+def _naming_the_row(
+    error: BaseException, partition: int, shown: Callable[[dict[str, Any]], Any]
+) -> BaseException:
     """The operator names a failed element as this task wraps it, ``StreamRecord((seq,
     row, argument))``: name the input row and its place in the partition instead."""
     if not isinstance(error, ElementFailedError) or not isinstance(error.element, StreamRecord):
@@ -1139,7 +1158,7 @@ def _naming_the_row(error: BaseException, partition: int) -> BaseException:
         return error
     seq, row, _ = value
     wrapped = f"for element {describe(error.element)}"
-    plain = f"for input row {describe_row(row)} (record {seq} of partition {partition})"
+    plain = f"for input row {describe(shown(row))} (record {seq} of partition {partition})"
     if wrapped not in str(error):
         return error
     renamed = type(error)(

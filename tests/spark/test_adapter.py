@@ -1464,6 +1464,7 @@ def test_an_error_shows_the_input_row_as_the_function_got_it(fails: str) -> None
             ("m", pa.map_(pa.string(), pa.int64())),
             ("s", pa.struct([("inner", pa.map_(pa.string(), pa.list_(pa.int64())))])),
             ("k", pa.map_(pa.struct([("p", pa.int64())]), pa.int64())),  # keys no dict holds
+            ("e", pa.map_(pa.string(), pa.int64())),
         ]
     )
     spec = TaskSpec(
@@ -1471,11 +1472,11 @@ def test_an_error_shows_the_input_row_as_the_function_got_it(fails: str) -> None
         None, 0, None, "app",
     )  # fmt: skip
     batch = pa.record_batch(
-        [[7], [[("a", 1)]], [{"inner": [("b", [2])]}], [[({"p": 1}, 3)]]], schema=inputs
+        [[7], [[("a", 1)]], [{"inner": [("b", [2])]}], [[({"p": 1}, 3)]], [[]]], schema=inputs
     )
     with pytest.raises(Exception) as info:
         list(_TaskRun(spec, iter([batch]), TaskIdentity(0, 0, "app.stage1", {})).run())
-    shown = "{'id': 7, 'm': {'a': 1}, 's': {'inner': {'b': [2]}}, 'k': [({'p': 1}, 3)]}"
+    shown = "{'id': 7, 'm': {'a': 1}, 's': {'inner': {'b': [2]}}, 'k': [({'p': 1}, 3)], 'e': {}}"
     assert f"input row {shown}" in str(info.value), str(info.value)
 
 
