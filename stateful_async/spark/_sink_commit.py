@@ -471,8 +471,8 @@ def _check_same_query(
         f"app id {app_id!r}, committed by another streaming query ({other}); this query "
         f"({query_id}) is at batch {version}, so its batches would be refused as replays and "
         "their rows never written. Nothing was committed. Give each query its own txnAppId "
-        "(or leave the option out: the query id is used), or restart the other query from "
-        "its own checkpoint location."
+        "(in writeStream you may leave the option out: the query id is used), or restart the "
+        "other query from its own checkpoint location."
     )
 
 

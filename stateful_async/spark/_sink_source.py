@@ -186,7 +186,11 @@ class DeltaBatchWriter(_DeltaWriter, DataSourceArrowWriter):
         return self._write_task(iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        self._commit(messages, self._options.app_id, self._options.txn_version)
+        # Inside foreachBatch the tasks carry the streaming query's id: recorded with the
+        # commit, it tells a replayed batch from another query's batch of the same
+        # txnVersion (a query restarted from a new checkpoint: its batch ids start at 0).
+        query_id = _query_id(messages, self._options.table_uri)
+        self._commit(messages, self._options.app_id, self._options.txn_version, query_id)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         self._abort(messages)

@@ -455,6 +455,55 @@ def test_a_new_query_given_another_querys_txn_app_id_fails_instead_of_losing_row
     assert _table_files(table) == _live_files(table)  # the failed batch's files were removed
 
 
+@pytest.mark.spark
+def test_foreach_batch_writes_of_a_query_restarted_from_a_new_checkpoint_fail_not_vanish(
+    sink: Any, tmp_path: Path
+) -> None:
+    # The documented foreachBatch pattern (a fixed txnAppId, txnVersion = batch id). A
+    # query restarted from a new checkpoint location starts its batch ids at 0: its writes
+    # were refused as replays of the first query's batches, its rows silently dropped.
+    from pyspark.sql.utils import CapturedException
+
+    source, table = tmp_path / "src", tmp_path / "table"
+    expected = _write_source(source, files=3, rows_per_file=100)
+
+    def each_batch(batch_df: Any, batch_id: int) -> None:
+        (
+            batch_df.write.format("delta_rs")
+            .mode("append")
+            .option("txnAppId", "enrich-orders")
+            .option("txnVersion", batch_id)
+            .save(str(table))
+        )
+
+    def run(checkpoint: Path) -> Any:
+        return (
+            sink.readStream.schema(DRIVER.SOURCE_SCHEMA)
+            .option("maxFilesPerTrigger", 1)
+            .parquet(str(source))
+            .writeStream.foreachBatch(each_batch)
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+
+    first = run(tmp_path / "chk1")
+    first.awaitTermination()
+    _assert_exactly_once(table, expected)
+    assert DeltaTable(str(table)).transaction_version("enrich-orders") == 2
+    second = run(tmp_path / "chk2")
+    with pytest.raises(CapturedException) as failure:
+        second.awaitTermination()
+    assert re.search(
+        rf"already holds batch 2 of app id 'enrich-orders', committed by another streaming "
+        rf"query \({first.id}\); this query \({second.id}\) is at batch 0",
+        str(failure.value),
+    ), str(failure.value)
+    assert DeltaTable(str(table)).version() == 2
+    _assert_exactly_once(table, expected)
+    assert _table_files(table) == _live_files(table)  # the failed batch's files were removed
+
+
 def _unit_options(table: Path, **extra: str) -> SinkOptions:
     return SinkOptions.parse({"path": str(table), **extra}, streaming=True)
 
