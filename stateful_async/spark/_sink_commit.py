@@ -210,12 +210,48 @@ def plan_write(
     # null struct holds nulls in a child the table declares NOT NULL is otherwise refused
     # by delta-rs's reader (Arrow's cast), which would make the whole table unreadable.
     # Tasks check the data against the flags.
+    return WritePlan(_with_table_nullability(table, schema), existing)
+
+
+def _with_table_nullability(table: Any, schema: pa.Schema) -> pa.Schema:
+    """``schema`` with the NOT NULL flags of ``table``'s fields, at every depth."""
     table_fields = {f["name"]: f for f in json.loads(table.schema().to_json())["fields"]}
-    schema = pa.schema(
+    return pa.schema(
         [_strict_field(f, table_fields[f.name]) if f.name in table_fields else f for f in schema],
         metadata=schema.metadata,
     )
-    return WritePlan(schema, existing)
+
+
+def _check_not_null_kept(table: Any, planned: pa.Schema, uri: str) -> None:
+    """Refuse a commit if the table declares NOT NULL a field the write was planned (and
+    its tasks checked) as nullable: another writer created the table, or changed its
+    schema, while this write ran. Its files may hold nulls there, which would make the
+    table unreadable to delta-rs."""
+    now = _with_table_nullability(table, planned)
+    newly = [p for a, b in zip(planned, now, strict=True) for p in _newly_required(a, b, "")]
+    if newly:
+        raise SinkSchemaMismatchError(
+            f"The Delta table at {uri} declares {', '.join(newly)} NOT NULL, which it did not "
+            "when this write was planned (another writer created the table or changed its "
+            "schema meanwhile), so the write's rows were not checked for nulls there. Nothing "
+            "was committed; re-run the write."
+        )
+
+
+def _newly_required(planned: pa.Field, now: pa.Field, prefix: str) -> Iterator[str]:
+    """Paths of the fields (at any depth) NOT NULL in ``now`` but nullable in ``planned``
+    (two fields of one type, ``now`` with the table's flags)."""
+    path = prefix + planned.name
+    if planned.nullable and not now.nullable:
+        yield repr(path)
+    a, b = planned.type, now.type
+    if pa.types.is_struct(a):
+        for i in range(a.num_fields):
+            yield from _newly_required(a.field(i), b.field(i), path + ".")
+    elif pa.types.is_list(a) or pa.types.is_large_list(a):
+        yield from _newly_required(a.value_field, b.value_field, path + ".")
+    elif pa.types.is_map(a):
+        yield from _newly_required(a.item_field, b.item_field, path + ".")
 
 
 def _strict_field(field: pa.Field, delta: dict[str, Any]) -> pa.Field:
@@ -390,6 +426,7 @@ def commit_write(
     _check_partitioning(table, plan.partition_by, uri)
     check_table_features(table, uri, mode)  # again: the table may have changed since planning
     new_fields = check_schema(table, plan.schema, merge=opts.merge_schema, table_uri=uri)
+    _check_not_null_kept(table, plan.schema, uri)
     if _already_committed(table, app_id, version):
         _check_same_query(table, app_id, version, query_id, uri)
         return _refuse(opts, files, app_id, version)

@@ -504,6 +504,44 @@ def test_foreach_batch_writes_of_a_query_restarted_from_a_new_checkpoint_fail_no
     assert _table_files(table) == _live_files(table)  # the failed batch's files were removed
 
 
+@pytest.mark.parametrize("change", ["created meanwhile", "schema replaced meanwhile"])
+def test_a_table_made_not_null_while_a_write_ran_refuses_its_commit(
+    tmp_path: Path, change: str
+) -> None:
+    # NOT NULL flags were read when the write was planned, and its tasks checked nulls
+    # against those: a table created (or its schema replaced) meanwhile with NOT NULL
+    # fields took the write's nulls, and with a nested one delta-rs could no longer read it.
+    table = tmp_path / "table"
+    schema = pa.schema([("id", pa.int64()), ("s", pa.struct([("a", pa.int64())]))])
+    strict = pa.schema(
+        [
+            pa.field("id", pa.int64(), nullable=False),
+            pa.field("s", pa.struct([pa.field("a", pa.int64(), nullable=False)])),
+        ]
+    )
+    if change == "schema replaced meanwhile":
+        write_deltalake(str(table), pa.table({"id": [0], "s": [{"a": 0}]}, schema=schema))
+    opts = _unit_options(table)
+    plan = plan_write(opts, schema)
+    data = pa.table({"id": [1, None], "s": [{"a": None}, None]}, schema=schema)
+    message = write_task_files(
+        opts, plan, iter(data.to_batches()), partition_id=0, attempt=0, batch_id=0,
+        query_id="q",
+    )  # fmt: skip
+    write_deltalake(
+        str(table), pa.table({"id": [7], "s": [{"a": 7}]}, schema=strict), mode="overwrite",
+        schema_mode="overwrite",
+    )  # fmt: skip
+    before = DeltaTable(str(table)).version()
+    with pytest.raises(
+        SinkSchemaMismatchError,
+        match=r"declares 'id', 's\.a' NOT NULL, which it did not when this write was planned",
+    ):
+        commit_write(opts, plan, list(message.files), mode="append", app_id="q", version=0)
+    assert DeltaTable(str(table)).version() == before
+    assert DeltaTable(str(table)).to_pyarrow_table().to_pylist() == [{"id": 7, "s": {"a": 7}}]
+
+
 def _unit_options(table: Path, **extra: str) -> SinkOptions:
     return SinkOptions.parse({"path": str(table), **extra}, streaming=True)
 
