@@ -51,6 +51,15 @@ _PROGRAMMING_ERRORS = (InvalidResultError, ResultSchemaError)
 _new_record = object.__new__
 
 
+def _safely(method: Callable[..., bool], *args: Any, default: bool) -> bool:
+    """``method(*args)`` for a message's sake: ``default`` if it raises (a bug in a user's
+    retry strategy, reported where it decides an element)."""
+    try:
+        return bool(method(*args))
+    except Exception:
+        return default
+
+
 class OutputMode(enum.Enum):
     """How results are ordered; see ``AsyncWaitOperator``."""
 
@@ -619,6 +628,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         elements should be retried like any other.
         """
         self._check_accepting("finish()")
+        if self._capacity_waiter is not None:  # an element still waits to enter: not lost
+            raise self._overtaking("finish()")
         self._retry_while_finishing = keep_retrying
         self._set_state(_State.FINISHING)
         if not keep_retrying:
@@ -721,11 +732,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             return
         if handler.timed_out:
             return  # the timeout handler decides this element
-        retry = self._retry
         if (
-            retry is not None
+            self._retry is not None
             and self._may_retry()
-            and retry.can_retry(handler.attempts)
             and self._retried(handler, "exception", error)
         ):
             return
@@ -751,7 +760,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 "Fix the cause; or retry this exception (retry=RetryStrategy(...), which "
                 f"needs a timeout too); {fallback}"
             )
-        if not retry.can_retry(handler.attempts):
+        if not _safely(retry.can_retry, handler.attempts, default=True):
             return (
                 f"Its retries are used up (max_attempts={retry.max_attempts}). Fix the "
                 f"cause; or allow more attempts; {fallback}"
@@ -777,51 +786,64 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         except BaseException as exc:  # a generator of results that raised: the call failed
             self._on_attempt_error(handler, exc)
             return
-        retry = self._retry
         if (
-            retry is not None
+            self._retry is not None
             and not handler.timed_out
             and self._may_retry()
-            and retry.can_retry(handler.attempts)
             and self._retried(handler, "result", results)
         ):
             return
         self._decide(handler, results)
 
     def _retried(self, handler: _Element, outcome: str, value: Any) -> bool:
-        """Ask the retry strategy's predicate on the attempt's ``outcome`` ("exception" or
-        "result") and schedule the retry it wants; True if the element was dealt with here.
-        A predicate that raises is a bug in it, never retried: the element fails now, rather
-        than waiting for its deadline with the error lost in the attempt's task."""
+        """Ask the retry strategy whether the attempt's ``outcome`` ("exception" or
+        "result") is retried (attempts left, and its predicate) and after what backoff, and
+        schedule the retry; True if the element was dealt with here. A strategy method that
+        raises (a subclass's ``can_retry`` or ``backoff``, or a predicate) is a bug in it,
+        never retried: the element fails now, rather than waiting for its deadline with the
+        error lost in the attempt's task."""
         retry = self._retry
         assert retry is not None
+        step = "can_retry"
         try:
+            if not retry.can_retry(handler.attempts):
+                return False
+            step = f"retry_on_{outcome}"
             again = (
                 retry.should_retry_exception(value)
                 if outcome == "exception"
                 else retry.should_retry_result(value)
             )
+            step = "backoff"
+            delay = retry.backoff(handler.attempts) if again else 0.0
         except Exception as exc:
+            what, advice = (
+                (
+                    f"The retry predicate {step} raised on the attempt's {outcome}",
+                    f"Fix the predicate: it must return True or False for every {outcome} the "
+                    "function can produce.",
+                )
+                if step.startswith("retry_on_")
+                else (
+                    f"The retry strategy's {step}() raised after the attempt's {outcome}",
+                    f"Fix {type(retry).__name__}.{step}: it must return a "
+                    + ("bool" if step == "can_retry" else "number of seconds")
+                    + " for every attempt count.",
+                )
+            )
             self._decide_failure(
                 handler,
                 element_error(
-                    ElementFailedError,
-                    f"The retry predicate retry_on_{outcome} raised on the attempt's {outcome}",
-                    handler.element,
-                    handler.attempts,
-                    f"Fix the predicate: it must return True or False for every {outcome} the "
-                    "function can produce.",
-                    cause=exc,
+                    ElementFailedError, what, handler.element, handler.attempts, advice, cause=exc
                 ),
             )
             return True
         if again:
-            self._schedule_retry(cast(_TimedElement, handler))  # retry implies a timeout
+            self._schedule_retry(cast(_TimedElement, handler), delay)  # retry needs a timeout
         return bool(again)
 
-    def _schedule_retry(self, handler: _TimedElement) -> None:
-        assert self._retry is not None
-        when = self._clock.now() + self._retry.backoff(handler.attempts)
+    def _schedule_retry(self, handler: _TimedElement, delay: float) -> None:
+        when = self._clock.now() + delay
         # Armed even when it ends past the deadline: the timeout timer, registered first,
         # fires first (ties included), decides the element and cancels this one.
         handler.backing_off = True
@@ -1037,11 +1059,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
     # -- helpers ------------------------------------------------------------------------
 
     @staticmethod
-    def _overtaking() -> OperatorStateError:
+    def _overtaking(call: str = "process_element()/process_watermark()") -> OperatorStateError:
         """A call made while an earlier one still waits for room: refused, since it would
-        take the room first and reorder the input."""
+        take the room first and reorder the input (or, ``finish()``, drop it)."""
         return OperatorStateError(
-            "process_element()/process_watermark() was called while another call was "
+            f"{call} was called while a process_element()/process_watermark() call was "
             "still waiting for queue capacity (or was never awaited); await each call "
             "before the next."
         )

@@ -970,3 +970,30 @@ async def test_input_while_the_function_opens_is_refused() -> None:
     await op.finish()
     assert values(out) == ["A", "B"]
     await op.close()
+
+
+async def test_a_call_while_an_unawaited_one_waits_for_room_is_refused_finish_too() -> None:
+    # The record of a process_element() that was never awaited waits for room; a later
+    # call would take the room first (reordering), and finish() drained without it: lost.
+    fn, out, op = make(OutputMode.ORDERED, capacity=1)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    pending = asyncio.ensure_future(op.process_element(StreamRecord("b")))  # not awaited
+    await settle()
+    assert not pending.done()  # waiting for room
+    refused = r"called while a process_element\(\)/process_watermark\(\) call was still waiting"
+    with pytest.raises(OperatorStateError, match=r"process_element\(\)/process_watermark\(\) was"):
+        await op.process_element(StreamRecord("c"))
+    finishing = asyncio.ensure_future(op.finish())
+    await settle()
+    if not finishing.done():  # it drains a (never completed): b would be left out
+        finishing.cancel()
+    with pytest.raises(OperatorStateError, match=rf"finish\(\) was {refused}"):
+        await finishing
+    fn.complete("a", ["A"])
+    await pending  # the room came: b entered
+    await settle()
+    fn.complete("b", ["B"])
+    await op.finish()
+    assert values(out) == ["A", "B"]
+    await op.close()

@@ -510,6 +510,48 @@ def test_the_factories_name_their_own_parameters_in_errors() -> None:
         RetryStrategy.exponential_backoff(3, -0.1, 1)
 
 
+class BuggyBackoff(RetryStrategy):
+    def backoff(self, attempts: int) -> float:
+        raise ValueError("bug in my backoff")
+
+
+class BuggyCanRetry(RetryStrategy):
+    def can_retry(self, attempts: int) -> bool:
+        raise ValueError("bug in my can_retry")
+
+
+@pytest.mark.parametrize("outcome", ["exception", "result"])
+@pytest.mark.parametrize("strategy", [BuggyBackoff, BuggyCanRetry])
+async def test_a_retry_strategy_method_that_raises_fails_the_element_at_once(
+    strategy: type[RetryStrategy], outcome: str
+) -> None:
+    # A subclass's backoff() or can_retry() raised in the attempt's task: the error was
+    # lost there, and at the deadline the timeout handler's fallback was emitted.
+    clock = VirtualClock()
+    fn = ControlledTimeoutFunction()
+    retry = strategy(3, 1.0, retry_on_result=lambda results: True)
+    out, op = make(fn, clock, timeout=10, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    if outcome == "exception":
+        fn.fail("a", Flaky("boom"))
+    else:
+        fn.complete("a", ["A"])
+    await settle()
+    assert op.failure is not None  # now, not at the deadline
+    await clock.advance(10)
+    assert fn.timeout_calls == [] and out == []
+    with pytest.raises(ElementFailedError) as info:
+        await op.finish()
+    step = "backoff" if strategy is BuggyBackoff else "can_retry"
+    message = str(info.value)
+    assert f"The retry strategy's {step}() raised after the attempt's {outcome}" in message
+    assert f"Fix {strategy.__name__}.{step}: it must return a " in message
+    assert isinstance(info.value.__cause__, ValueError)
+    await op.close()
+
+
 def test_retry_strategy_docstring_says_max_attempts_counts_total_attempts() -> None:
     doc = RetryStrategy.__doc__ or ""
     assert "counts **total attempts**" in doc
