@@ -510,6 +510,19 @@ def test_the_factories_name_their_own_parameters_in_errors() -> None:
         RetryStrategy.exponential_backoff(3, -0.1, 1)
 
 
+async def first_attempt_ends(op: AsyncWaitOperator, fn: ControlledFunction, outcome: str) -> None:
+    """Open ``op``, feed it "a", and end its first attempt with ``outcome``: an
+    "exception" (Flaky) or a "result" (["A"])."""
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    if outcome == "exception":
+        fn.fail("a", Flaky("boom"))
+    else:
+        fn.complete("a", ["A"])
+    await settle()
+
+
 class BuggyBackoff(RetryStrategy):
     def backoff(self, attempts: int) -> float:
         raise ValueError("bug in my backoff")
@@ -531,14 +544,7 @@ async def test_a_retry_strategy_method_that_raises_fails_the_element_at_once(
     fn = ControlledTimeoutFunction()
     retry = strategy(3, 1.0, retry_on_result=lambda results: True)
     out, op = make(fn, clock, timeout=10, retry=retry)
-    await op.open()
-    await op.process_element(StreamRecord("a"))
-    await settle()
-    if outcome == "exception":
-        fn.fail("a", Flaky("boom"))
-    else:
-        fn.complete("a", ["A"])
-    await settle()
+    await first_attempt_ends(op, fn, outcome)
     assert op.failure is not None  # now, not at the deadline
     await clock.advance(10)
     assert fn.timeout_calls == [] and out == []
@@ -572,14 +578,7 @@ async def test_a_retry_predicate_that_raises_fails_the_element_at_once(
     fn = ControlledTimeoutFunction() if with_handler else ControlledFunction()
     retry = RetryStrategy.fixed_delay(3, 1.0, **{f"retry_on_{outcome}": predicate})
     out, op = make(fn, clock, timeout=60, retry=retry)
-    await op.open()
-    await op.process_element(StreamRecord("a"))
-    await settle()
-    if outcome == "exception":
-        fn.fail("a", Flaky("boom"))
-    else:
-        fn.complete("a", ["A"])
-    await settle()
+    await first_attempt_ends(op, fn, outcome)
     assert op.failure is not None  # now, not at the 60 s deadline
     with pytest.raises(ElementFailedError) as info:
         await op.finish()
