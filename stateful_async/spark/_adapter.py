@@ -555,9 +555,10 @@ def _check_checkpoint(
                     "restore_from='latest' resumes from the newest."
                 )
             _check_every_partition_can_restore(every, wanted, config)
+        points = _restore_points(every, config)  # what each partition's task resumes
         if mode is OutputMode.ORDERED:
-            _check_order_kept(every, config)
-        _warn_if_function_changed(every, config, function)
+            _check_order_kept(points, config)
+        _warn_if_function_changed(points, config, function)
     except CheckpointError as exc:
         if isinstance(exc, SchemaChangedError):
             raise
@@ -625,13 +626,14 @@ def _restore_points(every: list[Any], config: CheckpointConfig) -> dict[int, Any
     return points
 
 
-def _check_order_kept(every: list[Any], config: CheckpointConfig) -> None:
+def _check_order_kept(points: dict[int, Any], config: CheckpointConfig) -> None:
     """ordered_wait cannot resume from unordered_wait's checkpoints (their results are in
     completion order; the task refuses, see _TaskRun._check_order_kept): refuse up front,
-    rather than after all of Spark's attempts of the first such task."""
+    rather than after all of Spark's attempts of the first such task. ``points``: see
+    ``_restore_points``."""
     unordered = [
         partition
-        for partition, chosen in _restore_points(every, config).items()
+        for partition, chosen in points.items()
         if chosen.properties.get(OUTPUT_MODE_PROPERTY) == OutputMode.UNORDERED.value
     ]
     if unordered:
@@ -646,14 +648,14 @@ def _check_order_kept(every: list[Any], config: CheckpointConfig) -> None:
 
 
 def _warn_if_function_changed(
-    every: list[Any], config: CheckpointConfig, ours: tuple[str, ...]
+    points: dict[int, Any], config: CheckpointConfig, ours: tuple[str, ...]
 ) -> None:
     """A resumed partition re-emits the results its checkpoints committed as they are, and
     calls this job's function for the rest: if another function wrote them, the output
     mixes the two. That may be wanted (the same enrichment renamed or moved to a module),
     so it is said, not refused."""
     by_function: dict[str, list[int]] = {}
-    for partition, chosen in _restore_points(every, config).items():
+    for partition, chosen in points.items():
         theirs = chosen.properties.get("function")
         if theirs is not None and theirs not in ours:
             by_function.setdefault(theirs, []).append(partition)

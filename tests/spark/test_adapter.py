@@ -2328,7 +2328,10 @@ def test_the_drivers_mode_check_judges_the_checkpoint_each_task_would_resume_fro
     # A partition resumes from its newest restorable checkpoint, skipping one whose chain is
     # broken; the driver must judge that one, not simply the newest.
     from checkpoint import CheckpointMetadata, CheckpointRef
-    from stateful_async.spark._adapter import _check_order_kept
+    from stateful_async.spark._adapter import _check_order_kept, _restore_points
+
+    def judge(metas, config):  # type: ignore[no-untyped-def]
+        _check_order_kept(_restore_points(metas, config), config)
 
     start = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -2341,12 +2344,12 @@ def test_the_drivers_mode_check_judges_the_checkpoint_each_task_would_resume_fro
     ordered = meta("A", 0, 1, None, "ordered", 0)
     broken = meta("B", 0, 2, CheckpointRef("gone", 1), "unordered", 10)  # parent deleted
     config = CheckpointConfig(str(tmp_path), "job", restore_from="latest")
-    _check_order_kept([broken, ordered], config)  # partition 0 resumes from A:1: accepted
+    judge([broken, ordered], config)  # partition 0 resumes from A:1: accepted
     unordered = meta("B", 1, 1, None, "unordered", 20)
     with pytest.raises(ConfigurationError, match=r"would resume partition\(s\) 1 from"):
-        _check_order_kept([broken, ordered, unordered], config)
+        judge([broken, ordered, unordered], config)
     # restore_from=N judges the newest with id N or lower
-    _check_order_kept([ordered, meta("C", 1, 5, None, "unordered", 30)], CheckpointConfig(
+    judge([ordered, meta("C", 1, 5, None, "unordered", 30)], CheckpointConfig(
         str(tmp_path), "job", restore_from=4
     ))  # fmt: skip
 
