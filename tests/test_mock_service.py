@@ -3,10 +3,19 @@ the Spark and chaos tests)."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import time
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import fields
 
+import psutil
 import pytest
 
 from stateful_async.chaos import MockService, MockServiceError, ServiceConfig
@@ -48,4 +57,76 @@ def test_the_command_line_help_lists_every_setting_and_refuses_an_unknown_one(
     with pytest.raises(SystemExit) as info:
         service_main(["--config", '{"latency": 20}'])
     assert info.value.code == 2
-    assert "Unknown service settings: latency." in capsys.readouterr().err
+    assert "Unknown service settings: latency; the settings are latency_ms," in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"error_rate": "0.5"}, "error_rate must be a number; got '0.5'."),
+        ({"error_rate": 1.5}, "error_rate must be between 0 and 1; got 1.5."),
+        ({"latency_ms": -5}, "latency_ms must be at least 0; got -5."),
+        ({"spike_every": 2.5}, "spike_every must be a whole number; got 2.5."),
+        ({"error_status": 42}, "error_status must be between 100 and 599; got 42."),
+        ({"fail_first": ["7"]}, "fail_first must map keys (strings) to request counts"),
+        ({"hang_first": {"7": -1}}, "hang_first must map keys (strings) to request counts"),
+        ({"distribution": "normal"}, "Unknown latency distribution 'normal': use one of"),
+    ],
+)
+def test_a_bad_setting_is_refused_where_it_is_made_and_the_service_keeps_answering(
+    service: MockService, changes: dict, message: str
+) -> None:
+    # Before, the admin API took any value and every /enrich after it answered 500.
+    with pytest.raises(MockServiceError, match="refused POST /admin/config") as info:
+        service.configure(**changes)
+    assert message in str(info.value)
+    assert service.config == ServiceConfig(latency_ms=1)  # left as it was
+    with urllib.request.urlopen(f"{service.url}/enrich?key=8", timeout=10) as response:
+        assert response.status == 200 and json.loads(response.read())["key"] == "8"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ServiceConfig().merged(changes)  # --config and Python: the same check
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[MockService]:
+    with MockService(ServiceConfig(latency_ms=1)) as svc:
+        yield svc
+
+
+def test_an_admin_call_to_a_service_that_died_says_so() -> None:
+    service = MockService().start()
+    try:
+        os.kill(service.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        service.process.wait(timeout=10)  # type: ignore[union-attr]
+        with pytest.raises(MockServiceError, match=r"does not answer GET /admin/counts") as info:
+            service.counts()
+        assert "its process exited with status -9" in str(info.value)
+    finally:
+        service.stop()
+
+
+LEFT_RUNNING = """
+from stateful_async.chaos import MockService
+stopped = MockService().start()
+print(stopped.pid, flush=True)
+stopped.stop()
+left = MockService().start()  # never stopped by the script
+print(left.pid, flush=True)
+"""
+
+
+def test_a_service_nobody_stopped_stops_when_its_interpreter_exits_closing_its_pipes() -> None:
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", LEFT_RUNNING],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    pids = [int(line) for line in done.stdout.split()]
+    assert len(pids) == 2
+    for pid in pids:  # each was its child: reaped by it, so gone for good
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+    assert "ResourceWarning" not in done.stderr  # stop() closes the service's stdout pipe

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -57,7 +58,7 @@ class MockService:
             [
                 sys.executable,
                 "-m",
-                "stateful_async.chaos._service",
+                "stateful_async.chaos.service",
                 "--port",
                 str(self.port),
                 "--config",
@@ -68,6 +69,9 @@ class MockService:
             stderr=stderr,
             text=True,
         )
+        # stopped when this interpreter exits, if nobody did (a child left listening would
+        # outlive its test or script)
+        atexit.register(self.stop)
         assert self.process.stdout is not None
         deadline = time.monotonic() + timeout
         # "listening on 127.0.0.1:<port>", printed and flushed at once; waited for with the
@@ -78,15 +82,14 @@ class MockService:
             stderr.seek(0)
             error = stderr.read()
             self.stop()
-            raise MockServiceError(
-                f"The mock service did not start: {line.strip()} {error.strip()}"
-            )
+            said = " ".join(part for part in (line.strip(), error.strip()) if part)
+            raise MockServiceError(f"The mock service did not start: {said}")
         self.port = int(line.rsplit(":", 1)[1])
         while time.monotonic() < deadline:
             try:
                 self._call("GET", "/health")
                 return self
-            except OSError:
+            except MockServiceError:
                 time.sleep(0.05)
         self.stop()
         raise MockServiceError(f"The mock service did not answer /health within {timeout} s.")
@@ -96,14 +99,18 @@ class MockService:
         stderr, self._stderr = self._stderr, None
         if stderr is not None:
             stderr.close()
-        if process is None or process.poll() is not None:
+        if process is None:
             return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.kill(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+        atexit.unregister(self.stop)
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+        if process.stdout is not None:
+            process.stdout.close()
 
     def __enter__(self) -> MockService:
         return self.start()
@@ -118,7 +125,8 @@ class MockService:
         return dict(self.stats()["counts"])
 
     def stats(self) -> dict[str, Any]:
-        """``counts`` plus ``total``, ``errors`` and ``hangs``."""
+        """``counts`` plus ``total``, ``errors``, ``hangs``, ``in_flight`` and
+        ``peak_in_flight`` (see ``stateful_async.chaos._service``)."""
         return self._call("GET", "/admin/counts")
 
     def reset(self) -> None:
@@ -140,4 +148,11 @@ class MockService:
         except urllib.error.HTTPError as exc:
             raise MockServiceError(
                 f"The mock service refused {method} {path}: {exc.read().decode(errors='replace')}"
+            ) from exc
+        except OSError as exc:  # URLError included: nothing listens there any more
+            status = None if self.process is None else self.process.poll()
+            raise MockServiceError(
+                f"The mock service at {self.url} does not answer {method} {path}"
+                + ("" if status is None else f" (its process exited with status {status})")
+                + f": {getattr(exc, 'reason', exc)}."
             ) from exc

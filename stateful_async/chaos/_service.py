@@ -76,15 +76,71 @@ class ServiceConfig:
     hang_first: dict[str, int] = field(default_factory=dict)
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        # checked here, so that a bad setting is refused when it is made (by the admin API,
+        # --config or in Python), not by a 500 on every request after it
+        for name in ("latency_ms", "latency_min_ms", "latency_max_ms", "latency_sigma", "spike_ms"):
+            _check_number(name, getattr(self, name), low=0.0)
+        for name in ("error_rate", "hang_rate"):
+            _check_number(name, getattr(self, name), low=0.0, high=1.0)
+        for name in ("spike_every", "burst_length"):
+            _check_int(name, getattr(self, name), low=0)
+        _check_int("burst_start", self.burst_start, low=-1)
+        _check_int("error_status", self.error_status, low=100, high=599)
+        _check_int("seed", self.seed)
+        for name in ("fail_first", "hang_first"):
+            _check_counts(name, getattr(self, name))
+        if self.distribution not in DISTRIBUTIONS:
+            raise ValueError(
+                f"Unknown latency distribution {self.distribution!r}: "
+                f"use one of {', '.join(DISTRIBUTIONS)}."
+            )
+        if self.latency_min_ms > self.latency_max_ms and self.distribution == "uniform":
+            raise ValueError(
+                f"latency_min_ms ({self.latency_min_ms}) is above latency_max_ms "
+                f"({self.latency_max_ms})."
+            )
+
     def merged(self, changes: dict[str, Any]) -> ServiceConfig:
+        if not isinstance(changes, dict):
+            raise ValueError(f"Service settings are a JSON object of name: value; got {changes!r}.")
         unknown = set(changes) - set(asdict(self))
         if unknown:
-            raise ValueError(f"Unknown service settings: {', '.join(sorted(unknown))}.")
-        values = {**asdict(self), **changes}
-        config = ServiceConfig(**values)
-        if config.distribution not in ("constant", "uniform", "exponential", "lognormal"):
-            raise ValueError(f"Unknown latency distribution {config.distribution!r}.")
-        return config
+            raise ValueError(
+                f"Unknown service settings: {', '.join(sorted(unknown))}; the settings are "
+                f"{', '.join(f.name for f in fields(self))}."
+            )
+        return ServiceConfig(**{**asdict(self), **changes})
+
+
+DISTRIBUTIONS = ("constant", "uniform", "exponential", "lognormal")
+
+
+def _check_number(name: str, value: Any, low: float, high: float = math.inf) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number; got {value!r}.")
+    if not (low <= value <= high) or math.isnan(value):
+        bounds = f"at least {low:g}" if high == math.inf else f"between {low:g} and {high:g}"
+        raise ValueError(f"{name} must be {bounds}; got {value!r}.")
+
+
+def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a whole number; got {value!r}.")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"at least {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"{name} must be {bounds}; got {value!r}.")
+
+
+def _check_counts(name: str, value: Any) -> None:
+    if not isinstance(value, dict) or not all(
+        isinstance(key, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0
+        for key, n in value.items()
+    ):
+        raise ValueError(
+            f"{name} must map keys (strings) to request counts (whole numbers >= 0), "
+            f'like {{"7": 2}}; got {value!r}.'
+        )
 
 
 class _State:
@@ -251,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(serve(args.port, config, args.host))
     except KeyboardInterrupt:
         pass
+    except OSError as exc:  # the port is taken, or the host is not an address of this machine
+        parser.exit(1, f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}\n")
 
 
 if __name__ == "__main__":
