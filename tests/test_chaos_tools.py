@@ -4,6 +4,7 @@ driver-process bookkeeping on real child processes."""
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,14 +17,23 @@ import pyarrow.parquet as pq
 import pytest
 
 from checkpoint import SnapshotStore, SubtaskLog, _faults
-from stateful_async import ConfigurationError, StreamRecord
+from stateful_async import AsyncFunction, ConfigurationError, StreamRecord
 from stateful_async.chaos import (
+    ChaosCheckError,
     ClusterError,
     CrashDuringCommit,
+    CrashOnElement,
+    DelayCommit,
     DriverProcess,
+    FaultSpec,
+    JobOptions,
     LocalCluster,
+    ZombieCommit,
     _cluster,
+    check_snapshot_store,
+    to_argv,
 )
+from stateful_async.chaos._job import parse_args
 
 SCHEMA = pa.schema([("id", pa.int64())])
 
@@ -175,3 +185,85 @@ def test_a_cluster_whose_start_failed_leaves_no_directory_or_exit_hook(
     assert cluster.base_dir is not None and not cluster.base_dir.exists()  # its temp dir
     assert hooks == []
     assert cluster.stop() == []  # and stopping again does nothing
+
+
+# -- the reference job's options and checks ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("delay-commit=2:-5", "delay-commit's seconds must be a number of seconds >= 0"),
+        ("delay-commit=2:nan", "delay-commit's seconds must be a number of seconds >= 0"),
+        ("zombie-commit=2,wait=inf", "zombie-commit's wait must be a number of seconds >= 0"),
+        ("crash-at=5,attempt=-1", "A fault's attempt is a task attempt number"),
+        ("crash-commit=3,partition=-3", "A fault's partitions are partition numbers"),
+    ],
+)
+def test_a_fault_that_would_misfire_or_never_fire_is_refused(fault: str, message: str) -> None:
+    # Before, a negative delay made the commit raise instead of waiting, and a negative
+    # attempt or partition parsed fine and never fired: the test using it passed for nothing.
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        FaultSpec.parse(fault)
+
+
+def test_the_fault_wrappers_refuse_the_same_settings() -> None:
+    with pytest.raises(ConfigurationError, match="DelayCommit's seconds"):
+        DelayCommit(enrich, 2, -1.0)
+    with pytest.raises(ConfigurationError, match="ZombieCommit's max_wait"):
+        ZombieCommit(enrich, 2, max_wait=float("nan"))
+    with pytest.raises(ConfigurationError, match="A fault's attempt"):
+        CrashOnElement(enrich, at=[1], attempt=-1)
+
+
+def test_the_job_options_survive_the_command_line_exactly(tmp_path: Path) -> None:
+    options = JobOptions(
+        master="local[2]",
+        service_url="http://127.0.0.1:1",
+        checkpoint=str(tmp_path / "chk"),
+        output=str(tmp_path / "out"),
+        timeout=0.1 + 0.2,  # 0.30000000000000004: %g wrote 0.3
+        faults=(
+            FaultSpec.parse("delay-commit=2:2.5000001,partition=1"),
+            FaultSpec.parse("zombie-commit=2,wait=1234567"),  # %g wrote 1.23457e+06
+        ),
+    )
+    assert parse_args(to_argv(options)) == options
+
+
+def test_a_report_in_a_folder_that_does_not_exist_is_refused_before_the_job_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, the job committed its output and then failed writing the report (exit 1).
+    report = tmp_path / "no-such-folder" / "run.json"
+    argv = ["--master", "local[2]", "--service-url", "http://127.0.0.1:1"]
+    argv += ["--checkpoint", str(tmp_path / "c"), "--output", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as info:
+        parse_args([*argv, "--report", str(report)])
+    assert info.value.code == 2
+    assert f"The report's folder {report.parent} does not exist" in capsys.readouterr().err
+
+
+def test_checking_a_store_with_the_wrong_ids_or_location_does_not_pass(tmp_path: Path) -> None:
+    commit(SnapshotStore(tmp_path).subtask("job", "op", 0), 1)
+    assert len(check_snapshot_store(str(tmp_path), "job", "op").checkpoints) == 1
+    # before: an empty StoreCheck, as if the store were clean
+    with pytest.raises(ChaosCheckError, match="No checkpoints of job 'job', operator 'other'"):
+        check_snapshot_store(str(tmp_path), "job", "other")
+    with pytest.raises(ChaosCheckError, match="Cannot check the snapshot store: Job 'nojob'"):
+        check_snapshot_store(str(tmp_path), "nojob", "op")
+
+
+class FailsToOpen(AsyncFunction):
+    async def open(self) -> None:
+        raise RuntimeError("no connection")
+
+    async def async_invoke(self, row: dict) -> list[dict]:
+        return [row]
+
+
+def test_a_commit_fault_whose_function_fails_to_open_leaves_no_hook_installed() -> None:
+    fault = DelayCommit(FailsToOpen(), checkpoint_id=1, seconds=0.0)
+    with pytest.raises(RuntimeError, match="no connection"):
+        asyncio.run(fault.open())
+    assert _faults._hooks == []  # a reused Python worker would carry it into the next task

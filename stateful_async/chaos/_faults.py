@@ -28,6 +28,36 @@ def _armed(attempt: int, partitions: frozenset[int] | None) -> bool:
     return current == attempt and (partitions is None or partition in partitions)
 
 
+def checked_aim(attempt: int, partitions: Iterable[int] | None) -> frozenset[int] | None:
+    """Checks where a fault is aimed (a fault aimed at a negative attempt or partition
+    would never fire, and the test using it would pass for the wrong reason); returns the
+    partitions as a set, or None for any."""
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
+        raise ConfigurationError(
+            f"A fault's attempt is a task attempt number (0 = the first); got {attempt!r}."
+        )
+    if partitions is None:
+        return None
+    chosen = frozenset(partitions)
+    wrong = [p for p in chosen if isinstance(p, bool) or not isinstance(p, int) or p < 0]
+    if wrong:
+        raise ConfigurationError(
+            "A fault's partitions are partition numbers (0 and up); got "
+            f"{', '.join(sorted(map(repr, wrong)))}."
+        )
+    return chosen
+
+
+def checked_seconds(name: str, value: float) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 <= value < float("inf")
+    ):
+        raise ConfigurationError(f"{name} must be a number of seconds >= 0; got {value!r}.")
+    return float(value)
+
+
 class _Wrapper(AsyncFunction[Any, Any]):
     """A fault around the user's function ``fn``: the same enrichment, so checkpoints name
     it after ``fn`` (``__wrapped__``), and a job resumes them without it."""
@@ -57,7 +87,7 @@ class CrashOnElement(_Wrapper):
         self.at = frozenset(at)
         self.key_field = key_field
         self.attempt = attempt
-        self.partitions = None if partitions is None else frozenset(partitions)
+        self.partitions = checked_aim(attempt, partitions)
         self.exit_code = exit_code
         self._armed = False
 
@@ -92,16 +122,16 @@ class _CommitFault(_Wrapper):
         self.fn = as_async_function(fn)
         self.checkpoint_id = checkpoint_id
         self.attempt = attempt
-        self.partitions = None if partitions is None else frozenset(partitions)
+        self.partitions = checked_aim(attempt, partitions)
         self._hook: Any = None
 
     async def open(self) -> None:
         from checkpoint import _faults
 
+        await self.fn.open()  # first: a function that fails to open leaves no hook behind
         if _armed(self.attempt, self.partitions):
             self._hook = self._on_commit
             _faults.install(self._hook)
-        await self.fn.open()
 
     async def close(self) -> None:
         from checkpoint import _faults
@@ -172,7 +202,7 @@ class DelayCommit(_CommitFault):
         partitions: Iterable[int] | None = None,
     ) -> None:
         super().__init__(fn, checkpoint_id, attempt, partitions)
-        self.seconds = seconds
+        self.seconds = checked_seconds("DelayCommit's seconds", seconds)
 
     def _on_commit(self, point: str, context: dict[str, Any]) -> None:
         if point == "before_delta_commit" and context["meta"].checkpoint_id == self.checkpoint_id:
@@ -202,7 +232,7 @@ class ZombieCommit(_CommitFault):
         max_wait: float = 300.0,
     ) -> None:
         super().__init__(fn, checkpoint_id, attempt, partitions)
-        self.max_wait = max_wait
+        self.max_wait = checked_seconds("ZombieCommit's max_wait", max_wait)
 
     def _on_commit(self, point: str, context: dict[str, Any]) -> None:
         meta = context["meta"]

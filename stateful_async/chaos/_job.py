@@ -45,7 +45,14 @@ from typing import Any, Union
 from .._exceptions import ConfigurationError, StatefulAsyncError
 from .._function import AsyncFunction
 from ._client import ServiceEnrichment, ServiceError
-from ._faults import CrashDuringCommit, CrashOnElement, DelayCommit, ZombieCommit
+from ._faults import (
+    CrashDuringCommit,
+    CrashOnElement,
+    DelayCommit,
+    ZombieCommit,
+    checked_aim,
+    checked_seconds,
+)
 from ._service import expected_enrichment
 
 SCHEMA = "id long, name string, score double, label string"
@@ -116,6 +123,12 @@ class FaultSpec:
             raise ConfigurationError(
                 f"The fault {text!r} needs a row id >= 0 or checkpoint id >= 1."
             )
+        try:  # the faults' own checks of seconds, attempt and partitions
+            checked_aim(spec.attempt, spec.partitions)
+            checked_seconds("delay-commit's seconds", spec.seconds)
+            checked_seconds("zombie-commit's wait", spec.wait)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"Cannot use the fault {text!r}: {exc}") from None
         return spec
 
     def wrap(self, fn: Any) -> AsyncFunction[Any, Any]:
@@ -131,11 +144,11 @@ class FaultSpec:
 
     def __str__(self) -> str:
         text = f"{self.kind}={self.value}" + (
-            f":{self.seconds:g}" if self.kind == "delay-commit" else ""
+            f":{self.seconds!r}" if self.kind == "delay-commit" else ""
         )
         text += f",attempt={self.attempt}" if self.attempt else ""
         text += "".join(f",partition={p}" for p in self.partitions or ())
-        return text + (f",wait={self.wait:g}" if self.kind == "zombie-commit" else "")
+        return text + (f",wait={self.wait!r}" if self.kind == "zombie-commit" else "")
 
 
 # -- options ---------------------------------------------------------------------------------
@@ -181,6 +194,13 @@ class JobOptions:
                 raise ConfigurationError(
                     f"The {what} location must be an absolute path or a URI (executors do not "
                     f"run in this directory); got {path!r}."
+                )
+        if self.report:  # found now, not after the output is committed
+            folder = os.path.dirname(os.path.abspath(self.report))
+            if not os.path.isdir(folder):
+                raise ConfigurationError(
+                    f"The report's folder {folder} does not exist; create it, or pass "
+                    f"--report a path in an existing folder (got {self.report!r})."
                 )
 
     @property
@@ -632,19 +652,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"session started in {time.time() - started:.1f} s", file=sys.stderr, flush=True)
     try:
         report = run_job(spark, options)
+        print(
+            f"done: {report.rows_in_table} rows in {options.output} (table version "
+            f"{report.table_version}, {'written' if report.written else 'already committed'}), "
+            f"write {report.seconds:.1f} s, {len(report.failed_attempts())} failed task "
+            "attempts",
+            flush=True,
+        )
+        write_report(report, options.report)
     except Exception as exc:
         print(f"error: the job failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        spark.stop()
         return 1
-    write_report(report, options.report)
-    failed = len(report.failed_attempts())
-    print(
-        f"done: {report.rows_in_table} rows in {options.output} (table version "
-        f"{report.table_version}, {'written' if report.written else 'already committed'}), "
-        f"write {report.seconds:.1f} s, {failed} failed task attempts",
-        flush=True,
-    )
-    spark.stop()
+    finally:
+        spark.stop()
     return 0
 
 
@@ -733,11 +753,25 @@ def check_snapshot_store(location: str, job_id: str, operator_id: str = OPERATOR
     chain of each partition's newest final checkpoint restores. Raises ``ChaosCheckError``
     naming the first problem.
     """
-    from checkpoint import CheckpointError, SnapshotStore
+    from checkpoint import (
+        CheckpointError,
+        CheckpointLocationError,
+        CheckpointNotFoundError,
+        SnapshotStore,
+    )
 
-    store = SnapshotStore(location)
     try:
+        store = SnapshotStore(location)
         metas = store.checkpoints(job_id, operator_id, include_expired=False)
+    except (CheckpointLocationError, CheckpointNotFoundError) as exc:
+        raise ChaosCheckError(f"Cannot check the snapshot store: {exc}") from exc
+    if not metas:  # a wrong job or operator id must not pass as a clean store
+        raise ChaosCheckError(
+            f"No checkpoints of job {job_id!r}, operator {operator_id!r} at {location}: "
+            "check the location and ids (`stateful-async checkpoints list` shows the jobs "
+            "there)."
+        )
+    try:
         keys = Counter((m.run_id, m.subtask, m.checkpoint_id) for m in metas)
         twice = [k for k, n in keys.items() if n > 1]
         if twice:
