@@ -482,7 +482,7 @@ def show_checkpoint(
                 }
                 for s in snapshots
             ]
-            sys.stdout.write(json.dumps(payload, default=_json_default, indent=2) + "\n")
+            sys.stdout.write(_to_json(payload, indent=2) + "\n")
             return
         for s in snapshots:
             m = s.metadata
@@ -516,7 +516,7 @@ def show_checkpoint(
                     "watermark" if _is_watermark(e) else "record",
                     "" if seq is None else str(seq),
                     "" if e.timestamp is None else when(e.timestamp),
-                    Text("" if _is_watermark(e) else json.dumps(e.value, default=_json_default)),
+                    Text("" if _is_watermark(e) else _to_json(e.value)),
                 )
             _print_table(table)
 
@@ -606,7 +606,10 @@ def replay(
             results.extend(asyncio.run(_replay(fn, elements, capacity, timeout, mode.value)))
         if output is None:
             for row in results:
-                sys.stdout.write(json.dumps(row, default=_json_default) + "\n")
+                sys.stdout.write(_to_json(row) + "\n")
+        elif output.suffix == ".parquet" and not results:
+            # no rows, no schema: an empty file without columns would only mislead
+            err.print(f"No results, so no Parquet file was written to {escape(str(output))}.")
         elif output.suffix == ".parquet":
             import pyarrow as pa
             import pyarrow.parquet as pq
@@ -622,12 +625,12 @@ def replay(
         else:
             with open(output, "x") as handle:
                 for row in results:
-                    handle.write(json.dumps(row, default=_json_default) + "\n")
+                    handle.write(_to_json(row) + "\n")
         records = sum(1 for s in snapshots for e in s.elements if not _is_watermark(e))
         err.print(
             f"Replayed checkpoint {checkpoint_id}: {records} in-flight record(s) of "
             f"{len(snapshots)} partition(s) gave {len(results)} result(s)"
-            + (f", written to {escape(str(output))}." if output else ".")
+            + (f", written to {escape(str(output))}." if output and results else ".")
         )
 
 
@@ -810,6 +813,24 @@ def _is_watermark(element: Any) -> bool:
     from . import Watermark
 
     return isinstance(element, Watermark)
+
+
+def _to_json(value: Any, indent: int | None = None) -> str:
+    """``value`` as standard JSON: dates as ISO strings, decimals as strings, bytes as
+    base64, and floats that JSON has no number for (NaN, +-infinity) as the strings
+    ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (Python would write bare ``NaN``, which
+    strict parsers refuse)."""
+    return json.dumps(_finite(value), default=_json_default, indent=indent, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _json_default(value: Any) -> Any:

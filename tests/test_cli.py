@@ -122,6 +122,12 @@ REPLAY_MODULE = textwrap.dedent(
     async def look_up(row):  # a Spark job's function: MAP values are dicts
         return [{"id": row["id"], "greeting": row["names"]["en"]}]
 
+    async def echo(row):
+        return [row]
+
+    async def nothing(row):
+        return []
+
     NOT_A_FUNCTION = 42
     """
 )
@@ -578,6 +584,48 @@ def test_replay_to_parquet_of_results_with_mixed_types_says_to_use_json_lines(
     assert "do not fit one Parquet schema" in result.output
     assert "(--output with .jsonl)" in " ".join(result.output.split())
     assert not target.exists()
+
+
+def test_show_and_replay_write_standard_json_for_floats_json_has_no_number_for(
+    tmp_path, functions
+) -> None:
+    # Python's json writes bare NaN / Infinity, which strict JSON parsers refuse.
+    values = [float("nan"), float("inf"), float("-inf"), 1.5]
+    SnapshotStore(tmp_path / "ckpt").subtask("job", "enrich", 0).commit(
+        "run",
+        2,
+        [StreamRecord({"id": i, "x": x}) for i, x in enumerate(values)],
+        [],
+        input_schema=pa.schema([("id", pa.int64()), ("x", pa.float64())]),
+        output_schema=OUTPUT,
+        position=4,
+    )
+
+    def strict(text: str) -> Any:
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name}"))
+
+    wanted = ["NaN", "Infinity", "-Infinity", 1.5]
+    shown = invoke("checkpoints", "show", str(tmp_path / "ckpt"), "2", "--format", "json")
+    assert shown.exit_code == 0, shown.output
+    elements = strict(shown.stdout)[0]["elements"]
+    assert [e["value"]["x"] for e in elements] == wanted
+    replayed = replay(tmp_path / "ckpt", "replay_functions:echo")
+    assert replayed.exit_code == 0, replayed.output
+    rows = [strict(line) for line in replayed.stdout.splitlines() if line.startswith("{")]
+    assert [r["x"] for r in rows] == wanted
+
+
+def test_replay_of_no_results_to_parquet_writes_no_file_and_says_so(
+    checkpoints, functions, tmp_path
+) -> None:
+    location, _ = checkpoints
+    target = tmp_path / "out.parquet"
+    result = replay(location, "replay_functions:nothing", "--output", str(target))
+    assert result.exit_code == 0, result.output
+    assert not target.exists()  # before: a Parquet file without columns
+    said = " ".join(result.output.split())
+    assert "No results, so no Parquet file was written to" in said
+    assert "gave 0 result(s)." in said
 
 
 # -- errors shared by every subcommand ----------------------------------------------------------
