@@ -756,6 +756,10 @@ def test_cluster_command_line_reports_and_refuses(
     assert f"No cluster is recorded in {tmp_path} " in capsys.readouterr().err
     with pytest.raises(ClusterError, match=r"Worker 7 is not running; running workers: \[0, 1\]"):
         chaos.cluster.kill_worker(7)  # worker indices, not pids
+    # start-worker starts a killed worker again; before, an unknown index added a worker
+    with pytest.raises(ClusterError, match="The cluster has no worker 5: its workers are 0, 1"):
+        chaos.cluster.start_worker(5)
+    assert sorted(chaos.cluster.workers) == [0, 1]
     with pytest.raises(ClusterError, match="No executor to kill"):
         chaos.cluster.kill_executor("app-that-does-not-exist")
 

@@ -400,7 +400,13 @@ class LocalCluster:
         """Start worker ``index`` again (after ``kill_worker``), on new ports, and wait until
         the master counts it alive."""
         self._require_started()
-        if index in self.workers and self.workers[index].record.alive():
+        if index not in self.workers:
+            raise ClusterError(
+                f"The cluster has no worker {index}: its workers are "
+                f"{', '.join(map(str, sorted(self.workers)))} (start-worker starts a killed "
+                "one again; for more workers, start the cluster with more)."
+            )
+        if self.workers[index].record.alive():
             raise ClusterError(
                 f"Worker {index} is already running (pid {self.workers[index].pid})."
             )
