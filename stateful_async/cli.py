@@ -88,7 +88,10 @@ LocationArg = Annotated[str, typer.Argument(metavar="LOCATION", help="The checkp
 CheckpointIdArg = Annotated[int, typer.Argument(metavar="ID", help="The checkpoint id.")]
 JobOpt = Annotated[str | None, typer.Option(help="The job (if the location holds several).")]
 PartitionOpt = Annotated[int | None, typer.Option(help="Only this partition.")]
-RunOpt = Annotated[str | None, typer.Option(help="The run (default: the newest with this id).")]
+RunOpt = Annotated[
+    str | None,
+    typer.Option(help="The run (default: per partition, the newest run with this id)."),
+]
 OperatorOpt = Annotated[str | None, typer.Option(help="The operator id.")]
 StorageOpt = Annotated[
     list[str] | None,
@@ -628,7 +631,8 @@ def replay(
                     handle.write(_to_json(row) + "\n")
         records = sum(1 for s in snapshots for e in s.elements if not _is_watermark(e))
         err.print(
-            f"Replayed checkpoint {checkpoint_id}: {records} in-flight record(s) of "
+            f"Replayed checkpoint {checkpoint_id} {_of_runs(snapshots)}: {records} in-flight "
+            "record(s) of "
             f"{len(snapshots)} partition(s) gave {len(results)} result(s)"
             + (f", written to {escape(str(output))}." if output and results else ".")
         )
@@ -763,6 +767,20 @@ def _snapshots(
         store.subtask(job, operator, p).load(m.checkpoint_id, m.run_id)
         for p, m in sorted(newest.items())
     ]
+
+
+def _of_runs(snapshots: list[Any]) -> str:
+    """Which run each replayed snapshot is of: without ``--run``, each partition's newest
+    run with the id, so one replay can span runs (a streaming query's micro-batches)."""
+    runs: dict[str, list[int]] = {}
+    for s in snapshots:
+        runs.setdefault(s.metadata.run_id, []).append(s.metadata.subtask)
+    if len(runs) == 1:
+        return escape(f"of run {next(iter(runs))}")
+    return escape(
+        "of runs "
+        + ", ".join(f"{run} (partitions {id_ranges(parts)})" for run, parts in runs.items())
+    )
 
 
 def _input_schema(store: Any, meta: Any) -> Any:

@@ -491,6 +491,27 @@ def test_replay_gives_the_results_of_exactly_the_saved_in_flight_inputs(
     assert f"{len(in_flight)} in-flight record(s) of 1 partition(s)" in result.output
 
 
+def test_replay_names_the_run_of_each_partition_it_replayed(checkpoints, functions) -> None:
+    location, _ = checkpoints
+    SnapshotStore(location).subtask("job", "enrich", 1).commit(
+        "later",  # a newer run (a later micro-batch) reached checkpoint 2 in partition 1 only
+        2,
+        [StreamRecord({"id": 900, "name": "late"})],
+        [],
+        input_schema=INPUT,
+        output_schema=OUTPUT,
+        position=1,
+    )
+    result = replay(location, "replay_functions:greet")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "Replayed checkpoint 2 of runs run (partitions 0), later (partitions 1):" in said
+    result = replay(location, "replay_functions:greet", "--run", "run")
+    assert "Replayed checkpoint 2 of run run: 12 in-flight record(s)" in " ".join(
+        result.output.split()
+    )
+
+
 def test_replay_hands_map_values_to_the_function_as_dicts(tmp_path, functions) -> None:
     # As a Spark job's function receives them; the store gives pyarrow's (key, value) pairs.
     names = pa.map_(pa.string(), pa.string())
