@@ -53,7 +53,16 @@ def normalize(location: str | os.PathLike[str]) -> str:
     text = os.fspath(location).strip()  # a pasted space is no part of a directory's name
     if is_local(text):
         # file:/abs, file:///abs and file://localhost/abs are all local paths.
-        path = urlparse(text).path if urlparse(text).scheme == "file" else text
+        parsed = urlparse(text)
+        if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
+            # file://tmp/chk is a typo of file:///tmp/chk, and a path on another host is
+            # not a path here: either way, not /chk
+            raise CheckpointLocationError(
+                f"{text!r} names the host {parsed.netloc!r}, and a file: location is on this "
+                f"machine: write file:///{parsed.netloc}{parsed.path} (three slashes) or "
+                f"the path /{parsed.netloc}{parsed.path}."
+            )
+        path = parsed.path if parsed.scheme == "file" else text
         # "~/chk" means the home directory, not a directory named "~" in the working one
         return os.path.abspath(os.path.expanduser(path))
     return text.rstrip("/")

@@ -133,6 +133,8 @@ _TABLE_CONFIGURATION = {
 _EXPIRE_TRIES = 10  # an expiry reads every checkpoint again on each try
 _REOPEN_VERSIONS = 100  # a table object is opened afresh after this many versions (_open)
 _RESTORE_GROUP_ROWS = 100_000  # results a resuming task reads (and holds) at a time
+# above this many bytes of results, a group's checkpoints are put in order one at a time
+_RESTORE_GROUP_BYTES = 1 << 30
 
 # Rows per batch of the stream that ``expire`` rewrites.
 _EXPIRE_BATCH_ROWS = 8192
@@ -619,7 +621,7 @@ class SubtaskLog:
             if not last and size + chain[i + 1].result_count <= max_rows:
                 continue
             if size:
-                yield self._group_results(table, group, size, output_schema)
+                yield from self._group_results(table, group, size, output_schema)
             group, size = [], 0
 
     def _group_results(
@@ -628,12 +630,32 @@ class SubtaskLog:
         group: list[CheckpointMetadata],
         expected: int,
         output_schema: pa.Schema,
-    ) -> tuple[pa.Table, pa.ChunkedArray]:
+    ) -> Iterator[tuple[pa.Table, pa.ChunkedArray]]:
         rows = self._read(
             table,
             (pc.field("kind") == KIND_RESULT) & _refs_filter(m.ref for m in group),
             ["run_id", "checkpoint_id", "seq", "timestamp", "result"],
         )
+        if len(group) > 1 and rows.column("result").nbytes > _RESTORE_GROUP_BYTES:
+            # Large results (long texts, say): put in order one checkpoint at a time. Arrow
+            # sorts a column by concatenating it, and a string column's 32-bit offsets end
+            # at 2 GiB; a checkpoint's own results are below that (its commit made sure).
+            runs, ids = rows.column("run_id"), rows.column("checkpoint_id")
+            for m in group:
+                mine = rows.filter(
+                    pc.and_(pc.equal(runs, m.run_id), pc.equal(ids, m.checkpoint_id))
+                )
+                yield self._ordered_results(mine, [m], m.result_count, output_schema)
+            return
+        yield self._ordered_results(rows, group, expected, output_schema)
+
+    def _ordered_results(
+        self,
+        rows: pa.Table,
+        group: list[CheckpointMetadata],
+        expected: int,
+        output_schema: pa.Schema,
+    ) -> tuple[pa.Table, pa.ChunkedArray]:
         order = {m.ref: i for i, m in enumerate(group)}
         position = [
             order[CheckpointRef(r, c)]
@@ -1359,7 +1381,8 @@ class SnapshotStore:
         self, job_id: str, operator_id: str | None = None, include_expired: bool = False
     ) -> list[CheckpointMetadata]:
         """Every checkpoint of every subtask of a job (optionally one operator), sorted by
-        operator, run, checkpoint id and subtask."""
+        operator, then oldest first (the time each was committed), checkpoint id and
+        subtask."""
         metas = [
             meta
             for found in self.map_subtasks(
@@ -1523,6 +1546,15 @@ def _struct_to_table(column: pa.ChunkedArray | pa.Array, schema: pa.Schema) -> p
     return pa.Table.from_arrays(columns, schema=schema)
 
 
+def _too_large(meta: CheckpointMetadata, what: str, remedy: str) -> CheckpointError:
+    return CheckpointError(
+        f"Checkpoint {meta.ref} of subtask {meta.subtask} cannot be committed: its {what} "
+        "hold more than 2 GiB in one column, past what an Arrow string or binary column "
+        f"holds (32-bit offsets). Give each checkpoint less to hold: {remedy}. Nothing was "
+        "written; the previous checkpoint is intact."
+    )
+
+
 def _checkpoint_rows(
     meta: CheckpointMetadata,
     elements: Sequence[StreamElement],
@@ -1562,6 +1594,8 @@ def _checkpoint_rows(
         raise UnsupportedTypeError(
             f"An in-flight record does not fit the input schema {input_schema}: {exc}"
         ) from exc
+    if isinstance(element_inputs, pa.ChunkedArray):  # what pyarrow does past 2 GiB
+        raise _too_large(meta, "in-flight records", "a lower capacity")
     input_storage = schema.field("input").type
     result_storage = schema.field("result").type
     input_column = pa.concat_arrays(
@@ -1571,10 +1605,17 @@ def _checkpoint_rows(
             pa.nulls(n_res, input_storage),
         ]
     )
-    result_struct = pa.StructArray.from_arrays(
-        [c.combine_chunks() if c.num_chunks else pa.array([], c.type) for c in results.columns],
-        fields=list(output_schema),
-    )
+    try:
+        result_struct = pa.StructArray.from_arrays(
+            [c.combine_chunks() if c.num_chunks else pa.array([], c.type) for c in results.columns],
+            fields=list(output_schema),
+        )
+    except pa.ArrowInvalid as exc:
+        if "overflow" not in str(exc):
+            raise
+        raise _too_large(
+            meta, "results", "checkpoints more often (a lower interval_records or interval_seconds)"
+        ) from exc
     result_column = pa.concat_arrays(
         [
             pa.nulls(1 + n_el, result_storage),

@@ -16,13 +16,15 @@ timestamp[ns] (any time zone)      int64 nanoseconds since the epoch
 time32 / time64                    int32 / int64 in the type's unit
 duration                           int64 in the type's unit
 dictionary<value>                  value (decoded)
+decimal256(p <= 38, s)             decimal128(p, s)
 large_string / large_binary /      string / binary / list (delta-rs does this
 large_list, fixed_size_binary      itself; restored by the cast back)
 =================================  ===========================================
 
 The original Arrow schema is kept with the table, and loading casts every column back to
-it. Interval and extension types have no lossless form and are refused with
-``UnsupportedTypeError`` naming the column, as are fields of one struct whose names differ
+it. Interval and extension types, decimals of more than 38 digits, list views and run-end
+encoded arrays have no lossless form here and are refused with ``UnsupportedTypeError``
+naming the column, as are fields of one struct whose names differ
 only in case (Delta's column names are case-insensitive).
 """
 
@@ -69,6 +71,20 @@ def storage_type(data_type: pa.DataType, path: str = "") -> pa.DataType:
     if pt.is_list(t) or pt.is_large_list(t) or pt.is_fixed_size_list(t):
         item = t.value_field
         return pa.list_(pa.field(item.name, storage_type(item.type, _join(path, "element"))))
+    if pt.is_decimal256(t):
+        if t.precision <= 38:
+            return pa.decimal128(t.precision, t.scale)
+        raise UnsupportedTypeError(
+            f"Column {path or '<value>'!r} has type {t}: a Delta table holds decimals of at "
+            "most 38 digits. Cast it to a string, or to decimal(38, s) if its values fit, "
+            "before enriching."
+        )
+    if pt.is_list_view(t) or pt.is_large_list_view(t) or pt.is_run_end_encoded(t):
+        raise UnsupportedTypeError(
+            f"Column {path or '<value>'!r} has type {t}, which a checkpoint cannot restore "
+            "as it was. Cast it to a plain list (pa.list_) or, for run-end encoding, to its "
+            "value type before enriching."
+        )
     if pt.is_interval(t) or isinstance(t, pa.ExtensionType):
         raise UnsupportedTypeError(
             f"Column {path or '<value>'!r} has type {t}, which a Delta table cannot store "

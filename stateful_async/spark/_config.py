@@ -63,8 +63,8 @@ class CheckpointConfig:
             raise ConfigurationError(
                 f"CheckpointConfig location must be a path or URI; got {self.location!r}."
             )
-        object.__setattr__(self, "location", normalize(self.location))
         try:
+            object.__setattr__(self, "location", normalize(self.location))
             check_name("job_id", self.job_id)
             check_name("operator_id", self.operator_id)
         except CheckpointError as exc:
