@@ -1614,7 +1614,7 @@ def _checkpoint_rows(
         if "overflow" not in str(exc):
             raise
         raise _too_large(
-            meta, "results", "checkpoints more often (a lower interval_records or interval_seconds)"
+            meta, "results", "checkpoint more often (a lower interval_records or interval_seconds)"
         ) from exc
     result_column = pa.concat_arrays(
         [
