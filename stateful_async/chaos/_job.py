@@ -195,13 +195,6 @@ class JobOptions:
                     f"The {what} location must be an absolute path or a URI (executors do not "
                     f"run in this directory); got {path!r}."
                 )
-        if self.report:  # found now, not after the output is committed
-            folder = os.path.dirname(os.path.abspath(self.report))
-            if not os.path.isdir(folder):
-                raise ConfigurationError(
-                    f"The report's folder {folder} does not exist; create it, or pass "
-                    f"--report a path in an existing folder (got {self.report!r})."
-                )
 
     @property
     def retry_bound(self) -> int:
@@ -637,6 +630,15 @@ def _task_attempts(spark: Any, settle: float, job_group: str | None) -> list[Tas
 
 def main(argv: Sequence[str] | None = None) -> int:
     options = parse_args(argv)
+    if options.report:  # found now, not after the output is committed
+        folder = os.path.dirname(os.path.abspath(options.report))
+        if not os.path.isdir(folder):
+            print(
+                f"error: the report's folder {folder} does not exist; create it, or pass "
+                f"--report a path in an existing folder (got {options.report!r})",
+                file=sys.stderr,
+            )
+            return 2
     started = time.time()
     try:
         spark = session_for(
