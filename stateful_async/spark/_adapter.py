@@ -48,17 +48,20 @@ def ordered_wait(
     with exactly the fields of ``schema``, a DDL string or ``StructType``), holding values
     of the declared types: a result that does not match, including a value Arrow would only
     take with loss or would read as something else (2.5 for an integer field, a struct with
-    keys it does not declare, a Row whose fields are not the struct's in order, a number for
+    keys it does not declare, a Row or namedtuple whose fields are not the struct's in
+    order, a map given as pairs that repeat a key, a number for
     a timestamp or date, a naive datetime for a ``TIMESTAMP`` or an aware one for a
     ``TIMESTAMP_NTZ``, a string for an array), fails the task with ``ResultSchemaError``
-    naming the field and the input row. ``capacity`` bounds the rows
+    naming the field and the input row (and its record number in the partition).
+    ``capacity`` bounds the rows
     in a task's queue: the calls in flight and, as in Flink, the results that wait for an
     earlier row's. Behind a slow call the queue fills with finished results, so against a
     service whose latency varies fewer calls are in flight than ``capacity``;
     ``max_in_flight`` (default: ``capacity``) bounds the calls alone, so with ``capacity``
     well above it the service sees ``max_in_flight`` calls per task through such stalls
     (README, "Ordering modes"); ``timeout`` (seconds or a ``timedelta``, per row, covering
-    retries) and ``retry`` are as in ``AsyncWaitOperator``. With ``checkpoint``, each task
+    retries) and ``retry`` are as in ``AsyncWaitOperator``: a ``retry`` needs a
+    ``timeout``, which bounds how long a row may keep retrying. With ``checkpoint``, each task
     checkpoints its progress to Delta and a failed task or a killed job resumes instead of
     starting over (see ``CheckpointConfig``). With ``metrics``, the tasks' counts (calls,
     retries, timeouts, resumes, ...) add up in that ``EnrichmentMetrics`` on the driver.
@@ -174,6 +177,13 @@ def _async_wait(
     struct = _output_struct(schema)
     _check_names_apart(df, struct)
     columns = df.columns
+    if not columns:
+        raise ConfigurationError(
+            "The input DataFrame has no columns: Spark hands mapInArrow no rows of such a "
+            "DataFrame (however many it has), so the function would never be called and "
+            "the output would be empty. Keep at least one column, e.g. "
+            "df.withColumn('row', F.monotonically_increasing_id())."
+        )
     twice = sorted({name for name in columns if columns.count(name) > 1})
     if twice:
         raise ConfigurationError(
@@ -699,7 +709,8 @@ def _app_start(session: Any) -> str:
 #: logical plan nodes that keep their input's partitions and order, one stage with it
 _SAME_STAGE = frozenset(
     {"Project", "Filter", "SubqueryAlias", "MapInArrow", "MapInPandas", "Union", "Sample",
-     "Generate", "Expand", "ResolvedHint", "LocalLimit", "MapPartitions"}
+     "Generate", "Expand", "ResolvedHint", "LocalLimit", "MapPartitions", "CollectMetrics",
+     "EventTimeWatermark"}
 )  # fmt: skip
 
 
@@ -717,8 +728,8 @@ def _after_unordered_wait(df: Any) -> bool:
             name = node.nodeName()
             if name == "MapInArrow" and node.functionExpr().name() == unordered:
                 return True
-            if name in _SAME_STAGE:
-                children = node.children()
+            if name in _SAME_STAGE or (name == "Repartition" and not node.shuffle()):
+                children = node.children()  # coalesce() is a Repartition without shuffle
                 pending.extend(children.apply(i) for i in range(children.size()))
     except Exception:  # a heuristic: never fail the user's call over it
         return False

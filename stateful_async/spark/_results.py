@@ -39,13 +39,13 @@ _CONVERSION_ERRORS = (
 
 def to_batch(
     rows: list[dict[str, Any]],
-    sources: list[dict[str, Any]],
+    sources: list[Any],
     schema: pa.Schema,
-    shown: Callable[[dict[str, Any]], Any] = dict,
+    described: Callable[[Any], str] = describe,
 ) -> pa.RecordBatch:
     """``rows`` (results of the input rows ``sources``) as a batch of ``schema``; a result
-    that does not fit fails with ``ResultSchemaError`` naming its input row, as ``shown``
-    gives it (the function's form of a row: maps as dicts)."""
+    that does not fit fails with ``ResultSchemaError`` naming its input row, as
+    ``described`` words it (a task's: the row as the function got it, and its place)."""
     try:
         batch = pa.RecordBatch.from_pylist(rows, schema=schema)
     except _CONVERSION_ERRORS:
@@ -60,12 +60,12 @@ def to_batch(
             for row, source in zip(rows, sources, strict=True):
                 value = row[name]
                 if value is not None and (problem := check(value)) is not None:
-                    raise _refusal(name, problem, describe(shown(source)))
+                    raise _refusal(name, problem, described(source))
         # ... and lets a null into a NOT NULL field, which Spark's JVM fails on.
         found = _first_null(batch, [field for _, field in _required_fields(schema)])
         if found is not None:
             row_index, required, problem = found
-            raise _refusal(required.name, problem, describe(shown(sources[row_index])))
+            raise _refusal(required.name, problem, described(sources[row_index]))
         return batch
     for row, source in zip(rows, sources, strict=True):  # find the culprit, for the message
         for field in schema:
@@ -75,7 +75,7 @@ def to_batch(
             except _CONVERSION_ERRORS as exc:
                 raise ResultSchemaError(
                     f"The result field {field.name!r} ({field.type}) cannot hold {describe(value)} "
-                    f"({type(value).__name__}), returned for input row {describe(shown(source))}: "
+                    f"({type(value).__name__}), returned for input row {described(source)}: "
                     f"{exc}. Return values of the types the output schema declares."
                 ) from exc
     # Every value converts alone but a column does not: pyarrow takes the form of a
@@ -88,7 +88,7 @@ def to_batch(
         raise ResultSchemaError(
             f"The result field {field.name!r} ({field.type}) cannot hold {describe(values[at])} "
             f"({type(values[at]).__name__}), returned for input row "
-            f"{describe(shown(sources[at]))}, in the same batch as {describe(first)} "
+            f"{described(sources[at])}, in the same batch as {describe(first)} "
             f"({type(first).__name__}). Return each field in one form for every row (a struct "
             "always as a dict, or always as a tuple)."
         )
@@ -212,13 +212,15 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
                     )
                     return _Loss("", arrow_type, value, reason)
                 fields: Any = ((name, check, value.get(name)) for name, check in checks)
-            elif isinstance(value, tuple):  # taken by position, a Row's names notwithstanding
-                row_names = getattr(value, "__fields__", None)
+            elif isinstance(value, tuple):  # taken by position, its names notwithstanding
+                # a Row names its fields __fields__, a namedtuple _fields
+                kind = "Row" if hasattr(value, "__fields__") else "namedtuple"
+                row_names = getattr(value, "__fields__", None) or getattr(value, "_fields", None)
                 if row_names is not None and list(row_names) != order:
                     reason = (
-                        f"a Row's fields are taken by position, and its fields {list(row_names)} "
-                        f"are not the struct's {order} in order: return a dict, or a Row with "
-                        "the struct's fields in order"
+                        f"a {kind}'s fields are taken by position, and its fields "
+                        f"{list(row_names)} are not the struct's {order} in order: return a "
+                        f"dict, or a {kind} with the struct's fields in order"
                     )
                     return _Loss("", arrow_type, value, reason)
                 fields = (
@@ -280,15 +282,32 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
         return check_float
     if pa.types.is_map(arrow_type):
         key, item = _check_for(arrow_type.key_type), _check_for(arrow_type.item_type)
-        if key is None and item is None:
-            return None
 
         def check_map(value: Any) -> _Loss | None:
+            # pairs (not a dict) can repeat a key, and Spark's maps cannot: pyarrow would
+            # make a map that reads one value or the other depending on how it is read
+            if isinstance(value, dict):
+                if key is None and item is None:
+                    return None
+                seen: set[Any] | None = None
+            else:
+                seen = set()
             for k, v in _map_entries(value):
                 if key is not None and k is not None and (loss := key(k)):
                     return loss.under(" key")
                 if item is not None and v is not None and (loss := item(v)):
                     return loss.under(f"[{k!r}]")
+                if seen is not None:
+                    try:
+                        if k in seen:
+                            reason = (
+                                f"a map field would hold the key {k!r} twice, and a Spark map "
+                                "holds each key once: keep one entry per key (a dict does)"
+                            )
+                            return _Loss("", arrow_type, value, reason)
+                        seen.add(k)
+                    except TypeError:  # an unhashable key (a struct as a dict): not checked
+                        seen = None
             return None
 
         return check_map

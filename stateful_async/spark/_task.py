@@ -86,10 +86,12 @@ class _RowFunction(AsyncFunction[Any, Any]):
         fn: AsyncFunction[Any, Any],
         names: frozenset[str],
         shown: Callable[[dict[str, Any]], Any],
+        partition: int = 0,
     ) -> None:
         self.fn = fn
         self.names = names
         self.shown = shown  # an input row as errors show it: as the function gets it
+        self.partition = partition
 
     async def open(self) -> None:
         fn = self.fn
@@ -100,13 +102,18 @@ class _RowFunction(AsyncFunction[Any, Any]):
         await self.fn.close()
 
     async def async_invoke(self, value: tuple[int, dict[str, Any], dict[str, Any]]) -> list[Any]:
-        return _pair(await self._invoke(value[2]), value[1], self.names, self.shown)
+        return _pair(await self._invoke(value[2]), value, self.names, self.shown, self.partition)
 
 
 class _RowFunctionWithTimeout(_RowFunction):
     async def timeout(self, value: tuple[int, dict[str, Any], dict[str, Any]]) -> list[Any]:
         return _pair(
-            await self.fn.timeout(value[2]), value[1], self.names, self.shown, "The timeout handler"
+            await self.fn.timeout(value[2]),
+            value,
+            self.names,
+            self.shown,
+            self.partition,
+            "The timeout handler",
         )
 
 
@@ -214,17 +221,21 @@ def _or_none(convert: _Convert, value: Any) -> Any:
 
 def _pair(
     results: Any,
-    row: dict[str, Any],
+    record: tuple[int, dict[str, Any], dict[str, Any]],
     names: frozenset[str],
     shown: Callable[[dict[str, Any]], Any],
+    partition: int,
     source: str = "The async function",
 ) -> list[Any]:
+    """``results`` paired with the ``record`` they are of (see ``_record``), each checked
+    to be a dict with the output schema's fields."""
+    row = record[1]
     if type(results) is not list:
         if not_a_result_list(results):
             raise InvalidResultError(
                 f"{source} returned {type(results).__name__} for input row "
-                f"{describe(shown(row))}; it must return a list of result rows (dicts): [row] "
-                "for one result, [] for none.",
+                f"{_row_text(record, shown, partition)}; it must return a list of result rows "
+                "(dicts): [row] for one result, [] for none.",
                 element=row,
             )
         try:
@@ -232,7 +243,8 @@ def _pair(
         except TypeError:
             raise InvalidResultError(
                 f"{source} returned {type(results).__name__}, which is not iterable, "
-                f"for input row {describe(shown(row))}; return a list of result rows (dicts).",
+                f"for input row {_row_text(record, shown, partition)}; return a list of result "
+                "rows (dicts).",
                 element=row,
             ) from None
     paired = []
@@ -244,18 +256,55 @@ def _pair(
                 result = dict(result)
             else:
                 raise ResultSchemaError(
-                    f"{source} returned a {type(result).__name__} result for input "
-                    f"row {describe(shown(row))}; each result must be a dict with the fields "
-                    f"{sorted(names)}."
+                    f"{source} returned a {type(result).__name__} result for input row "
+                    f"{_row_text(record, shown, partition)}; each result must be a dict with "
+                    f"the fields {sorted(names)}."
                 )
         if result.keys() != names:
             raise ResultSchemaError(
-                f"A result for input row {describe(shown(row))} does not match the output schema: "
-                f"{_key_difference(result.keys(), names)}. The schema has the fields "
-                f"{sorted(names)}."
+                f"A result for input row {_row_text(record, shown, partition)} does not match "
+                f"the output schema: {_key_difference(result.keys(), names)}. The schema has "
+                f"the fields {sorted(names)}."
             )
-        paired.append((result, row))
+        paired.append((result, record))
     return paired
+
+
+def _python_rows(chunk: pa.RecordBatch, first: int, partition: int) -> list[dict[str, Any]]:
+    """``chunk``'s rows as the dicts the function gets; a value Python cannot hold fails
+    naming its column and record (``first`` is the chunk's first record number)."""
+    try:
+        return chunk.to_pylist()
+    except (OverflowError, ValueError) as exc:
+        for name, column in zip(chunk.schema.names, chunk.columns, strict=True):
+            for i in range(len(column)):
+                try:
+                    column[i].as_py()
+                except (OverflowError, ValueError) as error:
+                    zoned = pa.types.is_timestamp(column.type) and column.type.tz is not None
+                    way = (
+                        "A zoned timestamp reaches the function as a datetime in UTC, and "
+                        "Python's datetime ends at 9999-12-31 (a sentinel such as TIMESTAMP "
+                        "'9999-12-31 23:59:59' in a time zone west of UTC is past it in UTC): "
+                        "cast the column to timestamp_ntz or a string, or clamp it, before "
+                        "enriching."
+                        if zoned
+                        else "Cast the column to a string, or clamp it, before enriching."
+                    )
+                    raise ConfigurationError(
+                        f"Input column {name!r} of record {first + i} of partition "
+                        f"{partition} holds a value Python cannot hold ({error}). {way}"
+                    ) from exc
+        raise
+
+
+def _row_text(
+    record: tuple[int, dict[str, Any], dict[str, Any]],
+    shown: Callable[[dict[str, Any]], Any],
+    partition: int,
+) -> str:
+    """The input row of ``record`` as errors name it: as the function got it, and where."""
+    return f"{describe(shown(record[1]))} (record {record[0]} of partition {partition})"
 
 
 def _key_difference(keys: Any, names: frozenset[str]) -> str:
@@ -420,7 +469,7 @@ class _TaskRun:
         self.driver: asyncio.Task[None] | None = None
         # output accumulated on the loop thread
         self.rows: list[dict[str, Any]] = []
-        self.sources: list[dict[str, Any]] = []
+        self.sources: list[tuple[int, dict[str, Any], dict[str, Any]]] = []  # their records
         self.uncommitted: list[pa.RecordBatch] = []
         self.flush_scheduled = False
         self.tick: asyncio.TimerHandle | None = None  # the flush timer, once the task runs
@@ -504,7 +553,9 @@ class _TaskRun:
         spec = self.spec
         self.progress = _progress_seconds()  # a bad setting fails the task before any I/O
         fn_class = _RowFunctionWithTimeout if has_timeout_handler(spec.fn) else _RowFunction
-        function = fn_class(spec.fn, frozenset(spec.output_schema.names), self.argument)
+        function = fn_class(
+            spec.fn, frozenset(spec.output_schema.names), self.argument, self.identity.partition
+        )
         self.op = AsyncWaitOperator(
             function,
             self._on_output,
@@ -607,7 +658,7 @@ class _TaskRun:
                 if interval is not None:
                     size = min(size, interval - self.position % interval)
                 chunk = batch.slice(offset, size)
-                rows = chunk.to_pylist()
+                rows = _python_rows(chunk, self.position, self.identity.partition)
                 # taken before any call: what the input was, whatever a function does to it
                 reprs = [repr(row) for row in rows] if self.checkpointing else []
                 stamps = None if event_time is None else _timestamps(chunk, event_time)
@@ -674,10 +725,13 @@ class _TaskRun:
             return
         rows, sources = self.rows, self.sources
         self.rows, self.sources = [], []
-        batch = to_batch(rows, sources, self.spec.output_schema, self.argument)
+        batch = to_batch(rows, sources, self.spec.output_schema, self._described)
         if self.checkpointing:
             self.uncommitted.append(batch)
         self.out.put(("batch", batch))
+
+    def _described(self, record: tuple[int, dict[str, Any], dict[str, Any]]) -> str:
+        return _row_text(record, self.argument, self.identity.partition)
 
     def _abort(self, error: BaseException) -> None:
         if self.error is None:

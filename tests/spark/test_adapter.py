@@ -4,6 +4,8 @@ enrichment service on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import json
 import os
 import re
@@ -572,9 +574,19 @@ def test_a_checkpointed_enrichment_after_unordered_wait_in_one_stage_is_warned_o
     assert chained.count() == 17  # a warning: the failure-free run is right
     with pytest.warns(UserWarning, match="This checkpointed unordered_wait reads the output"):
         unordered_wait(unordered.union(spark.range(3)), f, "id long", checkpoint=config)
+    # narrow steps that are no projection: coalesce (a Repartition without shuffle), observe
+    for narrow in (unordered.coalesce(1), unordered.observe("seen", F.count(F.lit(1)))):
+        with pytest.warns(UserWarning, match="This checkpointed ordered_wait reads the output"):
+            ordered_wait(narrow, f, "id long", checkpoint=config)
     stream = spark.readStream.format("rate").load().select(F.col("value").alias("id"))
     with pytest.warns(UserWarning, match="This checkpointed ordered_wait reads the output"):
         ordered_wait(unordered_wait(stream, f, "id long"), f, "id long", checkpoint=config)
+    watermarked = unordered_wait(stream, f, "id long").withColumn("at", F.current_timestamp())
+    watermarked = watermarked.withWatermark("at", "1 second")
+    with pytest.warns(UserWarning, match="This checkpointed ordered_wait reads the output"):
+        ordered_wait(
+            watermarked, f, "id long", checkpoint=dataclasses.replace(config, operator_id="third")
+        )
     ordered = ordered_wait(spark.range(0, 20, numPartitions=2), f, "id long")
     cached = unordered_wait(spark.range(0, 20, numPartitions=2), f, "id long").persist()
     cached.count()
@@ -1592,8 +1604,8 @@ def test_a_result_missing_a_field_names_it_and_the_input_row(spark) -> None:
 
     with pytest.raises(
         Exception,
-        match=r"input row \{'id': 0\} does not match the output schema: missing field\(s\) "
-        r"\['score'\]",
+        match=r"input row \{'id': 0\} \(record 0 of partition 0\) does not match the output "
+        r"schema: missing field\(s\) \['score'\]",
     ):
         ordered_wait(
             spark.range(0, 5, numPartitions=1), incomplete, "id long, score double", capacity=2
@@ -1628,14 +1640,14 @@ def test_extra_keys_of_mixed_types_are_named(spark, result, schema, message) -> 
             {"score": "high"},
             "id long, score double",
             r"result field 'score' \(double\) cannot hold 'high' \(str\), returned for input "
-            r"row \{'id': 0\}",
+            r"row \{'id': 0\} \(record 0 of partition 0\)",
         ),
         # pyarrow would silently truncate these: 2.5 into a long is 2
         (
             {"score": 2.5},
             "id long, score long",
             r"result field 'score' \(int64\) cannot hold 2.5 \(float\): an integer field would "
-            r"truncate it, returned for input row \{'id': 0\}",
+            r"truncate it, returned for input row \{'id': 0\} \(record 0 of partition 0\)",
         ),
         # ... and drop a struct's unknown keys, at any depth
         (
@@ -1643,7 +1655,8 @@ def test_extra_keys_of_mixed_types_are_named(spark, result, schema, message) -> 
             "id long, score struct<value: long, tags: array<struct<name: string>>>",
             r"result field 'score.tags\[0\]' \(struct<name: string>\) cannot hold "
             r"\{'name': 'a', 'weight': 1.0\} \(dict\): unexpected field\(s\) \['weight'\] would be "
-            r"dropped \(the struct has \['name'\]\), returned for input row \{'id': 0\}",
+            r"dropped \(the struct has \['name'\]\), returned for input row \{'id': 0\} "
+            r"\(record 0 of partition 0\)",
         ),
         # ... and read an epoch in seconds as microseconds: 1970-01-01 00:28:20
         (
@@ -1665,6 +1678,10 @@ def test_a_result_of_the_wrong_type_names_the_field_and_the_input_row(
         ordered_wait(spark.range(0, 5, numPartitions=1), wrong, schema, capacity=2).collect()
 
 
+AB = collections.namedtuple("AB", ["a", "b"])
+BA = collections.namedtuple("BA", ["b", "a"])
+
+
 @pytest.mark.parametrize(
     ("value", "problem"),
     [
@@ -1673,6 +1690,13 @@ def test_a_result_of_the_wrong_type_names_the_field_and_the_input_row(
         ({"id": 1, "st": Row(a=1, b=2)}, None),
         ({"id": 1, "st": (1.5, 2)}, r"'st.a' \(int64\) cannot hold 1.5"),  # by position
         ({"id": 1, "st": Row(b=2, a=1)}, r"a Row's fields are taken by position"),
+        ({"id": 1, "st": AB(a=1, b=2)}, None),
+        # before: stored by position, b's value in a and a's in b
+        ({"id": 1, "st": BA(b=2, a=1)}, r"a namedtuple's fields are taken by position"),
+        ({"id": 1, "m": [("k", 1), ("j", 2)]}, None),
+        # before: a map holding "k" twice (collect() gave one value, m['k'] the other)
+        ({"id": 1, "m": [("k", 1), ("k", 2)]}, r"would hold the key 'k' twice"),
+        ({"id": 1, "m": [{"key": "k", "value": 1}, {"key": "k", "value": 1}]}, r"key 'k' twice"),
         ({"id": 1, "m": [{"key": "k", "value": 2.5}]}, r"\"m\['k'\]\" \(int64\) cannot hold 2.5"),
         ({"id": float("nan")}, r"'id' \(int64\) cannot hold nan"),
     ],
@@ -1872,7 +1896,9 @@ def test_a_null_in_a_not_null_output_column_fails_with_the_message_not_a_jvm_tra
         return [{"id": None if row["id"] == 3 else row["id"], "label": "x"}]
 
     with pytest.raises(
-        Exception, match=r"result field 'id' \(int64\) cannot hold None .*input row \{'id': 3\}"
+        Exception,
+        match=r"result field 'id' \(int64\) cannot hold None .*input row \{'id': 3\} "
+        r"\(record 3 of partition 0\)",
     ):
         ordered_wait(
             spark.range(0, 5, numPartitions=1), no_id, "id long not null, label string"
@@ -2121,6 +2147,45 @@ def test_input_columns_named_twice_are_refused_before_the_job(spark) -> None:
     assert joined.columns == ["id", "v", "k", "v"]
     with pytest.raises(ConfigurationError, match="more than one column named 'v'"):
         ordered_wait(joined, f, "id long")
+
+
+def test_an_input_value_python_cannot_hold_names_its_column_and_record(spark) -> None:
+    # 9999-12-31 23:59:59 in New York is in the year 10000 in UTC, where the function gets
+    # zoned timestamps: before, every attempt failed with a bare OverflowError.
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    previous = spark.conf.get("spark.sql.session.timeZone")
+    spark.conf.set("spark.sql.session.timeZone", "America/New_York")
+    try:
+        df = spark.range(0, 5, numPartitions=1).selectExpr(
+            "id",
+            "IF(id = 3, TIMESTAMP'9999-12-31 23:59:59', TIMESTAMP'2024-01-01') AS valid_to",
+        )
+        with pytest.raises(
+            Exception, match="Input column 'valid_to' of record 3 of partition 0"
+        ) as info:
+            ordered_wait(df, f, "id long").collect()
+        assert "cast the column to timestamp_ntz or a string" in str(info.value)
+        ntz = df.withColumn("valid_to", F.col("valid_to").cast("timestamp_ntz"))
+        assert ordered_wait(ntz, f, "id long").count() == 5  # the way the error gives
+    finally:
+        spark.conf.set("spark.sql.session.timeZone", previous)
+
+
+def test_an_input_without_columns_is_refused_before_the_job(spark) -> None:
+    # Spark hands mapInArrow one empty batch for a DataFrame without columns, whatever its
+    # row count: before, every row was lost without a word.
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [{"x": 1}]
+
+    bare = spark.range(0, 5, 1, 1).select()
+    assert bare.count() == 5 and bare.columns == []
+    for wait in (ordered_wait, unordered_wait):
+        with pytest.raises(ConfigurationError, match="The input DataFrame has no columns"):
+            wait(bare, f, "x int")
+    kept = bare.withColumn("row", F.monotonically_increasing_id())  # the way the error gives
+    assert ordered_wait(kept, f, "x int").count() == 5
 
 
 def test_checkpoint_config_validates_its_fields(tmp_path) -> None:
