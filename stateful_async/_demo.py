@@ -4,6 +4,7 @@ against the embedded mock service, with one task crash injected and recovered.""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -128,7 +129,13 @@ def run_demo(
     from checkpoint import SnapshotStore, delta_dataset
 
     from ._exceptions import ConfigurationError
-    from .chaos import CrashOnElement, MockService, ServiceConfig, ServiceEnrichment
+    from .chaos import (
+        CrashOnElement,
+        MockService,
+        MockServiceError,
+        ServiceConfig,
+        ServiceEnrichment,
+    )
     from .chaos import expected_enrichment as expected
     from .spark import (
         CheckpointConfig,
@@ -144,7 +151,13 @@ def run_demo(
             f"{settings.rows} records in {settings.partitions} partitions: give every partition "
             "at least 100 records (more --rows, or fewer --partitions)."
         )
-    workdir = settings.workdir or tempfile.mkdtemp(prefix="stateful-async-demo-")
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        raise ConfigurationError(
+            "Spark needs Java (17 or 21), and there is no java on the PATH and no JAVA_HOME. "
+            "Install a JDK (e.g. apt-get install openjdk-17-jre-headless) or set JAVA_HOME."
+        )
+    # absolute: the Delta sink and the executors do not run in this directory
+    workdir = os.path.abspath(settings.workdir or tempfile.mkdtemp(prefix="stateful-async-demo-"))
     try:
         Path(workdir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -171,11 +184,17 @@ def run_demo(
     ):
         on_start("starting Spark (local, 3 attempts per task)")
         os.environ.setdefault("STATEFUL_ASYNC_TASK_LOG", "0")
-        spark = local_session(
-            f"local[{settings.partitions},3]",
-            app_name="stateful-async-demo",
-            conf={"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log4j}"},
-        )
+        try:
+            spark = local_session(
+                f"local[{settings.partitions},3]",
+                app_name="stateful-async-demo",
+                conf={"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log4j}"},
+            )
+        except Exception as exc:  # the cause is in the log the JVM wrote, not in the error
+            raise ConfigurationError(
+                f"Spark did not start ({type(exc).__name__}): see "
+                f"{os.path.join(workdir, 'spark.log')}, where Spark and Java wrote why."
+            ) from exc
         spark.sparkContext.setLogLevel("OFF")  # the injected crash is expected: keep it quiet
         try:
             register_delta_sink(spark)
@@ -206,7 +225,7 @@ def run_demo(
                 while not done.wait(0.2):
                     try:
                         on_progress(int(service.stats()["total"]))
-                    except OSError:
+                    except MockServiceError:  # a slow answer: the next one will do
                         pass
 
             watcher = threading.Thread(target=watch, daemon=True)

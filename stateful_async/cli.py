@@ -21,7 +21,9 @@ import importlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
@@ -121,8 +123,8 @@ def demo(
         typer.Option(help="Where output and checkpoints go (default: a new temp dir)."),
     ] = None,
 ) -> None:
-    """Enrich a generated dataset on local Spark against the embedded mock service, with
-    checkpoints; crash one task mid-way, recover, and check the output is exactly once."""
+    """Enrich a generated dataset on local Spark against the mock service (a child process),
+    with checkpoints; crash one task mid-way, recover, and check the output is exactly once."""
     from ._demo import DemoSettings, run_demo
 
     if not 0 < latency_ms < math.inf:
@@ -152,7 +154,9 @@ def demo(
         console=out,
         transient=False,
     )
-    with _user_errors(), progress:
+    # A SIGTERM (timeout, a CI job cancelled, kill) unwinds like Ctrl-C, so that the demo
+    # stops the service and Spark it started instead of leaving them running.
+    with _sigterm_unwinds(), _user_errors(), progress:
         steps = progress.add_task("preparing", total=None)
         requests = progress.add_task("requests to the service", total=rows, visible=False)
 
@@ -190,7 +194,9 @@ def demo(
     table.add_row(
         "requests",
         f"{result.requests:,} in all; {result.re_requested:,} records re-requested after the crash "
-        f"(bound: capacity + interval = {result.repeat_bound:,})",
+        f"(bound: capacity + interval = {result.repeat_bound:,})"
+        if crash
+        else f"{result.requests:,} in all; {result.re_requested:,} records requested twice",
     )
     counts = result.metrics
     if counts:
@@ -221,8 +227,8 @@ def demo(
     table.add_row("checkpoints", escape(result.checkpoint_location))
     table.add_row("Spark's log", escape(result.spark_log))
     out.print(table)
-    look = escape(f"stateful-async checkpoints list {result.checkpoint_location}")
-    out.print(f"Look inside: [bold]{look}[/]")
+    look = escape(f"{_this_program()} checkpoints list {result.checkpoint_location}")
+    out.print(f"Look inside: [bold]{look}[/]", soft_wrap=True)  # whole, to copy and paste
     for failure in result.failures:
         err.print(f"[bold red]FAILED[/]: {escape(failure)}", highlight=False, soft_wrap=True)
     if result.failures:
@@ -861,6 +867,32 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, dt.timedelta):
         return value.total_seconds()
     return str(value)
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    def unwind(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread can take signals
+        return
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _this_program() -> str:
+    """How to run this command line again from any shell: the ``stateful-async`` next to
+    this Python (a virtualenv's bin/, which need not be on the PATH), or ``python -m``."""
+    import shutil
+
+    script = Path(sys.executable).with_name("stateful-async")
+    if script.exists():
+        return "stateful-async" if shutil.which("stateful-async") == str(script) else str(script)
+    return f"{sys.executable} -m stateful_async.cli"
 
 
 def main() -> None:

@@ -763,6 +763,35 @@ def test_demo_refuses_a_workdir_it_cannot_create(tmp_path) -> None:
         assert f"Cannot use {workdir} as the demo's --workdir" in " ".join(result.output.split())
 
 
+def test_demo_without_java_says_so_before_starting_anything(tmp_path) -> None:
+    # before: Spark's JAVA_GATEWAY_EXITED, the cause only in the demo's spark.log
+    result = runner.invoke(
+        app,
+        ["demo", "--rows", "1000", "--workdir", str(tmp_path / "run")],
+        env={"PATH": str(tmp_path), "JAVA_HOME": ""},
+        terminal_width=200,
+    )
+    assert result.exit_code == 2, result.output
+    assert "Spark needs Java (17 or 21), and there is no java on the PATH" in result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_sigterm_during_the_demo_unwinds_it_like_ctrl_c() -> None:
+    # so that the demo's `with` blocks stop the mock service and Spark (a SIGTERM ended the
+    # process on the spot, and the service lived on)
+    import os
+    import signal
+
+    from stateful_async.cli import _sigterm_unwinds
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as info, _sigterm_unwinds():
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.sigtimedwait([], 0.5)  # let the handler run (it runs between bytecodes)
+    assert info.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_demo_refuses_partitions_too_small_to_crash_one() -> None:
     result = invoke("demo", "--rows", "150", "--partitions", "2")
     assert result.exit_code == 2, result.output

@@ -1,4 +1,4 @@
-"""The code stays lint-clean and type-checked (STYLE.md: type hints everywhere, mypy clean)."""
+"""The code stays lint-clean and type-checked (our style: type hints everywhere, mypy clean)."""
 
 from __future__ import annotations
 

@@ -130,3 +130,34 @@ def test_a_service_nobody_stopped_stops_when_its_interpreter_exits_closing_its_p
     for pid in pids:  # each was its child: reaped by it, so gone for good
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
     assert "ResourceWarning" not in done.stderr  # stop() closes the service's stdout pipe
+
+
+STARTER = """
+import sys
+from stateful_async.chaos import MockService
+print(MockService().start().pid, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def test_the_service_stops_when_the_process_that_started_it_is_killed() -> None:
+    # SIGKILL runs no atexit and no finally: the service stops because the pipe of its
+    # standard input, held by its starter, closes. Before, it listened on under init.
+    starter = subprocess.Popen(
+        [sys.executable, "-c", STARTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    service = None
+    try:
+        service = psutil.Process(int(starter.stdout.readline()))  # type: ignore[union-attr]
+        assert service.is_running()
+        starter.kill()
+        starter.wait(timeout=10)
+        try:
+            service.wait(timeout=10)
+        except psutil.TimeoutExpired:
+            pytest.fail("the service outlived the process that started it")
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+        if service is not None and service.is_running():
+            service.kill()  # the test's own grandchild, by pid

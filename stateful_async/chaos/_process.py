@@ -63,7 +63,11 @@ class MockService:
                 str(self.port),
                 "--config",
                 json.dumps(asdict(self.config)),
+                "--stop-on-stdin-eof",
             ],
+            # a pipe this process holds open: should it die without stop() (SIGKILL, or a
+            # SIGTERM nobody handles), the pipe closes and the service stops
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             # a file, not a pipe nobody reads: a service that logs a lot must never block
             stderr=stderr,
@@ -109,8 +113,9 @@ class MockService:
             except subprocess.TimeoutExpired:
                 os.kill(process.pid, signal.SIGKILL)
                 process.wait(timeout=10)
-        if process.stdout is not None:
-            process.stdout.close()
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                pipe.close()
 
     def __enter__(self) -> MockService:
         return self.start()

@@ -30,6 +30,7 @@ import math
 import random
 import signal
 import sys
+import threading
 import zlib
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -259,7 +260,9 @@ def make_app(config: ServiceConfig | None = None) -> web.Application:
     return app
 
 
-async def serve(port: int, config: ServiceConfig, host: str = "127.0.0.1") -> None:
+async def serve(
+    port: int, config: ServiceConfig, host: str = "127.0.0.1", stop_on_eof: bool = False
+) -> None:
     # A hung request is cancelled when its client gives up, instead of piling up.
     runner = web.AppRunner(
         make_app(config), access_log=None, handler_cancellation=True, shutdown_timeout=1.0
@@ -273,6 +276,18 @@ async def serve(port: int, config: ServiceConfig, host: str = "127.0.0.1") -> No
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if stop_on_eof:
+        # Standard input is a pipe from the process that started this one: it closes when
+        # that process ends, however it ends (SIGKILL included), and this one stops too.
+        def wait_for_eof() -> None:
+            try:
+                while sys.stdin.buffer.read(4096):
+                    pass
+            except (OSError, ValueError):
+                pass
+            loop.call_soon_threadsafe(stop.set)
+
+        threading.Thread(target=wait_for_eof, name="stdin-eof", daemon=True).start()
     await stop.wait()
     await runner.cleanup()
 
@@ -298,13 +313,19 @@ def main(argv: list[str] | None = None) -> None:
         default="{}",
         help='initial settings as JSON, e.g. \'{"latency_ms": 20, "error_rate": 0.01}\'',
     )
+    parser.add_argument(
+        "--stop-on-stdin-eof",
+        action="store_true",
+        help="stop when standard input closes (MockService passes it: the service ends "
+        "with the process that started it)",
+    )
     args = parser.parse_args(argv)
     try:
         config = ServiceConfig().merged(json.loads(args.config))
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     try:
-        asyncio.run(serve(args.port, config, args.host))
+        asyncio.run(serve(args.port, config, args.host, args.stop_on_stdin_eof))
     except KeyboardInterrupt:
         pass
     except OSError as exc:  # the port is taken, or the host is not an address of this machine

@@ -19,25 +19,30 @@ pytestmark = pytest.mark.spark
 def test_the_demo_crashes_a_task_recovers_and_reports_exactly_once(tmp_path: Path) -> None:
     script = shutil.which("stateful-async") or str(Path(sys.executable).with_name("stateful-async"))
     result = subprocess.run(
-        [script, "demo", "--rows", "4000", "--latency-ms", "2", "--workdir", str(tmp_path / "run")],
+        # a relative --workdir, from tmp_path (it crashed the sink, which takes absolute paths)
+        [script, "demo", "--rows", "4000", "--latency-ms", "2", "--workdir", "run"],
         capture_output=True,
         text=True,
         timeout=600,
-        env={"COLUMNS": "200", "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"},
+        env={"COLUMNS": "80", "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"},
+        cwd=tmp_path,
     )
     output = result.stdout
     assert result.returncode == 0, output + result.stderr
+    # a command to paste whole, however narrow the terminal
+    assert f"Look inside: stateful-async checkpoints list {tmp_path}/run/checkpoints\n" in output
+    flat = " ".join(re.sub(r"[│┌┐└┘├┤─┬┴┼]", " ", output).split())  # the table's cells, unwrapped
     assert "exactly-once" in output and "held: every record's result exactly once" in output
     crash = re.search(
         r"partition 0 died at record ([\d,]+) \(attempt 0\); attempt 1 resumed from "
         r"checkpoint (\d+)",
-        output,
+        flat,
     )
     assert crash, output
     again = re.search(
         r"([\d,]+) records re-requested after the crash \(bound: capacity \+ "
         r"interval = ([\d,]+)\)",
-        output,
+        flat,
     )
     assert again, output
     repeated, bound = (int(g.replace(",", "")) for g in again.groups())
@@ -48,7 +53,7 @@ def test_the_demo_crashes_a_task_recovers_and_reports_exactly_once(tmp_path: Pat
         r"2 tasks finished: ([\d,]+) records invoked, ([\d,]+) results, 0 retries, 0 timeouts; "
         r"1 resumed: ([\d,]+) results re-emitted from checkpoints, ([\d,]+) in flight "
         r"re-invoked, ([\d,]+) inputs skipped",
-        " ".join(re.sub(r"[│┌┐└┘├┤─┬┴┼]", " ", output).split()),  # the table's cells, unwrapped
+        flat,
     )
     assert counts, output
     records, results, restored, in_flight, skipped = (
