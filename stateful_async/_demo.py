@@ -1,5 +1,5 @@
 """The demo job behind ``stateful-async demo``: checkpointed enrichment on local Spark
-against the embedded mock service, with one task crash injected and recovered."""
+against the mock service (a child process), with one task crash injected and recovered."""
 
 from __future__ import annotations
 
