@@ -636,18 +636,26 @@ class SubtaskLog:
             (pc.field("kind") == KIND_RESULT) & _refs_filter(m.ref for m in group),
             ["run_id", "checkpoint_id", "seq", "timestamp", "result"],
         )
-        if len(group) > 1 and rows.column("result").nbytes > _RESTORE_GROUP_BYTES:
-            # Large results (long texts, say): put in order one checkpoint at a time. Arrow
-            # sorts a column by concatenating it, and a string column's 32-bit offsets end
-            # at 2 GiB; a checkpoint's own results are below that (its commit made sure).
-            runs, ids = rows.column("run_id"), rows.column("checkpoint_id")
-            for m in group:
-                mine = rows.filter(
-                    pc.and_(pc.equal(runs, m.run_id), pc.equal(ids, m.checkpoint_id))
-                )
-                yield self._ordered_results(mine, [m], m.result_count, output_schema)
+        yield from self._in_order(rows, group, expected, output_schema)
+
+    def _in_order(
+        self,
+        rows: pa.Table,
+        group: list[CheckpointMetadata],
+        expected: int,
+        output_schema: pa.Schema,
+    ) -> Iterator[tuple[pa.Table, pa.ChunkedArray]]:
+        """``group``'s results (``rows``) in commit order. Large results (long texts, say)
+        are put in order in halves of the group, down to one checkpoint if need be: Arrow
+        sorts a column by concatenating it, and a string column's 32-bit offsets end at
+        2 GiB (a checkpoint's own results are below that: its commit made sure)."""
+        if len(group) == 1 or rows.column("result").nbytes <= _RESTORE_GROUP_BYTES:
+            yield self._ordered_results(rows, group, expected, output_schema)
             return
-        yield self._ordered_results(rows, group, expected, output_schema)
+        half = len(group) // 2
+        for part in (group[:half], group[half:]):
+            mine = rows.filter(_refs_filter(m.ref for m in part))
+            yield from self._in_order(mine, part, sum(m.result_count for m in part), output_schema)
 
     def _ordered_results(
         self,
