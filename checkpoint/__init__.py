@@ -22,7 +22,7 @@ from ._model import (
     RestorePoint,
     Snapshot,
 )
-from ._store import ExpireReport, SnapshotStore, SubtaskLog
+from ._store import ORPHAN_GRACE, ExpireReport, SnapshotStore, SubtaskLog
 from ._types import storage_schema, storage_type
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "CheckpointRef",
     "CorruptCheckpointError",
     "ExpireReport",
+    "ORPHAN_GRACE",
     "InputFingerprint",
     "RestorePoint",
     "SchemaChangedError",

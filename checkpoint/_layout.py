@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import time
 from typing import TYPE_CHECKING, Any, Union
 from urllib.parse import urlparse
 
@@ -290,6 +291,27 @@ def data_files(table_uri: str, storage_options: StorageOptions = None) -> set[st
     except Exception:  # pyarrow raises several types for remote stores
         return None
     return {i.base_name for i in infos if i.type == pafs.FileType.File}
+
+
+def delete_stale_files(
+    table_uri: str, storage_options: StorageOptions, older_than_seconds: float
+) -> list[str]:
+    """Delete the Parquet files at the root of a table directory that has no Delta log yet
+    (its first commit never landed) and that were last written more than
+    ``older_than_seconds`` ago; their names."""
+    fs, root = filesystem(table_uri, storage_options)
+    cutoff = time.time() - older_than_seconds
+    removed = []
+    for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
+        if (
+            info.type == pafs.FileType.File
+            and info.base_name.endswith(".parquet")
+            and info.mtime is not None
+            and info.mtime.timestamp() < cutoff
+        ):
+            fs.delete_file(info.path)
+            removed.append(info.base_name)
+    return removed
 
 
 def subtask_numbers(names: list[str]) -> list[int]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +53,7 @@ from deltalake.exceptions import CommitFailedError, SchemaMismatchError, TableNo
 
 from stateful_async import StreamElement, StreamRecord, Watermark
 from stateful_async import __version__ as library_version
-from stateful_async._exceptions import as_int, id_ranges
+from stateful_async._exceptions import as_float, as_int, id_ranges
 
 from . import _faults, _layout
 from ._exceptions import (
@@ -141,6 +142,9 @@ _EXPIRE_BATCH_ROWS = 8192
 # Subtask tables a job-wide listing or expiry works on at once (each a few requests on an
 # object store, a few milliseconds of file reads on local disk).
 _LISTING_THREADS = 8
+#: how old a data file no Delta version names must be before ``remove_orphans`` deletes
+#: it: a commit logs its file seconds after writing it
+ORPHAN_GRACE = timedelta(hours=24)
 _T = TypeVar("_T")
 # Scans that pass over every file of a table read one fragment and one batch at a time: the
 # default read-ahead holds several files' worth in memory.
@@ -1112,6 +1116,49 @@ class SubtaskLog:
         report.deleted = to_delete
         return report
 
+    def remove_orphans(self, older_than: timedelta | float = ORPHAN_GRACE) -> list[str]:
+        """Delete the data files of this subtask's table that its Delta table does not use
+        and that were written more than ``older_than`` (a timedelta, or seconds) ago;
+        return their names, sorted.
+
+        Most are orphans: files of commits that never completed (their task was killed
+        between writing the file and logging it, or a newer attempt had taken the run
+        over), which no version of the log names and ``expire`` never deletes. The rest are
+        files an ``expire(vacuum=False)`` removed from the table.
+
+        ``older_than`` is the grace period: a newer file may belong to a commit still
+        running. delta-rs counts it in whole hours, so it is rounded up to the next hour.
+        Keep it longer than your slowest commit (the default, a day, is far longer).
+        """
+        hours = _grace_hours(older_than)
+        table = self._open(refresh=True)
+        try:
+            if table is None:  # the first commit never landed: no file is the table's
+                removed = _layout.delete_stale_files(self.uri, self._storage_options, hours * 3600)
+            else:
+                there = _layout.data_files(table.table_uri, self._storage_options)
+                listed = table.vacuum(
+                    retention_hours=hours,
+                    enforce_retention_duration=False,
+                    dry_run=False,
+                    full=True,
+                )
+                # as in _expire: files an earlier vacuum deleted may be listed again
+                removed = [
+                    os.path.basename(f)
+                    for f in listed
+                    if there is None or os.path.basename(f) in there
+                ]
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(
+                f"Removing orphan files of checkpoint table {self.uri} failed: {exc}. The "
+                "checkpoints are unchanged (any file already deleted was one no checkpoint "
+                "uses); run it again once the storage is reachable."
+            ) from exc
+        return sorted(removed)
+
     # -- internals ----------------------------------------------------------------------
 
     def _open(self, refresh: bool = False) -> DeltaTable | None:
@@ -1455,6 +1502,24 @@ class SnapshotStore:
             total.files_removed += report.files_removed
         return total
 
+    def remove_orphans(
+        self,
+        job_id: str,
+        older_than: timedelta | float = ORPHAN_GRACE,
+        operator_id: str | None = None,
+    ) -> list[str]:
+        """``SubtaskLog.remove_orphans`` of every subtask of the job (one operator, or
+        all); the files deleted, as ``<operator_id>/subtask=<n>/<name>`` under the job's
+        directory, sorted."""
+        _grace_hours(older_than)  # a bad value is refused before any table is touched
+        self._require_job(job_id)
+
+        def remove(log: SubtaskLog) -> list[str]:
+            where = f"{log.operator_id}/subtask={log.subtask:05d}"
+            return [f"{where}/{name}" for name in log.remove_orphans(older_than)]
+
+        return sorted(p for paths in self.map_subtasks(job_id, operator_id, remove) for p in paths)
+
     def map_subtasks(
         self, job_id: str, operator_id: str | None, fn: Callable[[SubtaskLog], _T]
     ) -> list[_T]:
@@ -1495,6 +1560,20 @@ class SnapshotStore:
 
 
 # -- row building --------------------------------------------------------------------------
+
+
+def _grace_hours(older_than: Any) -> int:
+    """``older_than`` (a timedelta, or seconds) in whole hours, rounded up."""
+    seconds = (
+        older_than.total_seconds() if isinstance(older_than, timedelta) else as_float(older_than)
+    )
+    if seconds is None or not 0 <= seconds < math.inf:
+        raise CheckpointError(
+            f"older_than must be a timedelta or a number of seconds, not negative; got "
+            f"{older_than!r}. It is the grace period during which a file no checkpoint uses "
+            "yet is kept, as a running commit may still log it."
+        )
+    return math.ceil(seconds / 3600)
 
 
 def _check_commit_args(

@@ -533,7 +533,8 @@ def show_checkpoint(
 @checkpoints_app.command(
     "expire",
     help=(
-        "Keep the newest N checkpoints of every partition; drop and vacuum the rest.\n\n"
+        "Keep the newest N checkpoints of every partition; drop and vacuum the rest, and "
+        "delete the files no checkpoint uses once older than --orphans-older-than.\n\n"
         "Run it while the job is not running: against a running job it competes with the "
         "tasks' commits, and its vacuum can delete files a task is still reading (that task "
         "fails, and Spark retries it)."
@@ -544,11 +545,25 @@ def expire_checkpoints(
     retain: Annotated[int, typer.Option(help="Checkpoints to keep per partition.", min=0)],
     job: JobOpt = None,
     storage_option: StorageOpt = None,
+    orphans_older_than: Annotated[
+        float,
+        typer.Option(
+            metavar="HOURS",
+            min=0,
+            help="Also delete the files no checkpoint uses (left by commits that never "
+            "completed: a task killed mid-commit, a superseded attempt) once they are this "
+            "many hours old (rounded up to whole hours); newer ones may belong to a commit "
+            "still running.",
+        ),
+    ] = 24.0,  # checkpoint.ORPHAN_GRACE (not imported here: it loads deltalake)
 ) -> None:
     """Keep the newest N checkpoints of every partition; drop and vacuum the rest."""
     with _user_errors():
         store = _store(location, storage_option)
         name = _job(store, job)
+        if not math.isfinite(orphans_older_than):
+            raise Fail(f"--orphans-older-than must be a number of hours; got {orphans_older_than}.")
+        orphans = store.remove_orphans(name, orphans_older_than * 3600)
         # per operator, so checkpoints are counted as `list` shows them: one per run and id
         reports = [store.expire(name, retain, operator_id=op) for op in store.operators(name)]
         expired = [r.expired for r in reports]
@@ -559,6 +574,10 @@ def expire_checkpoints(
             f"later checkpoints), {sum(len(set(d)) for d in deleted)} deleted "
             f"({sum(map(len, deleted))} partition snapshot(s)), "
             f"{sum(r.files_removed for r in reports)} file(s) removed from storage."
+        )
+        out.print(
+            f"{len(orphans)} file(s) no checkpoint used (left by commits that never "
+            f"completed), older than {orphans_older_than:g} hour(s), deleted."
         )
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -1101,6 +1103,71 @@ def _dir_size(path: Path) -> int:
 def _files(path: Path) -> set[Path]:
     """Data files (the Delta logs' checkpoints aside)."""
     return {f for f in path.rglob("*.parquet") if "_delta_log" not in f.parts}
+
+
+# A process that commits checkpoints 1..CRASH-1 of one subtask, then dies committing
+# CRASH (CrashDuringCommit: the data file is written, the Delta log never takes it).
+CRASH_MID_COMMIT = """
+import asyncio, sys
+sys.path.insert(0, sys.argv[4])
+from checkpoint import SnapshotStore
+from stateful_async.chaos import CrashDuringCommit
+from test_checkpoint_store import commit
+
+async def enrich(row):
+    return [row]
+
+location, subtask, crash = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+asyncio.run(CrashDuringCommit(enrich, checkpoint_id=crash).open())
+log = SnapshotStore(location).subtask("job", "op", subtask)
+parent = None
+for ckpt in range(1, crash + 1):
+    parent = commit(log, "run", ckpt, n=50, parent=parent).ref
+"""
+
+
+def test_orphan_files_of_commits_that_never_completed_are_removed_once_old_enough(
+    tmp_path: Path,
+) -> None:
+    # Subtask 0 dies committing its checkpoint 3, subtask 1 its first (no Delta log yet).
+    for subtask, crash in ((0, 3), (1, 1)):
+        died = subprocess.run(
+            [sys.executable, "-c", CRASH_MID_COMMIT, str(tmp_path), str(subtask), str(crash)]
+            + [str(Path(__file__).parent)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert died.returncode == 1, died.stderr
+    store = SnapshotStore(tmp_path)
+    log = store.subtask("job", "op", 0)
+    live = {Path(f) for f in DeltaTable(log.uri).file_uris()}
+    orphans = _files(tmp_path) - live
+    assert len(live) == 2 and len(orphans) == 2
+    assert [m.checkpoint_id for m in log.checkpoints()] == [1, 2]
+    # Neither expiry nor its vacuum deletes them: no version of the log names them.
+    store.expire("job", retain=1)
+    assert orphans <= _files(tmp_path)
+    # Fresh, they may be a commit still running: kept.
+    assert store.remove_orphans("job") == []
+    assert orphans <= _files(tmp_path)
+    # Once older than the grace period (every file here is: the live ones too), only the
+    # orphans go; the retained checkpoint still restores.
+    for path in _files(tmp_path):
+        os.utime(path, (time.time() - 25 * 3600,) * 2)
+    assert store.remove_orphans("job") == sorted(f"op/{p.parent.name}/{p.name}" for p in orphans)
+    assert not orphans & _files(tmp_path)
+    assert log.restore(2).results.column("id").to_pylist() == [1, 2]
+    assert store.remove_orphans("job", older_than=0) == []
+
+
+@pytest.mark.parametrize("older_than", [-1, dt.timedelta(seconds=-1), "1h", float("nan")])
+def test_a_bad_grace_period_for_orphans_is_refused_before_anything_is_deleted(
+    tmp_path: Path, older_than: Any
+) -> None:
+    commit(SnapshotStore(tmp_path).subtask("job", "op", 0), "run", 1)
+    with pytest.raises(CheckpointError, match="older_than must be a timedelta or a number"):
+        SnapshotStore(tmp_path).remove_orphans("job", older_than=older_than)
 
 
 def test_listing_a_job(tmp_path: Path) -> None:

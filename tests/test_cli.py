@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import os
 import re
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from checkpoint import SnapshotStore
+from checkpoint import ORPHAN_GRACE, SnapshotStore
 from stateful_async import AsyncWaitOperator, OutputMode, StreamRecord, Watermark
 from stateful_async.cli import app
 from stateful_async.testing import ControlledFunction, settle
@@ -262,6 +265,50 @@ def test_expire_keeps_the_newest_and_reports(checkpoints) -> None:
     assert "has expired: retention (the job's `retain`, or `checkpoints expire`)" in shown.output
     assert "Checkpoint ids that can still be shown: 2." in shown.output
     assert "checkpoint 7 of job job" in invoke("checkpoints", "show", str(location), "7").output
+
+
+def test_expire_deletes_files_no_checkpoint_uses_once_older_than_the_grace_period(
+    checkpoints,
+) -> None:
+    location, _ = checkpoints
+    table = location / "job" / "enrich" / "subtask=00001"
+    stray = pa.table({"id": [1]})  # what a task killed mid-commit leaves
+    old, fresh = table / "part-00000-old-c000.snappy.parquet", table / "part-00000-new.parquet"
+    pq.write_table(stray, old)
+    pq.write_table(stray, fresh)
+    os.utime(old, (time.time() - 25 * 3600,) * 2)
+    result = invoke("checkpoints", "expire", str(location), "--retain", "5")
+    assert result.exit_code == 0, result.output
+    # the default grace period is the library's
+    assert ORPHAN_GRACE == dt.timedelta(hours=24)
+    said = " ".join(result.output.split())
+    assert "1 file(s) no checkpoint used (left by commits that never completed)" in said
+    assert "older than 24 hour(s), deleted." in said
+    assert not old.exists() and fresh.exists()
+    result = invoke(
+        "checkpoints", "expire", str(location), "--retain", "5", "--orphans-older-than", "0"
+    )
+    said = " ".join(result.output.split())
+    assert "1 file(s) no checkpoint used (left by commits that never completed)" in said
+    assert "older than 0 hour(s), deleted." in said
+    assert not fresh.exists()
+    assert (
+        SnapshotStore(location).subtask("job", "enrich", 1).restore(2).metadata.checkpoint_id == 2
+    )
+    refused = invoke(
+        "checkpoints", "expire", str(location), "--retain", "5", "--orphans-older-than", "-1"
+    )
+    assert refused.exit_code == 2 and "'--orphans-older-than'" in refused.output
+    refused = invoke(
+        "checkpoints", "expire", str(location), "--retain", "0", "--orphans-older-than", "inf"
+    )
+    assert (
+        refused.exit_code == 2
+        and "--orphans-older-than must be a number of hours; got inf." in refused.output
+    )
+    assert (
+        SnapshotStore(location).subtask("job", "enrich", 1).restore(2).metadata.checkpoint_id == 2
+    )
 
 
 def test_show_of_a_run_whose_checkpoints_all_expired_says_they_expired(tmp_path) -> None:
