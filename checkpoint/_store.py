@@ -502,7 +502,8 @@ class SubtaskLog:
         return sizes
 
     def find(self, checkpoint_id: int, run_id: str | None = None) -> CheckpointMetadata:
-        """The restorable checkpoint with this id (of ``run_id``, or the newest such)."""
+        """The restorable checkpoint with this id (of ``run_id``, or the newest such whose
+        chain is intact, if one is)."""
         metas = self.checkpoints()
         matches = [
             m
@@ -511,7 +512,8 @@ class SubtaskLog:
         ]
         live = [m for m in matches if not m.expired]
         if live:
-            return live[-1]
+            intact = _intact_chains(live, {m.ref: m for m in metas})
+            return next((m for m in reversed(live) if intact[m.ref]), live[-1])
         where = f"job {self.job_id!r}, operator {self.operator_id!r}, subtask {self.subtask}"
         if run_id is not None:
             where += f", run {run_id!r}"

@@ -724,6 +724,23 @@ def test_a_checkpoint_with_a_broken_chain_is_never_restored_and_expiry_deletes_i
     assert fresh.checkpoints() == []
 
 
+def test_an_id_without_a_run_restores_the_newest_run_whose_chain_is_intact(
+    tmp_path: Path,
+) -> None:
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    a1 = commit(log, "A", 1)
+    commit(log, "A", 2, parent=a1.ref)
+    b1 = commit(log, "B", 1)
+    commit(log, "B", 2, parent=b1.ref)
+    DeltaTable(log.uri).delete("run_id = 'B' AND checkpoint_id = 1")  # by hand
+    fresh = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    # B:2 is newer, but can never be restored: A:2 is the checkpoint 2 to take
+    assert fresh.restore(2).metadata.run_id == "A"
+    assert fresh.restore(2).results.column("id").to_pylist() == [1, 2]
+    with pytest.raises(CorruptCheckpointError, match="follows B:1, which is missing"):
+        fresh.restore(2, "B")
+
+
 def test_a_checkpoint_is_never_older_than_its_parent_whatever_the_clock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
