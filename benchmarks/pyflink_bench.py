@@ -341,17 +341,23 @@ def run(
                 subtasks = [
                     json.loads(p.read_text()) for p in sorted(Path(outdir).glob("subtask-*.json"))
                 ]
-            total = service.stats()["total"]
+            counts = service.counts()
     except Skip as exc:
         log(f"pyflink_bench: skipped: {exc}")
         result.update(status="skipped", reason=str(exc))
         return result
     counted = sum(s["count"] for s in subtasks)
-    if total != rows or counted != rows:  # it ran and measured something else: no skip
+    total = sum(counts.values())
+    # every input key requested once, none twice and none left out (a duplicate and a
+    # missing row would cancel out in the totals)
+    wrong = sum(counts.get(str(key), 0) != 1 for key in range(rows)) + sum(
+        not key.isdigit() or int(key) >= rows for key in counts
+    )
+    if wrong or total != rows or counted != rows:  # it ran and measured something else
         result.update(
             status="failed",
             reason=f"the job enriched {counted} rows and the service saw {total} requests "
-            f"for {rows} input rows",
+            f"for {rows} input rows ({wrong} keys not requested exactly once)",
         )
         return result
     start, end = min(s["first"] for s in subtasks), max(s["last"] for s in subtasks)

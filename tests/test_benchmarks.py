@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
 import types
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +77,15 @@ def test_a_failed_part_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyP
     with pytest.raises(SystemExit) as exit_:
         report(tmp_path, monkeypatch, saved_run(spark=failed))
     assert exit_.value.code == 1
-    assert "_failed: spark_bench.py failed (exit 1)_" in (tmp_path / "benchmarks.md").read_text()
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "_failed: spark_bench.py failed (exit 1)_" in text
+    # Its targets are in the Targets table as not measured, not left out of it.
+    unmeasured = "not measured: the Spark part failed: spark_bench.py failed (exit 1)"
+    for target in ("1.2x the hand-written", "3x PyFlink", "Little's-law", "memory flat"):
+        line = rf"\| [^|]*{re.escape(target)}[^|]* \| {re.escape(unmeasured)} \|"
+        assert re.search(line, text), target
+    assert "not measured: the operator part skipped: not run here" in text
+    assert "0 targets met, 0 missed, 7 not measured." in text
 
 
 def test_skipped_parts_do_not_fail_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,6 +115,31 @@ def test_a_pyflink_job_that_lost_rows_is_failed_not_skipped(
     monkeypatch.setattr(pyflink_bench, "_run_job", job)
     result = pyflink_bench.run(rows=10, log=lambda message: None)
     assert result["status"] == "failed", result
+
+
+def test_a_pyflink_job_that_requested_one_key_twice_and_another_never_is_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Sampler:
+        def between(self, start: float, end: float) -> float:
+            return 1.0
+
+    def job(python: Any, url: str, rows: int, capacity: int, outdir: str, pid: Any) -> Any:
+        # as many requests and enriched rows as input rows, but key 0 twice and key 9 never
+        for key in [0, *range(rows - 1)]:
+            with urllib.request.urlopen(f"{url}/enrich?key={key}") as answer:
+                assert answer.status == 200
+        Path(outdir, "subtask-0.json").write_text(
+            json.dumps({"count": rows, "first": 0.0, "last": 1.0})
+        )
+        return {"wall_s": 1.0, "sampler": Sampler()}
+
+    monkeypatch.setattr(pyflink_bench, "ensure_pyflink", lambda log: Path(sys.executable))
+    monkeypatch.setattr(pyflink_bench, "_usable", lambda python: "2.test")
+    monkeypatch.setattr(pyflink_bench, "_run_job", job)
+    result = pyflink_bench.run(rows=10, latency_ms=0, log=lambda message: None)
+    assert result["status"] == "failed", result
+    assert "(2 keys not requested exactly once)" in result["reason"]
 
 
 def test_a_committer_that_dies_before_ready_leaves_no_committer_behind(
