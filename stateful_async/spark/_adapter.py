@@ -16,7 +16,7 @@ from .._exceptions import ConfigurationError, FunctionNotSerializableError, id_r
 from .._function import as_async_function
 from .._operator import OutputMode, check_capacity_and_timeout
 from .._retry import RetryStrategy
-from ._config import CheckpointConfig
+from ._config import CheckpointConfig, restore_from_in_streaming
 from ._metrics import DriverOnlyError, EnrichmentMetrics
 from ._session import is_connect, task_attempts
 from ._task import OUTPUT_MODE_PROPERTY, PartitionTask, TaskSpec, function_names, task_name
@@ -197,14 +197,10 @@ def _async_wait(
     event_time = _resolve_column(df, event_time)
     ooo = _event_time(df, event_time, max_out_of_orderness)
     if checkpoint is not None:
-        if checkpoint.restore_from is not None and df.isStreaming:
-            raise ConfigurationError(
-                f"restore_from={checkpoint.restore_from!r} is for batch jobs. A streaming query "
-                "resumes by itself: restarted from its checkpointLocation, it re-runs the "
-                "interrupted micro-batch under the same query id and batch id, and that "
-                "batch resumes from its own checkpoints. Drop restore_from (each micro-batch "
-                "is a run of its own, so it would only find the previous batch's checkpoints)."
-            )
+        if checkpoint.restore_from is not None and (
+            df.isStreaming or _in_micro_batch(df.sparkSession)
+        ):
+            raise ConfigurationError(restore_from_in_streaming(checkpoint.restore_from))
         _check_checkpoint(checkpoint, input_schema, output_schema, mode, function_names(function))
         _warn_if_tasks_never_retry(df.sparkSession)
         _warn_if_after_unordered_wait(df, mode)
@@ -229,6 +225,16 @@ def _async_wait(
     task = PartitionTask(spec)
     _check_picklable(task, fn)
     return source.mapInArrow(task, struct)
+
+
+def _in_micro_batch(spark: Any) -> bool:
+    """Whether this runs inside a streaming query's micro-batch (foreachBatch), on a classic
+    session (Spark Connect runs foreachBatch on the server; the task refuses it there
+    where it can see the batch)."""
+    try:
+        return spark.sparkContext.getLocalProperty("streaming.sql.batchId") is not None
+    except Exception:  # Spark Connect: no SparkContext
+        return False
 
 
 def _resolvable(df: Any) -> tuple[Any, tuple[str, ...] | None]:

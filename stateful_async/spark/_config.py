@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 from .._exceptions import ConfigurationError, as_float, as_int
 
@@ -118,3 +118,16 @@ class CheckpointConfig:
             )
         if checkpoint_id is not None:
             object.__setattr__(self, "restore_from", checkpoint_id)
+
+
+def restore_from_in_streaming(restore_from: Any) -> str:
+    """Why ``restore_from`` is refused in a streaming query, or in ``foreachBatch``."""
+    return (
+        f"restore_from={restore_from!r} is for batch jobs, and this enrichment runs in a "
+        "streaming query (a streaming DataFrame, or foreachBatch's DataFrame of one "
+        "micro-batch). A streaming query resumes by itself: restarted from its "
+        "checkpointLocation, it re-runs the interrupted micro-batch under the same query id "
+        "and batch id, and that batch resumes from its own checkpoints. Drop restore_from "
+        "(each micro-batch is a run of its own, so it would only find the previous batch's "
+        "checkpoints and re-emit their results as this batch's)."
+    )

@@ -53,7 +53,7 @@ from .._function import (
 )
 from .._operator import AsyncWaitOperator, OutputMode
 from .._retry import RetryStrategy, _never
-from ._config import CheckpointConfig
+from ._config import CheckpointConfig, restore_from_in_streaming
 from ._results import is_list_type, to_batch
 
 _CHUNK_ROWS = 1024  # rows converted to Python and fed per step (bounds loop latency)
@@ -774,7 +774,14 @@ class _TaskRun:
             restored_watermarks=sum(type(e) is Watermark for e in point.elements),
         )
         same_run = meta.run_id == self.identity.run_id
-        await self._skip_consumed(meta.position, meta.fingerprint, str(meta.ref), same_run)
+        # a micro-batch replayed by a restarted query (another execution of it: its run id,
+        # Spark's job group), rather than Spark's retry of a task of this execution
+        replayed = "batch_id" in self.identity.properties and meta.properties.get(
+            "job_group"
+        ) != self.properties.get("job_group")
+        await self._skip_consumed(
+            meta.position, meta.fingerprint, str(meta.ref), same_run, replayed
+        )
         # Committed results are re-emitted, not recomputed: read a group of checkpoints'
         # results at a time, and only as fast as Spark takes them.
         groups = self.log.chain_results(meta)
@@ -802,6 +809,10 @@ class _TaskRun:
         return restored
 
     def _find_restore_point(self, config: CheckpointConfig) -> Any:
+        if config.restore_from is not None and "batch_id" in self.identity.properties:
+            # foreachBatch hands over a batch DataFrame, which the driver cannot tell from
+            # a batch job's (the driver refuses it where it can: _async_wait)
+            raise ConfigurationError(restore_from_in_streaming(config.restore_from))
         log = self.log
         owner = self.properties.get(_OWNER)
         if owner is not None and log.claimed_by(self.identity.run_id, owner):
@@ -866,7 +877,13 @@ class _TaskRun:
         same = "" if other_function else " of this same micro-batch execution"
         raise self._shared_checkpoint(
             f"found checkpoint {meta.ref} written by {what} {theirs.get(what)}{same}; this task "
-            f"runs {what} {ours.get(what)}"
+            f"runs {what} {ours.get(what)}",
+            ""
+            if other_function
+            else " Or the query was restarted and foreachBatch sets its own job group "
+            f"({ours.get('job_group')!r}), which hides the query's run id that tells a "
+            "restart from another stage: drop that setJobGroup call (a job description "
+            "does no harm), or restart the query in a new application.",
         )
 
     def _check_not_this_attempt(self, meta: Any) -> None:
@@ -951,7 +968,7 @@ class _TaskRun:
             "query share job_id and operator_id, give each its own operator_id.)"
         )
 
-    def _shared_checkpoint(self, found: str) -> Exception:
+    def _shared_checkpoint(self, found: str, hint: str = "") -> Exception:
         """The error for two enrichments that write one run's checkpoints."""
         from checkpoint import CheckpointConflictError
 
@@ -963,11 +980,11 @@ class _TaskRun:
             "of one run (one Spark stage, or one streaming micro-batch) share these "
             "checkpoints: give each its own operator_id (CheckpointConfig(..., "
             "operator_id=...)), and persist() an enriched DataFrame that foreachBatch uses "
-            "more than once."
+            "more than once." + hint
         )
 
     async def _skip_consumed(
-        self, position: int, fingerprint: str, ref: str, same_run: bool
+        self, position: int, fingerprint: str, ref: str, same_run: bool, replayed: bool
     ) -> None:
         while self.position < position:
             batch = await self._next_batch()
@@ -983,7 +1000,7 @@ class _TaskRun:
         if self.position < position or found != fingerprint:
             config = self.spec.checkpoint
             assert config is not None
-            if "batch_id" in self.identity.properties:
+            if replayed:
                 # A streaming query has no restore_from: every restart replays this batch.
                 advice = (
                     "A restarted streaming query re-reads this micro-batch, and this "

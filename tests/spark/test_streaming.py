@@ -229,6 +229,113 @@ def test_two_enrichments_sharing_a_checkpoint_in_one_micro_batch_fail_instead_of
     }
 
 
+def test_restore_from_in_foreach_batch_is_refused_not_resumed_from_the_previous_batch(
+    spark, tmp_path: Path
+) -> None:
+    # foreachBatch's DataFrame is a batch one, so restore_from got through: each micro-batch
+    # (a run of its own) resumed the previous batch's final checkpoint, and a batch with the
+    # same rows re-emitted the previous batch's results without calling the function.
+    from stateful_async import ConfigurationError
+    from stateful_async.spark import CheckpointConfig, ordered_wait
+
+    calls: list[int] = []
+
+    async def tag(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "part-0.json").write_text("".join(f'{{"id": {i}}}\n' for i in range(5)))
+    refused: list[str] = []
+
+    def each_batch(batch, batch_id):  # type: ignore[no-untyped-def]
+        config = CheckpointConfig(str(tmp_path / "ckpt"), "fb", restore_from="latest")
+        try:
+            ordered_wait(batch, tag, "id long", checkpoint=config)
+        except ConfigurationError as exc:
+            refused.append(str(exc))
+        calls.append(batch_id)
+
+    query = (
+        spark.readStream.schema("id long")
+        .json(str(source))
+        .writeStream.foreachBatch(each_batch)
+        .option("checkpointLocation", str(tmp_path / "query"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert query.awaitTermination(120), "the availableNow query did not end in 120 s"
+    finally:
+        query.stop()
+    assert calls == [0]
+    [text] = refused
+    assert "restore_from='latest' is for batch jobs" in text
+    assert "foreachBatch's DataFrame of one micro-batch" in text
+
+
+def test_a_task_of_a_micro_batch_refuses_restore_from(tmp_path: Path) -> None:
+    # Where the driver cannot see the micro-batch, the task does, before it reads any
+    # checkpoint (a batch of the previous micro-batch's is there to be wrongly resumed).
+    import pyarrow as pa
+
+    from stateful_async import ConfigurationError
+    from stateful_async.spark import CheckpointConfig
+    from stateful_async.spark._task import TaskIdentity, _TaskRun
+
+    async def echo(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    schema = pa.schema([("id", pa.int64())])
+    location = str(tmp_path / "snapshots")
+    properties = {"attempt": "0", "task_attempt_id": "1", "stage": "5", "app_id": "app"}
+    properties.update(job_group="run", batch_id="0", query_id="query")
+
+    def batch(number: int, restore_from: str | None) -> list:
+        config = CheckpointConfig(location, "stream", interval_records=2, restore_from=restore_from)
+        identity = TaskIdentity(
+            0, 0, f"query.batch{number}", {**properties, "batch_id": str(number)}
+        )
+        rows = iter([pa.record_batch([pa.array(range(4), pa.int64())], schema=schema)])
+        return list(_TaskRun(id_task(echo, checkpoint=config), rows, identity).run())
+
+    assert sum(b.num_rows for b in batch(0, None)) == 4
+    with pytest.raises(ConfigurationError, match="restore_from='latest' is for batch jobs"):
+        batch(1, "latest")
+
+
+def test_another_stage_of_a_micro_batch_is_refused_and_a_restart_resumes(tmp_path: Path) -> None:
+    # Two stages of one execution of a micro-batch (the same job group) sharing checkpoints
+    # are refused, naming a foreachBatch's own setJobGroup, which makes a restart look like
+    # that; a restart (another job group, the query's new run id) resumes.
+    import pyarrow as pa
+
+    from checkpoint import CheckpointConflictError
+    from stateful_async.spark import CheckpointConfig
+    from stateful_async.spark._task import TaskIdentity, _TaskRun
+
+    async def echo(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    schema = pa.schema([("id", pa.int64())])
+    spec = id_task(echo, checkpoint=CheckpointConfig(str(tmp_path), "stream", interval_records=2))
+
+    def attempt(number: int, stage: int, job_group: str) -> int:
+        properties = {"attempt": "0", "task_attempt_id": str(number), "stage": str(stage)}
+        properties.update(app_id="app", job_group=job_group, batch_id="3", query_id="query")
+        identity = TaskIdentity(0, 0, "query.batch3", properties)
+        rows = iter([pa.record_batch([pa.array(range(4), pa.int64())], schema=schema)])
+        return sum(b.num_rows for b in _TaskRun(spec, rows, identity).run())
+
+    assert attempt(1, stage=5, job_group="nightly") == 4
+    with pytest.raises(CheckpointConflictError) as refused:
+        attempt(2, stage=6, job_group="nightly")
+    text = str(refused.value)
+    assert "written by stage 5 of this same micro-batch execution; this task runs stage 6" in text
+    assert "foreachBatch sets its own job group ('nightly')" in text
+    assert attempt(3, stage=6, job_group="run-2") == 4  # a restart: re-emits, resumes
+
+
 def test_a_replayed_micro_batch_split_differently_says_how_to_go_on(tmp_path: Path) -> None:
     # A query restarted mid-batch with another spark.sql.files.maxPartitionBytes (measured:
     # one partition before, two after) re-reads the batch split differently, and partition 0
@@ -250,10 +357,10 @@ def test_a_replayed_micro_batch_split_differently_says_how_to_go_on(tmp_path: Pa
     config = CheckpointConfig(str(tmp_path / "snapshots"), "stream", interval_records=2)
     spec = id_task(echo, checkpoint=config)
 
-    def attempt(number: int, rows: int, streaming: bool) -> list:
+    def attempt(number: int, rows: int, streaming: bool, job_group: str = "") -> list:
         # a restarted query: another run (job group) of the same query and batch
         properties = {"attempt": "0", "task_attempt_id": str(number), "stage": "5"}
-        properties.update(app_id="app", job_group=f"run-{number}")
+        properties.update(app_id="app", job_group=job_group or f"run-{number}")
         run_id = "query.batch3" if streaming else "app.stage7"
         if streaming:
             properties.update(batch_id="3", query_id="query")
@@ -269,6 +376,18 @@ def test_a_replayed_micro_batch_split_differently_says_how_to_go_on(tmp_path: Pa
     assert "restore_from" not in text
     assert "split into partitions differently than before the restart" in text
     assert "give the enrichment a new operator_id" in text
+
+    # Spark's retry of a task of the same execution of the query (same job group) that
+    # reads other input: nothing restarted, so the input is not deterministic. It was told
+    # the restart's advice (the batch split differently).
+    config = CheckpointConfig(str(tmp_path / "retried"), "stream", interval_records=2)
+    spec = id_task(echo, checkpoint=config)
+    assert sum(b.num_rows for b in attempt(5, 6, streaming=True, job_group="run-5")) == 6
+    with pytest.raises(InputMismatchError) as refused:
+        attempt(6, 4, streaming=True, job_group="run-5")
+    text = str(refused.value)
+    assert "This attempt is Spark's retry of a task of the same run" in text
+    assert "before the restart" not in text
 
     # A batch job's retried attempt that reads other input: Spark's retry, not a choice of
     # the user's, so the advice is to make the input deterministic.
