@@ -12,7 +12,9 @@ inputs and the results emitted since the previous barrier, with the input positi
 fingerprint of the input consumed so far. Spark throws away a failed attempt's output, so
 a retried attempt restores its run's latest checkpoint: it re-emits the committed results,
 skips the input already consumed (checking its fingerprint), re-invokes the saved
-in-flight inputs and carries on. The successful attempt's output is exactly once.
+in-flight inputs and carries on. The successful attempt's output is exactly once. Results
+are handed to Spark only once the checkpoint holding them has committed, so nothing
+downstream in the task sees a result a retry would compute again.
 """
 
 from __future__ import annotations
@@ -470,7 +472,8 @@ class _TaskRun:
         # output accumulated on the loop thread
         self.rows: list[dict[str, Any]] = []
         self.sources: list[tuple[int, dict[str, Any], dict[str, Any]]] = []  # their records
-        self.uncommitted: list[pa.RecordBatch] = []
+        self.uncommitted: list[pa.RecordBatch] = []  # results not yet in a checkpoint
+        self.committed_final = False  # the final checkpoint has committed
         self.flush_scheduled = False
         self.tick: asyncio.TimerHandle | None = None  # the flush timer, once the task runs
         self.progress_timer: asyncio.TimerHandle | None = None
@@ -726,8 +729,14 @@ class _TaskRun:
         rows, sources = self.rows, self.sources
         self.rows, self.sources = [], []
         batch = to_batch(rows, sources, self.spec.output_schema, self._described)
-        if self.checkpointing:
+        if self.checkpointing and not self.committed_final:
+            # Held until the checkpoint that holds it has committed (_checkpoint): what
+            # leaves the task is what a retry re-emits as it is. An enrichment chained after
+            # this one in the same task (checkpointed itself) then only ever consumes
+            # results a retry reproduces, however the service answers the calls the retry
+            # makes again, so its own checkpoints' input check holds.
             self.uncommitted.append(batch)
+            return
         self.out.put(("batch", batch))
 
     def _described(self, record: tuple[int, dict[str, Any], dict[str, Any]]) -> str:
@@ -1043,9 +1052,15 @@ class _TaskRun:
             )
 
     async def _checkpoint(self, final: bool = False) -> None:
-        if final and self.restored_final and self.position == self.stats["skipped"]:
-            return  # restored a finished partition and did nothing new: nothing to record
         self._flush()
+        if (
+            final
+            and self.restored_final
+            and self.position == self.stats["skipped"]
+            and not self.uncommitted
+        ):
+            self.committed_final = True
+            return  # restored a finished partition and did nothing new: nothing to record
         checkpoint_id = self.next_id
         snapshot = self.op.snapshot_state(checkpoint_id)
         elements: list[StreamElement] = []
@@ -1086,6 +1101,11 @@ class _TaskRun:
         self.next_id += 1
         self.last_checkpoint = time.monotonic()
         self.stats["checkpoints"] += 1
+        self.committed_final = final
+        # now durable: they may leave (as Spark takes them)
+        for batch in results.to_batches(max_chunksize=_OUTPUT_ROWS):
+            await self._wait_for_room()
+            self.out.put(("batch", batch))
         if not final and self.stats["checkpoints"] % _EXPIRE_EVERY == 0:
             await self._in_io(self.log.expire, config.retain, run_id=self.identity.run_id)
 

@@ -522,6 +522,53 @@ def test_a_function_that_changes_its_row_changes_neither_checkpoints_nor_resume(
     assert [r.asDict() for r in out] == [reference(i) for i in range(rows)]
 
 
+def test_a_checkpointed_enrichment_chained_after_one_whose_answers_vary_resumes(
+    spark, tmp_path
+) -> None:
+    # Two checkpointed enrichments in one stage; the first one's service answers differently
+    # each time (a fetch time, noise) and its worker dies. The second had consumed (and
+    # checkpointed) results the first had emitted but not yet committed; the first's retry
+    # called the service again for those and got other answers, so the second's input check
+    # refused every retry (InputMismatchError) and the job failed. Results now leave a task
+    # only once committed: the second only consumes what a retry re-emits as it is.
+    import random
+
+    async def noisy(row):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.02)
+        return [{"id": row["id"], "score": random.random(), "pad": "x" * 1000}]
+
+    async def passthrough(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"], "score": row["score"], "pad": row["pad"]}]
+
+    rows, schema = 600, "id long, score double, pad string"
+    df = spark.range(0, rows, numPartitions=1)
+
+    def config(operator_id: str) -> CheckpointConfig:
+        return CheckpointConfig(
+            str(tmp_path), "chain", operator_id=operator_id, interval_records=200, retain=100
+        )
+
+    inner = ordered_wait(
+        df, CrashOnElement(noisy, at=[550]), schema, capacity=4, checkpoint=config("inner")
+    )
+    outer = ordered_wait(inner, passthrough, schema, capacity=8, checkpoint=config("outer"))
+    # small Arrow batches: the second enrichment gets the first's results as they come
+    key = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    before = spark.conf.get(key)
+    spark.conf.set(key, "20")
+    try:
+        out = outer.collect()
+    finally:
+        spark.conf.set(key, before)
+    assert sorted(r.id for r in out) == list(range(rows))
+    store = SnapshotStore(tmp_path)
+    # the second attempt resumed both enrichments
+    assert {m.operator_id for m in resumed(store, "chain") if m.checkpoint_id > 1} == {
+        "inner",
+        "outer",
+    }
+
+
 def test_restore_from_checkpoints_another_function_wrote_says_so(spark, tmp_path) -> None:
     # A new run resuming another function's checkpoints re-emits that function's results
     # and calls its own for the rest: it ran without a word.
