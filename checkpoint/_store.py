@@ -145,6 +145,7 @@ _LISTING_THREADS = 8
 #: how old a data file no Delta version names must be before ``remove_orphans`` deletes
 #: it: a commit logs its file seconds after writing it
 ORPHAN_GRACE = timedelta(hours=24)
+_MAX_GRACE_HOURS = 1_000_000  # delta-rs's vacuum panics on hours past its time range
 _T = TypeVar("_T")
 # Scans that pass over every file of a table read one fragment and one batch at a time: the
 # default read-ahead holds several files' worth in memory.
@@ -1119,9 +1120,10 @@ class SubtaskLog:
         return report
 
     def remove_orphans(self, older_than: timedelta | float = ORPHAN_GRACE) -> list[str]:
-        """Delete the data files of this subtask's table that its Delta table does not use
-        and that were written more than ``older_than`` (a timedelta, or seconds) ago;
-        return their names, sorted.
+        """Delete the files of this subtask's table directory that its Delta table does not
+        use and that were written more than ``older_than`` (a timedelta, or seconds) ago
+        (names starting with ``_`` or ``.`` aside: the Delta log; where the table has no log
+        yet, only ``*.parquet`` files); return their names, sorted.
 
         Most are orphans: files of commits that never completed (their task was killed
         between writing the file and logging it, or a newer attempt had taken the run
@@ -1130,7 +1132,8 @@ class SubtaskLog:
 
         ``older_than`` is the grace period: a newer file may belong to a commit still
         running. delta-rs counts it in whole hours, so it is rounded up to the next hour.
-        Keep it longer than your slowest commit (the default, a day, is far longer).
+        Keep it longer than your slowest commit (the default, a day, is far longer); 0
+        deletes the file of a commit in progress, so use it only while no job runs.
         """
         hours = _grace_hours(older_than)
         table = self._open(refresh=True)
@@ -1569,11 +1572,11 @@ def _grace_hours(older_than: Any) -> int:
     seconds = (
         older_than.total_seconds() if isinstance(older_than, timedelta) else as_float(older_than)
     )
-    if seconds is None or not 0 <= seconds < math.inf:
+    if seconds is None or not 0 <= seconds <= _MAX_GRACE_HOURS * 3600:
         raise CheckpointError(
-            f"older_than must be a timedelta or a number of seconds, not negative; got "
-            f"{older_than!r}. It is the grace period during which a file no checkpoint uses "
-            "yet is kept, as a running commit may still log it."
+            f"older_than must be a timedelta or a number of seconds, from 0 to "
+            f"{_MAX_GRACE_HOURS:,} hours; got {older_than!r}. It is the grace period during "
+            "which a file no checkpoint uses yet is kept, as a running commit may still log it."
         )
     return math.ceil(seconds / 3600)
 

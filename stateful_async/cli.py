@@ -551,9 +551,9 @@ def expire_checkpoints(
             metavar="HOURS",
             min=0,
             help="Also delete the files no checkpoint uses (left by commits that never "
-            "completed: a task killed mid-commit, a superseded attempt) once they are this "
-            "many hours old (rounded up to whole hours); newer ones may belong to a commit "
-            "still running.",
+            "completed: a task killed mid-commit) once they are this many hours old (rounded "
+            "up to whole hours); newer ones may belong to a commit still running, so 0 is "
+            "only for a job that is not running.",
         ),
     ] = 24.0,  # checkpoint.ORPHAN_GRACE (not imported here: it loads deltalake)
 ) -> None:
@@ -561,9 +561,13 @@ def expire_checkpoints(
     with _user_errors():
         store = _store(location, storage_option)
         name = _job(store, job)
-        if not math.isfinite(orphans_older_than):
-            raise Fail(f"--orphans-older-than must be a number of hours; got {orphans_older_than}.")
-        orphans = store.remove_orphans(name, orphans_older_than * 3600)
+        if not math.isfinite(orphans_older_than) or orphans_older_than > 1_000_000:
+            raise Fail(
+                "--orphans-older-than must be a number of hours up to 1,000,000; got "
+                f"{orphans_older_than}."
+            )
+        hours = math.ceil(orphans_older_than)  # as delta-rs's vacuum counts them
+        orphans = store.remove_orphans(name, hours * 3600)
         # per operator, so checkpoints are counted as `list` shows them: one per run and id
         reports = [store.expire(name, retain, operator_id=op) for op in store.operators(name)]
         expired = [r.expired for r in reports]
@@ -577,7 +581,7 @@ def expire_checkpoints(
         )
         out.print(
             f"{len(orphans)} file(s) no checkpoint used (left by commits that never "
-            f"completed), older than {orphans_older_than:g} hour(s), deleted."
+            f"completed), older than {hours} hour(s), deleted."
         )
 
 

@@ -1178,7 +1178,9 @@ def test_orphan_files_of_commits_that_never_completed_are_removed_once_old_enoug
     assert store.remove_orphans("job", older_than=0) == []
 
 
-@pytest.mark.parametrize("older_than", [-1, dt.timedelta(seconds=-1), "1h", float("nan")])
+@pytest.mark.parametrize(
+    "older_than", [-1, dt.timedelta(seconds=-1), "1h", float("nan"), 3600 * 2.6e12]
+)
 def test_a_bad_grace_period_for_orphans_is_refused_before_anything_is_deleted(
     tmp_path: Path, older_than: Any
 ) -> None:

@@ -721,9 +721,11 @@ _SAME_STAGE = frozenset(
 
 
 def _after_unordered_wait(df: Any) -> bool:
-    """Whether ``df`` is an unordered_wait's output with only narrow steps after it, in
-    the plan as Spark caches it (a persisted DataFrame is a leaf). Spark Connect's plans
-    cannot be walked from the client: False there, as for anything this cannot read."""
+    """Whether ``df`` is the output of an unordered_wait without checkpoints with only
+    narrow steps after it, in the plan as Spark caches it (a persisted DataFrame is a
+    leaf). A checkpointed one hands over only committed results, which its retry re-emits
+    in the same order. Spark Connect's plans cannot be walked from the client: False
+    there, as for anything this cannot read."""
     unordered = task_name(OutputMode.UNORDERED)
     try:
         plan = df._jdf.queryExecution()
@@ -744,19 +746,20 @@ def _after_unordered_wait(df: Any) -> bool:
 
 def _warn_if_after_unordered_wait(df: Any, mode: OutputMode) -> None:
     """A checkpointed enrichment resumes only over input that comes in the same order on
-    every attempt; unordered_wait's results come in completion order. Chained after one in
-    the same stage (nothing between but narrow steps), its retries fail with
-    InputMismatchError: say so before the job."""
+    every attempt; unordered_wait's results come in completion order. Chained after one
+    without checkpoints in the same stage (nothing between but narrow steps), its retries
+    fail with InputMismatchError: say so before the job."""
     if not _after_unordered_wait(df):
         return
     warnings.warn(
-        f"This checkpointed {task_name(mode)} reads the output of an unordered_wait in the "
-        "same Spark stage. unordered_wait's results come in completion order, which differs "
-        "from attempt to attempt, so a retried task of this enrichment almost always reads "
-        "other input than its checkpoint consumed and cannot resume (it fails with "
-        "InputMismatchError on every attempt); the job then fails. Use ordered_wait there, "
-        "sort its output within partitions by a unique key (sortWithinPartitions), or write "
-        "it out and read it back first.",
+        f"This checkpointed {task_name(mode)} reads the output of an unordered_wait without "
+        "checkpoints in the same Spark stage. Its results come in completion order, which "
+        "differs from attempt to attempt, so a retried task of this enrichment almost always "
+        "reads other input than its checkpoint consumed and cannot resume (it fails with "
+        "InputMismatchError on every attempt); the job then fails. Give that unordered_wait "
+        "a checkpoint too (a retry re-emits its committed results in their order), use "
+        "ordered_wait there, sort its output within partitions by a unique key "
+        "(sortWithinPartitions), or write it out and read it back first.",
         UserWarning,
         stacklevel=4,  # the call of ordered_wait / unordered_wait
     )

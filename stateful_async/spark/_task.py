@@ -60,7 +60,9 @@ from ._results import is_list_type, to_batch
 
 _CHUNK_ROWS = 1024  # rows converted to Python and fed per step (bounds loop latency)
 _OUTPUT_ROWS = 1024  # rows per output Arrow batch
-_FLUSH_SECONDS = 0.2  # an idle task still hands its results over this often
+# an idle task still hands its results over this often (with checkpoints: to the next
+# checkpoint, which hands them to Spark once committed)
+_FLUSH_SECONDS = 0.2
 _MAX_QUEUED_BATCHES = 16  # output backpressure: stop reading input past this
 _PROGRESS_SECONDS = 60.0  # a task logs its progress this often (STATEFUL_ASYNC_PROGRESS_SECONDS)
 _EXPIRE_EVERY = 20  # a long task expires old checkpoints every this many checkpoints
@@ -350,9 +352,10 @@ class TaskSpec:
     app_start: str = ""
 
 
-def task_name(mode: OutputMode) -> str:
-    """``ordered_wait`` / ``unordered_wait``: what a ``PartitionTask`` is called in plans."""
-    return f"{mode.value}_wait"
+def task_name(mode: OutputMode, checkpointed: bool = False) -> str:
+    """``ordered_wait`` / ``unordered_wait`` (``..._checkpointed`` with checkpoints): what a
+    ``PartitionTask`` is called in plans and Spark's UI."""
+    return f"{mode.value}_wait" + ("_checkpointed" if checkpointed else "")
 
 
 class PartitionTask:
@@ -361,7 +364,7 @@ class PartitionTask:
     def __init__(self, spec: TaskSpec) -> None:
         self.spec = spec
         # the name Spark gives its MapInArrow (plans, the UI), which the adapter looks for
-        self.__name__ = task_name(spec.mode)
+        self.__name__ = task_name(spec.mode, spec.checkpoint is not None)
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         try:
@@ -785,9 +788,9 @@ class _TaskRun:
         same_run = meta.run_id == self.identity.run_id
         # a micro-batch replayed by a restarted query (another execution of it: its run id,
         # Spark's job group), rather than Spark's retry of a task of this execution
-        replayed = "batch_id" in self.identity.properties and meta.properties.get(
-            "job_group"
-        ) != self.properties.get("job_group")
+        replayed = "batch_id" in self.identity.properties and any(
+            meta.properties.get(key) != self.properties.get(key) for key in ("job_group", "app_id")
+        )
         await self._skip_consumed(
             meta.position, meta.fingerprint, str(meta.ref), same_run, replayed
         )
@@ -1030,8 +1033,8 @@ class _TaskRun:
                     "join, groupBy), the order in which a task fetches its rows can differ "
                     "from one attempt to the next; a source that changed under the job, a "
                     "non-deterministic expression (rand(), a UDF), or an unordered_wait "
-                    "earlier in this stage (its results come in completion order, which "
-                    "differs from attempt to attempt, checkpointed or not) does the same. "
+                    "without checkpoints earlier in this stage (its results come in "
+                    "completion order, which differs from attempt to attempt) does the same. "
                     "Every retry of this task is refused alike. Make the input deterministic "
                     "before the enrichment (after a shuffle: df.sortWithinPartitions(<a "
                     "unique key>); after unordered_wait: ordered_wait there, or write its "

@@ -522,19 +522,21 @@ def test_a_function_that_changes_its_row_changes_neither_checkpoints_nor_resume(
     assert [r.asDict() for r in out] == [reference(i) for i in range(rows)]
 
 
+@pytest.mark.parametrize("first", ["ordered_wait", "unordered_wait"])
 def test_a_checkpointed_enrichment_chained_after_one_whose_answers_vary_resumes(
-    spark, tmp_path
+    spark, tmp_path, first: str
 ) -> None:
     # Two checkpointed enrichments in one stage; the first one's service answers differently
     # each time (a fetch time, noise) and its worker dies. The second had consumed (and
     # checkpointed) results the first had emitted but not yet committed; the first's retry
     # called the service again for those and got other answers, so the second's input check
     # refused every retry (InputMismatchError) and the job failed. Results now leave a task
-    # only once committed: the second only consumes what a retry re-emits as it is.
+    # only once committed: the second only consumes what a retry re-emits as it is. So
+    # does a checkpointed unordered_wait's (whose order varies too: random latency).
     import random
 
     async def noisy(row):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(random.uniform(0.0, 0.04))
         return [{"id": row["id"], "score": random.random(), "pad": "x" * 1000}]
 
     async def passthrough(row):  # type: ignore[no-untyped-def]
@@ -548,7 +550,8 @@ def test_a_checkpointed_enrichment_chained_after_one_whose_answers_vary_resumes(
             str(tmp_path), "chain", operator_id=operator_id, interval_records=200, retain=100
         )
 
-    inner = ordered_wait(
+    wait = ordered_wait if first == "ordered_wait" else unordered_wait
+    inner = wait(
         df, CrashOnElement(noisy, at=[550]), schema, capacity=4, checkpoint=config("inner")
     )
     outer = ordered_wait(inner, passthrough, schema, capacity=8, checkpoint=config("outer"))
@@ -611,8 +614,9 @@ def test_a_checkpointed_enrichment_after_unordered_wait_in_one_stage_is_warned_o
     unordered = unordered_wait(spark.range(0, 20, numPartitions=2), f, "id long")
     with pytest.warns(
         UserWarning,
-        match=r"This checkpointed ordered_wait reads the output of an unordered_wait in the "
-        r"same Spark stage\..* Use ordered_wait there, sort its output within partitions",
+        match=r"This checkpointed ordered_wait reads the output of an unordered_wait without "
+        r"checkpoints in the same Spark stage\..* Give that unordered_wait a checkpoint too "
+        r".* use ordered_wait there, sort its output within partitions",
     ) as said:
         chained = ordered_wait(
             unordered.filter("id > 2").select("id"), f, "id long", checkpoint=config
@@ -644,6 +648,11 @@ def test_a_checkpointed_enrichment_after_unordered_wait_in_one_stage_is_warned_o
         ordered_wait(unordered.repartition(2), f, "id long", checkpoint=config)  # a shuffle
         ordered_wait(cached, f, "id long", checkpoint=config)  # read from the cache
         ordered_wait(unordered, f, "id long")  # no checkpoint: a retry starts over
+        # a checkpointed unordered_wait hands over committed results only, re-emitted
+        # in their order by a retry
+        first = dataclasses.replace(config, operator_id="first")
+        checkpointed = unordered_wait(spark.range(0, 20), f, "id long", checkpoint=first)
+        ordered_wait(checkpointed.filter("id > 2"), f, "id long", checkpoint=config)
     cached.unpersist()
 
 
