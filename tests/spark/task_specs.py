@@ -1,5 +1,6 @@
 """What tests that run a Spark task in their own process (``_TaskRun``, no Spark) build
-it from. Not a test module; tests/spark is on pytest's pythonpath."""
+it from, and a streaming query run to its end. Not a test module; tests/spark is on
+pytest's pythonpath."""
 
 from __future__ import annotations
 
@@ -29,3 +30,17 @@ def id_task(
         as_async_function(fn), mode, capacity, None, None, ID_SCHEMA, ID_SCHEMA, event_time, 0,
         checkpoint, "app",
     )  # fmt: skip
+
+
+def run_available_now(writer: Any, checkpoint_location: Any, seconds: float = 120) -> None:
+    """Start ``writer`` (a DataStreamWriter) with ``trigger(availableNow=True)`` and wait
+    for the query to end: it must, within ``seconds``."""
+    query = (
+        writer.option("checkpointLocation", str(checkpoint_location))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        assert query.awaitTermination(seconds), f"the query did not end within {seconds} s"
+    finally:
+        query.stop()

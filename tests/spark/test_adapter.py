@@ -27,7 +27,7 @@ from pyspark import cloudpickle
 from pyspark.sql import Row
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
-from task_specs import ID_SCHEMA, id_task  # a helper module: tests/spark is on pythonpath
+from task_specs import ID_SCHEMA, id_task, run_available_now  # tests/spark is on pythonpath
 
 from checkpoint import SnapshotStore, UnsupportedTypeError
 from stateful_async import (
@@ -1303,17 +1303,8 @@ def test_restore_from_on_a_streaming_dataframe_is_refused_up_front(spark, tmp_pa
     (tmp_path / "in" / "a.json").write_text('{"id": 1}\n{"id": 2}\n')
     out = ordered_wait(stream, f, "id long", checkpoint=CheckpointConfig(str(tmp_path), "s"))
     assert out.isStreaming and out.schema.simpleString() == "struct<id:bigint>"
-    query = (
-        out.writeStream.format("memory")
-        .queryName("restore_from_refused")
-        .option("checkpointLocation", str(tmp_path / "spark"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    try:
-        assert query.awaitTermination(120), "the availableNow query did not end in 120 s"
-    finally:
-        query.stop()
+    writer = out.writeStream.format("memory").queryName("restore_from_refused")
+    run_available_now(writer, tmp_path / "spark")
     assert sorted(r.id for r in spark.table("restore_from_refused").collect()) == [1, 2]
 
 

@@ -16,7 +16,7 @@ import enrich_stream_driver as DRIVER  # a driver script: tests/spark is on pyth
 import pytest
 from deltalake import DeltaTable
 from pyspark.errors import StreamingQueryException
-from task_specs import id_task  # a helper module: tests/spark is on pythonpath
+from task_specs import id_task, run_available_now  # tests/spark is on pythonpath
 
 from checkpoint import CheckpointMetadata, SnapshotStore, delta_dataset
 from stateful_async.chaos import DriverProcess, MockService, ServiceConfig, expected_enrichment
@@ -256,18 +256,8 @@ def test_restore_from_in_foreach_batch_is_refused_not_resumed_from_the_previous_
             refused.append(str(exc))
         calls.append(batch_id)
 
-    query = (
-        spark.readStream.schema("id long")
-        .json(str(source))
-        .writeStream.foreachBatch(each_batch)
-        .option("checkpointLocation", str(tmp_path / "query"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    try:
-        assert query.awaitTermination(120), "the availableNow query did not end in 120 s"
-    finally:
-        query.stop()
+    stream = spark.readStream.schema("id long").json(str(source))
+    run_available_now(stream.writeStream.foreachBatch(each_batch), tmp_path / "query")
     assert calls == [0]
     [text] = refused
     assert "restore_from='latest' is for batch jobs" in text
