@@ -1073,17 +1073,7 @@ class SubtaskLog:
                 table.delete(predicate, commit_properties=properties)
             rewritten = table.version()
             if vacuum:
-                # The vacuum also lists the files whose removal is still in the Delta log
-                # that an earlier vacuum deleted: count those that were there.
-                there = _layout.data_files(table.table_uri, self._storage_options)
-                removed = table.vacuum(
-                    retention_hours=0, enforce_retention_duration=False, dry_run=False
-                )
-                report.files_removed = (
-                    len(removed)
-                    if there is None
-                    else sum(os.path.basename(f) in there for f in removed)
-                )
+                report.files_removed = len(self._vacuum(table, 0))
         except CheckpointError:
             raise
         except CommitFailedError as exc:
@@ -1135,25 +1125,13 @@ class SubtaskLog:
         Keep it longer than your slowest commit (the default, a day, is far longer); 0
         deletes the file of a commit in progress, so use it only while no job runs.
         """
-        hours = _grace_hours(older_than)
+        hours = grace_hours(older_than)
         table = self._open(refresh=True)
         try:
             if table is None:  # the first commit never landed: no file is the table's
                 removed = _layout.delete_stale_files(self.uri, self._storage_options, hours * 3600)
             else:
-                there = _layout.data_files(table.table_uri, self._storage_options)
-                listed = table.vacuum(
-                    retention_hours=hours,
-                    enforce_retention_duration=False,
-                    dry_run=False,
-                    full=True,
-                )
-                # as in _expire: files an earlier vacuum deleted may be listed again
-                removed = [
-                    os.path.basename(f)
-                    for f in listed
-                    if there is None or os.path.basename(f) in there
-                ]
+                removed = self._vacuum(table, hours, full=True)
         except CheckpointError:
             raise
         except Exception as exc:
@@ -1165,6 +1143,18 @@ class SubtaskLog:
         return sorted(removed)
 
     # -- internals ----------------------------------------------------------------------
+
+    def _vacuum(self, table: DeltaTable, hours: int, full: bool = False) -> list[str]:
+        """Vacuum ``table`` (files it no longer uses, ``hours`` old; with ``full``, files no
+        version of its log names too); the names of the files it deleted. delta-rs also
+        lists the files whose removal is still in the log that an earlier vacuum deleted:
+        only those that were there count."""
+        there = _layout.data_files(table.table_uri, self._storage_options)
+        listed = table.vacuum(
+            retention_hours=hours, enforce_retention_duration=False, dry_run=False, full=full
+        )
+        names = [os.path.basename(f) for f in listed]
+        return names if there is None else [name for name in names if name in there]
 
     def _open(self, refresh: bool = False) -> DeltaTable | None:
         """The table (None if there is none yet); ``refresh`` brings it to its newest
@@ -1516,7 +1506,7 @@ class SnapshotStore:
         """``SubtaskLog.remove_orphans`` of every subtask of the job (one operator, or
         all); the files deleted, as ``<operator_id>/subtask=<n>/<name>`` under the job's
         directory, sorted."""
-        _grace_hours(older_than)  # a bad value is refused before any table is touched
+        grace_hours(older_than)  # a bad value is refused before any table is touched
         self._require_job(job_id)
 
         def remove(log: SubtaskLog) -> list[str]:
@@ -1567,8 +1557,9 @@ class SnapshotStore:
 # -- row building --------------------------------------------------------------------------
 
 
-def _grace_hours(older_than: Any) -> int:
-    """``older_than`` (a timedelta, or seconds) in whole hours, rounded up."""
+def grace_hours(older_than: Any) -> int:
+    """``older_than`` (a timedelta, or seconds) in whole hours, rounded up (delta-rs's
+    vacuum counts whole hours); CheckpointError for a value it cannot take."""
     seconds = (
         older_than.total_seconds() if isinstance(older_than, timedelta) else as_float(older_than)
     )

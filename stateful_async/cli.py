@@ -561,12 +561,16 @@ def expire_checkpoints(
     with _user_errors():
         store = _store(location, storage_option)
         name = _job(store, job)
-        if not math.isfinite(orphans_older_than) or orphans_older_than > 1_000_000:
+        from checkpoint import CheckpointError
+        from checkpoint._store import _MAX_GRACE_HOURS, grace_hours
+
+        try:
+            hours = grace_hours(orphans_older_than * 3600)
+        except CheckpointError:
             raise Fail(
-                "--orphans-older-than must be a number of hours up to 1,000,000; got "
-                f"{orphans_older_than}."
-            )
-        hours = math.ceil(orphans_older_than)  # as delta-rs's vacuum counts them
+                f"--orphans-older-than must be a number of hours up to {_MAX_GRACE_HOURS:,}; "
+                f"got {orphans_older_than}."
+            ) from None
         orphans = store.remove_orphans(name, hours * 3600)
         # per operator, so checkpoints are counted as `list` shows them: one per run and id
         reports = [store.expire(name, retain, operator_id=op) for op in store.operators(name)]
