@@ -132,6 +132,7 @@ _TABLE_CONFIGURATION = {
     "delta.setTransactionRetentionDuration": _TRANSACTION_RETENTION,
 }
 _EXPIRE_TRIES = 10  # an expiry reads every checkpoint again on each try
+_READ_TRIES = 10  # a read whose files a concurrent expiry vacuumed reads the newer table again
 _REOPEN_VERSIONS = 100  # a table object is opened afresh after this many versions (_open)
 _RESTORE_GROUP_ROWS = 100_000  # results a resuming task reads (and holds) at a time
 # above this many bytes of results, a group's checkpoints are put in order one at a time
@@ -550,6 +551,8 @@ class SubtaskLog:
             & (pc.field("checkpoint_id") == meta.checkpoint_id)
             & kinds,
             None,
+            refs=[meta.ref],
+            state=True,
         )
         elements, seqs = self._elements(rows, input_schema, meta)
         if not results:
@@ -627,8 +630,8 @@ class SubtaskLog:
             last = i == len(chain) - 1
             if not last and size + chain[i + 1].result_count <= max_rows:
                 continue
-            if size:
-                yield from self._group_results(table, group, size, output_schema)
+            if size:  # the table as of now: a read that lost its files brought it forward
+                yield from self._group_results(self._open() or table, group, size, output_schema)
             group, size = [], 0
 
     def _group_results(
@@ -642,6 +645,7 @@ class SubtaskLog:
             table,
             (pc.field("kind") == KIND_RESULT) & _refs_filter(m.ref for m in group),
             ["run_id", "checkpoint_id", "seq", "timestamp", "result"],
+            refs=[m.ref for m in group],
         )
         yield from self._in_order(rows, group, expected, output_schema)
 
@@ -1322,16 +1326,55 @@ class SubtaskLog:
     def _read(
         self,
         table: DeltaTable,
-        expression: pc.Expression,
+        expression: pc.Expression | None,
         columns: list[str] | None,
         sequential: bool = False,
+        refs: Sequence[CheckpointRef] = (),
+        state: bool = False,
     ) -> pa.Table:
-        try:
-            return _layout.delta_dataset(table, self._storage_options).to_table(
-                filter=expression, columns=columns, **(_SEQUENTIAL if sequential else {})
+        """The rows of ``table`` that match ``expression``.
+
+        A running job's expiry rewrites files and vacuums the old ones at once, so a read
+        of an older snapshot can find a file gone: the read starts again on the newest
+        version, where the rows it wants (those of ``refs``, and with ``state`` their
+        in-flight elements too) are in the files that replaced it, unless that expiry
+        deleted them, which is said so."""
+        for tries_left in reversed(range(_READ_TRIES)):
+            try:
+                return _layout.delta_dataset(table, self._storage_options).to_table(
+                    filter=expression, columns=columns, **(_SEQUENTIAL if sequential else {})
+                )
+            except Exception as exc:
+                if not (_vacuumed_under_us(exc) and tries_left):
+                    raise CheckpointError(
+                        f"Cannot read checkpoint table {self.uri}: {exc}"
+                        + (
+                            f". Each of {_READ_TRIES} reads lost its files to an expiry of a "
+                            "running job (it rewrites the table as it goes); read again, or "
+                            "while the job is idle."
+                            if _vacuumed_under_us(exc)
+                            else ""
+                        )
+                    ) from exc
+            fresh = self._open(refresh=True)
+            assert fresh is not None
+            table = fresh
+            if refs:
+                self._require_present(refs, state)
+        raise AssertionError("unreachable")
+
+    def _require_present(self, refs: Sequence[CheckpointRef], state: bool) -> None:
+        """Raise ``CheckpointNotFoundError`` unless each of ``refs`` is still in the table
+        (and, with ``state``, not expired): a concurrent expiry may have removed it."""
+        now = {m.ref: m for m in self.checkpoints()}
+        gone = [r for r in refs if r not in now or (state and now[r].expired)]
+        if gone:
+            raise CheckpointNotFoundError(
+                f"Checkpoint {gone[0]} of subtask {self.subtask} at {self.uri} was "
+                f"{'expired' if gone[0] in now else 'deleted'} while it was being read, by "
+                "the retention of a job still writing this table (or an expire). Restore a "
+                f"newer checkpoint: {_describe_refs([m for m in now.values() if not m.expired])}."
             )
-        except Exception as exc:
-            raise CheckpointError(f"Cannot read checkpoint table {self.uri}: {exc}") from exc
 
     def _elements(
         self, rows: pa.Table, input_schema: pa.Schema, meta: CheckpointMetadata
@@ -1448,11 +1491,7 @@ class SnapshotStore:
 
         def read(log: SubtaskLog) -> pa.Table | None:
             table = log._open()
-            return (
-                None
-                if table is None
-                else _layout.delta_dataset(table, log._storage_options).to_table()
-            )
+            return None if table is None else log._read(table, None, None)
 
         tables = [t for t in self.map_subtasks(job_id, operator_id, read) if t is not None]
         if not tables:

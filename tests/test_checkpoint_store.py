@@ -1087,6 +1087,67 @@ def test_a_log_that_commits_and_expires_knows_its_checkpoints_without_rereading(
     assert log.restore(1, run_id="other").metadata.in_flight == 5
 
 
+def _expiring_under(monkeypatch: pytest.MonkeyPatch, reader, writer, retain: int) -> list:
+    """Make ``writer`` expire (and vacuum) right after ``reader`` has listed the files of
+    its next read, once: the interleaving of a job's expiry with a reader of its table."""
+    from checkpoint import _layout
+
+    real = _layout.delta_dataset
+    reports: list = []
+
+    def listed_then_expired(table, storage_options=None):
+        dataset = real(table, storage_options)
+        if not reports and table is reader._table:
+            reports.append(writer.expire(retain))
+        return dataset
+
+    monkeypatch.setattr(_layout, "delta_dataset", listed_then_expired)
+    return reports
+
+
+def test_a_read_whose_files_a_running_jobs_expiry_vacuums_reads_the_newer_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A reader (the CLI, a notebook) of a running job's table read a snapshot whose files the
+    # job's expiry then rewrote and vacuumed: "Failed to open local file", now and then.
+    writer = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    parent = None
+    for ckpt in range(1, 6):
+        parent = commit(writer, "run", ckpt, n=5, parent=parent, position=ckpt * 10).ref
+    reader = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    reader.checkpoints()
+    commit(writer, "run", 6, n=5, parent=parent, position=60)
+
+    reports = _expiring_under(monkeypatch, reader, writer, retain=2)
+    listed = reader.checkpoints()
+    assert reports and reports[0].expired  # the expiry did run under the read
+    assert listed == writer.checkpoints()
+    commit(writer, "run", 7, n=5, parent=CheckpointRef("run", 6), position=70)
+    reports.clear()
+    restored = reader.restore(6)
+    assert reports and reports[0].files_removed > 0
+    assert restored.results.column("id").to_pylist() == [1, 2, 3, 4, 5, 6]
+    assert len(restored.elements) == 5
+
+
+def test_a_checkpoint_expired_while_it_is_read_is_named_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    parent = None
+    for ckpt in range(1, 4):
+        parent = commit(writer, "run", ckpt, n=5, parent=parent, position=ckpt * 10).ref
+    reader = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    reader.checkpoints()
+    _expiring_under(monkeypatch, reader, writer, retain=1)
+    with pytest.raises(
+        CheckpointNotFoundError,
+        match=r"Checkpoint run:2 .* was expired while it was being read.*newer checkpoint: "
+        r"run run: 3\.",
+    ):
+        reader.load(2)
+
+
 def test_looking_up_one_job_lists_only_that_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
