@@ -28,3 +28,20 @@ def test_ruff_finds_nothing() -> None:
 def test_mypy_is_clean() -> None:
     result = _run("mypy")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_wheel_marks_its_packages_typed(tmp_path: Path) -> None:
+    # Without PEP 561's py.typed an installed copy is "missing library stubs" to users'
+    # type checkers, and every hint above is lost on them.
+    import shutil
+    import zipfile
+
+    source = tmp_path / "source"  # a copy: pip builds in the tree it is given, and keeps build/
+    shutil.copytree(
+        ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__")
+    )
+    result = _run("pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(source))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (wheel,) = tmp_path.glob("stateful_async-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"stateful_async/py.typed", "checkpoint/py.typed"} <= names
