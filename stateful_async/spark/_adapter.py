@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import numbers
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -785,21 +786,40 @@ def _warn_if_tasks_never_retry(session: Any) -> None:
 
 
 def _check_local_location(location: str) -> None:
-    """A local location must be a directory, or creatable as one (checked on the driver;
-    on a cluster it is a shared filesystem every executor mounts at the same path)."""
+    """A local location must be a directory the job can write, or creatable as one
+    (checked on the driver, which reads the store too; on a cluster it is a shared
+    filesystem mounted at the same path on the driver and every executor). Otherwise every
+    task attempt would fail on it, with delta-rs's message."""
     from checkpoint._layout import is_local
 
     if not is_local(location):
         return
     path = Path(location)
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            if not candidate.is_dir():
-                raise ConfigurationError(
-                    f"The checkpoint location {location} cannot be a directory: {candidate} is "
-                    "a file. Choose a directory path (it is created if missing)."
-                )
-            return
+    existing = next(c for c in (path, *path.parents) if c.exists())
+    if not existing.is_dir():
+        raise ConfigurationError(
+            f"The checkpoint location {location} cannot be a directory: {existing} is "
+            "a file. Choose a directory path (it is created if missing)."
+        )
+    missing = [c for c in (path, *path.parents) if c != existing and existing in c.parents]
+    try:
+        if missing:  # created and removed again: the tasks create it when they commit
+            path.mkdir(parents=True, exist_ok=True)
+            for created in missing:
+                try:
+                    created.rmdir()
+                except OSError:
+                    break  # another writer's meanwhile, no longer empty: theirs
+        else:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+    except OSError as exc:
+        raise ConfigurationError(
+            f"The checkpoint location {location} is not writable: "
+            f"{'creating' if missing else 'writing to'} it failed ({exc}). Choose a "
+            "directory this job can write (on a cluster: mounted at the same path on the "
+            "driver and every executor), or an object-store URI."
+        ) from exc
 
 
 def _what_is_there(store: Any, config: CheckpointConfig) -> str:

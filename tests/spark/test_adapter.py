@@ -1172,7 +1172,7 @@ def test_restore_from_without_checkpoints_is_refused_up_front(spark, tmp_path) -
         ordered_wait(spark.range(3), f, "id long", checkpoint=other)
 
 
-def test_a_checkpoint_location_under_a_file_is_refused_up_front(spark, tmp_path) -> None:
+def test_a_checkpoint_location_the_job_cannot_write_is_refused_up_front(spark, tmp_path) -> None:
     async def f(row):  # type: ignore[no-untyped-def]
         return [row]
 
@@ -1181,6 +1181,16 @@ def test_a_checkpoint_location_under_a_file_is_refused_up_front(spark, tmp_path)
         config = CheckpointConfig(str(location), "job")
         with pytest.raises(ConfigurationError, match=r"a-file is a file\. Choose a directory"):
             ordered_wait(spark.range(3), f, "id long", checkpoint=config)
+    # Directories the job cannot create or write (root writes nearly everywhere, but not in
+    # /proc or /sys): every task attempt failed on them, with delta-rs's message.
+    for location, failed in (("/proc/nope/checkpoints", "creating"), ("/sys/fs", "writing to")):
+        config = CheckpointConfig(location, "job")
+        with pytest.raises(ConfigurationError, match=f"is not writable: {failed} it failed"):
+            ordered_wait(spark.range(3), f, "id long", checkpoint=config)
+    # A location checked that way is left as it was: the tasks create it.
+    new = tmp_path / "new" / "checkpoints"
+    ordered_wait(spark.range(3), f, "id long", checkpoint=CheckpointConfig(str(new), "job"))
+    assert not (tmp_path / "new").exists()
 
 
 def test_names_differing_only_in_case_are_refused_up_front_with_checkpoints(
