@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import enum
+import inspect
 import math
 from collections import deque
 from functools import partial
@@ -49,6 +50,7 @@ _TIMEOUT = 0
 _RETRY = 1
 _PROGRAMMING_ERRORS = (InvalidResultError, ResultSchemaError)
 _new_record = object.__new__
+_NOT_CALLED: Any = object()  # an attempt's call before the function returned
 
 
 def _safely(method: Callable[..., bool], *args: Any, default: bool) -> bool:
@@ -129,7 +131,9 @@ class _Element(QueueEntry):
     timeout_task: asyncio.Future[Any] | None = None
     timed_out = False
     backing_off = False
+    retry_due: float | None = None
     last_error: BaseException | None = None
+    rejected = False
 
     def __init__(self, element: StreamElement, done: bool = False) -> None:
         # Fields of QueueEntry set here too: one constructor call per element, not two.
@@ -143,9 +147,21 @@ class _Element(QueueEntry):
 
 
 class _TimedElement(_Element):
-    """An entry of an operator with a timeout: deadline, timeout handler, retry state."""
+    """An entry of an operator with a timeout: deadline, timeout handler, retry state.
 
-    __slots__ = ("deadline", "timeout_task", "timed_out", "backing_off", "last_error")
+    ``retry_due`` is when the pending retry starts, kept once the deadline has cancelled it
+    (the timeout error says so); ``last_error`` and ``rejected`` say how the last attempt
+    that ended went: an exception, or a result that ``retry_on_result`` rejected."""
+
+    __slots__ = (
+        "deadline",
+        "timeout_task",
+        "timed_out",
+        "backing_off",
+        "retry_due",
+        "last_error",
+        "rejected",
+    )
 
     def __init__(self, element: StreamElement, done: bool = False) -> None:
         super().__init__(element, done)
@@ -154,7 +170,9 @@ class _TimedElement(_Element):
         self.timeout_task = None
         self.timed_out = False
         self.backing_off = False
+        self.retry_due = None
         self.last_error = None
+        self.rejected = False
 
 
 def _as_results(
@@ -169,6 +187,19 @@ def _as_results(
             element,
             attempts,
             "Return a list: [result] for one result, [] to emit nothing.",
+        )
+    if inspect.isawaitable(results):
+        returned = type(results).__name__
+        if inspect.iscoroutine(results):
+            returned += f" {results.__qualname__}"
+            results.close()  # never to be awaited: closed, not warned about when collected
+        raise element_error(
+            InvalidResultError,
+            f"{source} returned {returned}, an awaitable, instead of an iterable of results",
+            element,
+            attempts,
+            "Did you forget `await`? Await it inside the function and return a list of its "
+            "results: [result] for one result, [] to emit nothing.",
         )
     try:
         iterator = iter(results)
@@ -211,9 +242,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
     ``timeout`` (seconds, or a ``timedelta``) is per element, starts with the element's
     first call (as it enters the queue, or with ``max_in_flight`` once a call slot is free
     for it: time spent waiting for room does not count) and covers every retry. At the
-    deadline ``fn.timeout(value)`` decides the element (results, or failure); a result of
-    the running attempt that arrives before the handler returns wins instead. No retry
-    starts at or after the deadline.
+    deadline ``fn.timeout(value)`` decides the element (results, or failure). While the
+    handler runs, the attempt that was running at the deadline may still end: a result
+    that ``retry`` accepts (any result, without ``retry_on_result``) wins and the handler
+    is cancelled; an exception, or a result that ``retry_on_result`` rejects, is dropped,
+    as no retry starts at or after the deadline, and the handler decides.
 
     ``retry`` decides whether a failed attempt (or an unwanted result) is tried again,
     after a per-element backoff. The first outcome of an element wins — a result, the
@@ -336,6 +369,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._spare: list[_Element] = []
         self._fn_opened = False
         self._restoring = False
+        # Calls and timeout handlers _release cancelled, until they have ended: close()
+        # waits for them as for the calls it cancels itself.
+        self._cancelled: set[asyncio.Future[Any]] = set()
         self.metrics = OperatorMetrics()
 
     def _set_state(self, state: _State) -> None:
@@ -653,14 +689,16 @@ class AsyncWaitOperator(Generic[IN, OUT]):
     async def close(self) -> None:
         """Release everything: cancels timers and in-flight calls (without ``finish()``,
         in-flight elements are discarded), waits up to 5 s (wall clock) for the cancelled
-        calls to end (one that ignores its cancellation is left running, its outcome
-        dropped), then closes the function. Idempotent."""
+        calls to end, those cancelled earlier because another outcome decided their element
+        included (one that ignores its cancellation is left running, its outcome dropped),
+        then closes the function. Idempotent."""
         if self._state is _State.CLOSED:
             return
         self._set_state(_State.CLOSED)
         self._spare.clear()
         self._timers.cancel_all()
-        tasks = self._cancel_in_flight()
+        tasks = set(self._cancel_in_flight())
+        tasks.update(task for task in self._cancelled if not task.done())
         self._wake_waiters(
             OperatorStateError("The operator was closed while a call was waiting on it.")
         )
@@ -680,9 +718,13 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         """The only attempt of an element of an operator without timeout (so without
         retries): ``_attempt`` cut to what that case needs, since every element takes it.
         The outcome is handled in the step that finishes the call: no mail per element."""
+        call = _NOT_CALLED
         try:
-            results = await self._invoke(handler.element.value)  # type: ignore[union-attr]
+            call = self._invoke(handler.element.value)  # type: ignore[union-attr]
+            results = await call
         except BaseException as exc:
+            if type(exc) is TypeError and call is not _NOT_CALLED and not inspect.isawaitable(call):
+                exc = self._not_awaitable(handler, call)
             self._on_attempt_raised(handler, 1, exc)
             return
         if handler.decided:
@@ -700,15 +742,44 @@ class AsyncWaitOperator(Generic[IN, OUT]):
 
     async def _attempt(self, handler: _Element, attempt: int) -> None:
         """Attempt number ``attempt`` of an element, with a timeout and maybe retries."""
+        call = _NOT_CALLED
         try:
-            results = await self._invoke(handler.element.value)  # type: ignore[union-attr]
+            call = self._invoke(handler.element.value)  # type: ignore[union-attr]
+            results = await call
         except BaseException as exc:
+            if type(exc) is TypeError and call is not _NOT_CALLED and not inspect.isawaitable(call):
+                exc = self._not_awaitable(handler, call)
             self._on_attempt_raised(handler, attempt, exc)
             return
         if handler.decided or attempt != handler.attempts:
             return  # the element is decided, or this attempt was superseded: dropped
         handler.task = None
         self._on_attempt_result(handler, results)
+
+    def _not_awaitable(self, handler: _Element, call: Any) -> InvalidResultError:
+        """The error of a call whose function returned something ``await`` refuses (an
+        ``async_invoke`` that is a callable object or a ``functools.partial`` of a plain
+        function passes the construction check): a programming error, never retried.
+        Checked once ``await`` has raised, so that a call that returns an awaitable, every
+        call, pays nothing for it."""
+        function = (
+            "The async function"
+            if isinstance(self._fn, CoroutineFunction)
+            else f"{type(self._fn).__name__}.async_invoke"
+        )
+        return cast(
+            InvalidResultError,
+            element_error(
+                InvalidResultError,
+                f"{function} returned {type(call).__name__}, not an awaitable",
+                handler.element,
+                handler.attempts,
+                "async_invoke must return an awaitable: is it an async def? Declare it "
+                "'async def async_invoke(self, value)' returning a list of results (a callable "
+                "object needs an 'async def __call__'; a functools.partial, an async function "
+                "inside).",
+            ),
+        )
 
     def _on_attempt_raised(self, handler: _Element, attempt: int, exc: BaseException) -> None:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -724,7 +795,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
 
     def _on_attempt_error(self, handler: _Element, error: BaseException) -> None:
         if self._timeout is not None:
-            cast(_TimedElement, handler).last_error = error  # a timeout error reports it
+            timed = cast(_TimedElement, handler)
+            timed.last_error, timed.rejected = error, False  # a timeout error reports it
         if isinstance(error, _PROGRAMMING_ERRORS):
             # A result of the wrong shape: deterministic, never retried, already names the
             # element.
@@ -745,20 +817,28 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 "The async function failed",
                 handler.element,
                 handler.attempts,
-                self._failure_advice(handler),
+                self._failure_advice(handler, error),
                 cause=error,
             ),
         )
 
-    def _failure_advice(self, handler: _Element) -> str:
-        """What to do about an element whose last attempt raised: retrying it is advice
-        only when it was not retried already until its attempts ran out."""
+    def _failure_advice(self, handler: _Element, error: BaseException) -> str:
+        """What to do about an element whose last attempt raised ``error``: retrying it
+        (more attempts, or while finishing) is advice only for an exception the strategy
+        retries, and only when it was not retried already until its attempts ran out."""
         retry = self._retry
         fallback = "or catch it in async_invoke and return a fallback result."
         if retry is None:
             return (
                 "Fix the cause; or retry this exception (retry=RetryStrategy(...), which "
                 f"needs a timeout too); {fallback}"
+            )
+        # The predicate first: can_retry, or a finishing operator, may have kept it from
+        # being asked, and then neither more attempts nor keep_retrying would help.
+        if not _safely(retry.should_retry_exception, error, default=True):
+            return (
+                "The retry strategy's retry_on_exception does not match it. Fix the cause; or "
+                f"make retry_on_exception match it; {fallback}"
             )
         if not _safely(retry.can_retry, handler.attempts, default=True):
             return (
@@ -770,10 +850,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 "The operator was finishing, which ends retries (finish(keep_retrying=True) "
                 f"keeps them). Fix the cause; {fallback}"
             )
-        return (
-            "The retry strategy's retry_on_exception does not match it. Fix the cause; or "
-            f"make retry_on_exception match it; {fallback}"
-        )
+        return f"Fix the cause; {fallback}"  # a predicate that answered otherwise just before
 
     def _on_attempt_result(self, handler: _Element, results: Any) -> None:
         try:
@@ -786,14 +863,37 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         except BaseException as exc:  # a generator of results that raised: the call failed
             self._on_attempt_error(handler, exc)
             return
-        if (
+        if handler.timed_out:
+            # As with an exception (see _on_attempt_error): a result the strategy would
+            # retry cannot be retried past the deadline, so the running timeout handler
+            # decides; a result it accepts wins.
+            if self._retry is not None and self._rejected_late(
+                cast(_TimedElement, handler), results
+            ):
+                return
+        elif (
             self._retry is not None
-            and not handler.timed_out
             and self._may_retry()
             and self._retried(handler, "result", results)
         ):
             return
         self._decide(handler, results)
+
+    def _rejected_late(self, handler: _TimedElement, results: list[Any]) -> bool:
+        """Whether ``retry_on_result`` rejects a result that came after the deadline, while
+        the timeout handler runs; True also if the predicate raised, which fails the
+        element (see ``_retried``)."""
+        assert self._retry is not None
+        try:
+            rejected = self._retry.should_retry_result(results)
+        except Exception as exc:
+            self._decide_failure(
+                handler, self._strategy_error(handler, "result", "retry_on_result", exc)
+            )
+            return True
+        if rejected:
+            handler.last_error, handler.rejected = None, True
+        return bool(rejected)
 
     def _retried(self, handler: _Element, outcome: str, value: Any) -> bool:
         """Ask the retry strategy whether the attempt's ``outcome`` ("exception" or
@@ -817,33 +917,40 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             step = "backoff"
             delay = retry.backoff(handler.attempts) if again else 0.0
         except Exception as exc:
-            what, advice = (
-                (
-                    f"The retry predicate {step} raised on the attempt's {outcome}",
-                    f"Fix the predicate: it must return True or False for every {outcome} the "
-                    "function can produce.",
-                )
-                if step.startswith("retry_on_")
-                else (
-                    f"The retry strategy's {step}() raised after the attempt's {outcome}",
-                    f"Fix {type(retry).__name__}.{step}: it must return a "
-                    + ("bool" if step == "can_retry" else "number of seconds")
-                    + " for every attempt count.",
-                )
-            )
-            self._decide_failure(
-                handler,
-                element_error(
-                    ElementFailedError, what, handler.element, handler.attempts, advice, cause=exc
-                ),
-            )
+            self._decide_failure(handler, self._strategy_error(handler, outcome, step, exc))
             return True
         if again:
-            self._schedule_retry(cast(_TimedElement, handler), delay)  # retry needs a timeout
+            timed = cast(_TimedElement, handler)  # retry needs a timeout
+            if outcome == "result":
+                timed.last_error, timed.rejected = None, True  # a timeout error reports it
+            self._schedule_retry(timed, delay)
         return bool(again)
 
+    def _strategy_error(
+        self, handler: _Element, outcome: str, step: str, error: Exception
+    ) -> ElementFailedError:
+        """The error of an element whose retry strategy raised at ``step``, deciding on the
+        attempt's ``outcome``."""
+        what, advice = (
+            (
+                f"The retry predicate {step} raised on the attempt's {outcome}",
+                f"Fix the predicate: it must return True or False for every {outcome} the "
+                "function can produce.",
+            )
+            if step.startswith("retry_on_")
+            else (
+                f"The retry strategy's {step}() raised after the attempt's {outcome}",
+                f"Fix {type(self._retry).__name__}.{step}: it must return a "
+                + ("bool" if step == "can_retry" else "number of seconds")
+                + " for every attempt count.",
+            )
+        )
+        return element_error(
+            ElementFailedError, what, handler.element, handler.attempts, advice, cause=error
+        )
+
     def _schedule_retry(self, handler: _TimedElement, delay: float) -> None:
-        when = self._clock.now() + delay
+        handler.retry_due = when = self._clock.now() + delay
         # Armed even when it ends past the deadline: the timeout timer, registered first,
         # fires first (ties included), decides the element and cancels this one.
         handler.backing_off = True
@@ -855,6 +962,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             return
         if handler.deadline is not None and self._clock.now() >= handler.deadline:
             return  # never start an attempt at or past the deadline; the timeout decides
+        handler.retry_due = None
         self.metrics.retries += 1
         self._start_attempt(handler)
 
@@ -918,6 +1026,12 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             else:
                 self._decide(handler, results)
                 return
+        if isinstance(error, _PROGRAMMING_ERRORS):
+            # Fallback results of the wrong shape, found by a wrapper's check (the Spark
+            # task's, against the output schema): the handler returned, it did not raise.
+            # As on the attempt's side, the error already names the element.
+            self._decide_failure(handler, error)
+            return
         if isinstance(error, _DefaultTimeout):
             self._decide_failure(handler, self._timeout_error(handler, None))
             return
@@ -937,21 +1051,39 @@ class AsyncWaitOperator(Generic[IN, OUT]):
     def _timeout_error(
         self, handler: _TimedElement, cause: BaseException | None
     ) -> ElementFailedError:
-        error = element_error(
+        """The element's deadline passed and no fallback decides it. Says whether an attempt
+        was still running, or the element was waiting for a retry due past the deadline
+        (after an exception, or a result rejected by ``retry_on_result``)."""
+        timeout = self._timeout
+        assert timeout is not None and handler.deadline is not None
+        fallback = "or implement timeout() on the AsyncFunction to return a fallback result."
+        if handler.rejected:
+            last = "returned a result that retry_on_result rejected"
+        elif handler.last_error is not None:
+            last = f"failed with {describe(handler.last_error)}"
+        else:
+            last = ""
+        if handler.retry_due is not None and last:
+            due = handler.retry_due - (handler.deadline - timeout)
+            what = f"The next retry did not fit within the {timeout:g} s timeout"
+            advice = (
+                f"The last attempt {last}, and its retry was due {due:g} s after the "
+                f"element's first call, past the {timeout:g} s timeout (no retry starts at or "
+                f"after the deadline). Use a longer timeout or a shorter backoff; {fallback}"
+            )
+        else:
+            what = f"The element did not complete within the {timeout:g} s timeout"
+            advice = f"Raise the timeout, {fallback}" + (
+                f" The last attempt that ended {last}." if last else ""
+            )
+        return element_error(
             AsyncTimeoutError,
-            f"The element did not complete within the {self._timeout:g} s timeout",
+            what,
             handler.element,
             handler.attempts,
-            "Raise the timeout, or implement timeout() on the AsyncFunction to return a "
-            "fallback result."
-            + (
-                f" The last attempt failed with {describe(handler.last_error)}."
-                if handler.last_error
-                else ""
-            ),
+            advice,
             cause=cause or handler.last_error,
         )
-        return error
 
     # -- outcomes and emission ----------------------------------------------------------
 
@@ -967,12 +1099,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         if timed.backing_off:
             timed.backing_off = False
             self._timers.cancel((timed, _RETRY))
-        task = timed.task
-        if task is not None and not task.done():
-            task.cancel()
-        task = timed.timeout_task
-        if task is not None and not task.done():
-            task.cancel()
+        for task in (timed.task, timed.timeout_task):
+            if task is not None and not task.done():
+                task.cancel()
+                self._cancelled.add(task)
+                task.add_done_callback(self._cancelled.discard)
         timed.task = timed.timeout_task = None
 
     def _decide(self, handler: _Element, results: list[Any]) -> None:

@@ -7,6 +7,7 @@ The test decides when and in which order each call completes; the exact emitted 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import linecache
 import re
@@ -22,6 +23,7 @@ from stateful_async import (
     InvalidResultError,
     OperatorStateError,
     OutputMode,
+    ResultSchemaError,
     RetryStrategy,
     StreamRecord,
     TimeoutHandlerError,
@@ -615,6 +617,34 @@ async def test_a_result_that_is_not_an_iterable_of_results_is_a_clear_error(bad)
     await op.close()
 
 
+async def test_a_coroutine_returned_as_the_result_asks_whether_await_was_forgotten() -> None:
+    # It was refused as "returned coroutine, which is not iterable", which does not say that
+    # an `await` is missing, and the coroutine was left to warn "was never awaited" later.
+    returned: list = []
+
+    async def lookup(value):
+        return [value]
+
+    async def forgot_await(value):
+        returned.append(lookup(value))
+        return returned[-1]
+
+    op = AsyncWaitOperator(
+        forgot_await, lambda e: None, timeout=10, retry=RetryStrategy.fixed_delay(3, 0)
+    )
+    await op.open()
+    await op.process_element(StreamRecord(1))
+    with pytest.raises(InvalidResultError) as info:
+        await asyncio.wait_for(op.finish(), 5.0)
+    message = str(info.value)
+    assert "The async function returned coroutine " in message
+    assert "lookup, an awaitable, instead of an iterable of results" in message
+    assert "Did you forget `await`?" in message
+    assert len(returned) == 1  # a programming error: not retried
+    assert returned[0].cr_frame is None  # closed: no "was never awaited" warning later
+    await op.close()
+
+
 class _Abort(BaseException):
     pass
 
@@ -760,6 +790,53 @@ async def test_close_without_finish_cancels_in_flight_calls() -> None:
     assert out == []
 
 
+@pytest.mark.parametrize("decided_by", ["the timeout handler", "the attempt"])
+async def test_close_waits_for_the_calls_cancelled_when_their_element_was_decided(
+    decided_by: str,
+) -> None:
+    # The call that lost the race was cancelled, but close() did not wait for it: the
+    # function's close() ran while it still cleaned up, and a loop closed after close()
+    # logged "Task was destroyed but it is pending!".
+    log: list = []
+    answer = asyncio.get_running_loop().create_future()
+
+    async def cleans_up_when_cancelled(call: str) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)  # a connection handed back to its pool
+            log.append(f"{call} cleaned up")
+            raise
+
+    class Fn(AsyncFunction):
+        async def async_invoke(self, value):
+            if decided_by == "the attempt":
+                return await answer
+            await cleans_up_when_cancelled("attempt")
+
+        async def timeout(self, value):
+            if decided_by == "the timeout handler":
+                return ["fallback"]
+            await cleans_up_when_cancelled("timeout handler")
+
+        async def close(self):
+            log.append("fn.close")
+
+    clock = VirtualClock()
+    out: list = []
+    op = AsyncWaitOperator(Fn(), out.append, capacity=4, timeout=1, clock=clock)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(1)  # the handler starts
+    answer.set_result(["A"])  # what the attempt returns, if it still runs
+    await settle()
+    assert [e.value for e in out] == (["A"] if decided_by == "the attempt" else ["fallback"])
+    await op.close()
+    assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+    loser = "timeout handler" if decided_by == "the attempt" else "attempt"
+    assert log == [f"{loser} cleaned up", "fn.close"]
+
+
 async def test_a_snapshot_during_restore_is_refused() -> None:
     fn = ControlledFunction()
     op = AsyncWaitOperator(fn, lambda e: None, capacity=1)
@@ -839,6 +916,49 @@ def test_functions_the_operator_cannot_await_are_refused_at_construction(fn, mes
         AsyncWaitOperator(fn, lambda e: None)
 
 
+class _Calls:
+    """A callable object that is not an async function: it returns what ``fn`` returns."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, value):
+        return self.fn(value)
+
+
+@pytest.mark.parametrize("timeout", [None, 10.0])
+@pytest.mark.parametrize("kind", ["callable object", "functools.partial"])
+async def test_an_async_invoke_that_returns_no_awaitable_fails_at_once_and_is_not_retried(
+    kind: str, timeout: float | None
+) -> None:
+    # A callable object or a partial passes the construction check (it may return an
+    # awaitable); one that returns results made `await` raise TypeError, which
+    # retry_on_exception=Exception retried until the attempts ran out.
+    calls: list = []
+
+    def results_now(value):
+        calls.append(value)
+        return [value]
+
+    class Fn(AsyncFunction):
+        async_invoke = (
+            _Calls(results_now) if kind == "callable object" else functools.partial(results_now)
+        )
+
+    retry = None if timeout is None else RetryStrategy.fixed_delay(3, 0)
+    op = AsyncWaitOperator(Fn(), lambda e: None, timeout=timeout, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    with pytest.raises(InvalidResultError) as info:
+        await asyncio.wait_for(op.finish(), 5.0)
+    assert str(info.value).startswith(
+        "Fn.async_invoke returned list, not an awaitable for element StreamRecord('a') after 1 "
+        "attempt. async_invoke must return an awaitable: is it an async def?"
+    )
+    assert calls == ["a"]
+    await op.close()
+
+
 class _Abort(BaseException):
     """Like gevent's Timeout or pytest's outcomes: a BaseException that is not an Exception."""
 
@@ -880,6 +1000,35 @@ async def test_a_timeout_handler_of_the_wrong_shape_is_named_as_the_handler() ->
     await clock.advance(1)
     with pytest.raises(InvalidResultError, match="The timeout handler returned dict"):
         await asyncio.wait_for(op.finish(), 5.0)
+    await op.close()
+
+
+async def test_fallback_rows_that_do_not_match_the_schema_are_not_reported_as_raised() -> None:
+    # The Spark task checks the handler's fallback rows against the output schema: a
+    # mismatch was reported as a TimeoutHandlerError, "the handler raised ... return
+    # fallback results from timeout() instead of raising", though it had returned them.
+    pytest.importorskip("pyarrow")
+    from stateful_async.spark._task import _RowFunctionWithTimeout
+
+    class Fallback(AsyncFunction):
+        async def async_invoke(self, row):
+            await asyncio.Event().wait()
+
+        async def timeout(self, row):
+            return [{"wrong": 1}]
+
+    clock = VirtualClock()
+    fn = _RowFunctionWithTimeout(Fallback(), frozenset({"y"}), lambda row: row)
+    op = AsyncWaitOperator(fn, lambda e: None, timeout=1, clock=clock)
+    await op.open()
+    await op.process_element(StreamRecord((0, {"x": 1}, {"x": 1})))
+    await clock.advance(1)
+    with pytest.raises(ResultSchemaError) as info:
+        await asyncio.wait_for(op.finish(), 5.0)
+    assert str(info.value).startswith(
+        "A result the timeout handler returned for input row {'x': 1} (record 0 of partition 0) "
+        "does not match the output schema: missing field(s) ['y']"
+    )
     await op.close()
 
 

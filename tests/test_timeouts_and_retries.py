@@ -166,6 +166,45 @@ async def test_a_failing_attempt_cannot_beat_a_running_timeout_handler() -> None
     await op.close()
 
 
+@pytest.mark.parametrize(("late", "emitted"), [([], ["fallback"]), (["A"], ["A"])])
+async def test_a_late_result_that_retry_on_result_rejects_leaves_the_decision_to_the_handler(
+    late: list, emitted: list
+) -> None:
+    # Like a late exception: a rejected result cannot be retried past the deadline, so the
+    # running handler decides. It used to be emitted (here: nothing) and cancel the handler.
+    # A result the predicate accepts still wins.
+    retry = RetryStrategy.fixed_delay(5, 0.1, retry_on_result=lambda results: results == [])
+    clock, fn, out, op = await timed_out_a(retry)
+    fn.complete("a", late)
+    await settle()
+    if late == []:
+        assert out == [] and op.failure is None
+        fn.complete_timeout("a", ["fallback"])  # still running: it decides
+        await settle()
+    else:
+        with pytest.raises(AssertionError, match="No timeout handler"):
+            fn.complete_timeout("a", ["fallback"])  # cancelled: the result won
+    await op.finish()
+    assert [e.value for e in out] == emitted
+    assert fn.calls == ["a"] and op.metrics.results_out == 1
+    await op.close()
+
+
+async def test_a_retry_predicate_that_raises_on_a_late_result_fails_the_element() -> None:
+    def predicate(results):
+        raise KeyError("status")
+
+    clock, fn, out, op = await timed_out_a(
+        RetryStrategy.fixed_delay(5, 0.1, retry_on_result=predicate)
+    )
+    fn.complete("a", ["A"])
+    await settle()
+    with pytest.raises(ElementFailedError, match="The retry predicate retry_on_result raised"):
+        await asyncio.wait_for(op.finish(), 5)
+    assert out == []
+    await op.close()
+
+
 async def test_a_failing_timeout_handler_is_not_retried() -> None:
     clock, fn, out, op = await timed_out_a(RetryStrategy.fixed_delay(10, 0.1))
     fn.fail_timeout("a", Flaky("handler broke"))
@@ -357,6 +396,44 @@ async def test_the_timeout_budget_spans_all_attempts_and_no_retry_starts_past_it
     assert isinstance(op.failure, AsyncTimeoutError)
     assert "after 4 attempts" in str(op.failure)
     assert "Flaky('attempt 4')" in str(op.failure)  # the last failure is in the message
+    await op.close()
+
+
+@pytest.mark.parametrize("outcome", ["exception", "result"])
+async def test_a_timeout_waiting_for_a_retry_says_the_retry_did_not_fit(outcome: str) -> None:
+    # The element's attempt had ended (its result rejected, or its call failed) and its
+    # retry was due past the deadline: the error said the element "did not complete within
+    # the timeout" and advised only raising it.
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    retry = RetryStrategy.fixed_delay(3, 5.0, retry_on_result=lambda results: results == [])
+    out, op = make(fn, clock, timeout=2, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(0.5)
+    if outcome == "result":
+        fn.complete("a", [])
+    else:
+        fn.fail("a", Flaky("service down"))
+    await clock.advance(2)
+    with pytest.raises(AsyncTimeoutError) as info:
+        await op.finish()
+    message = str(info.value)
+    assert message.startswith(
+        "The next retry did not fit within the 2 s timeout for element StreamRecord('a') after "
+        "1 attempt"
+    )
+    last = (
+        "returned a result that retry_on_result rejected"
+        if outcome == "result"
+        else "failed with Flaky('service down')"
+    )
+    assert (
+        f"The last attempt {last}, and its retry was due 5.5 s after the element's first call, "
+        "past the 2 s timeout (no retry starts at or after the deadline). Use a longer timeout "
+        "or a shorter backoff; or implement timeout()"
+    ) in message
+    assert fn.calls == ["a"]
     await op.close()
 
 
@@ -649,7 +726,9 @@ async def test_a_timeout_after_an_error_that_cannot_be_repred_fails_and_timers_g
     await clock.advance(2)
     assert op.failure is not None
     message = str(op.failure)
-    assert "did not complete within the 2 s timeout for element StreamRecord('a')" in message
+    assert (
+        "The next retry did not fit within the 2 s timeout for element StreamRecord('a')" in message
+    )
     assert "<_UnreprableError object; its repr raised RuntimeError>" in message
     with pytest.raises(AsyncTimeoutError):
         await asyncio.wait_for(op.finish(), 5)
@@ -742,6 +821,37 @@ async def test_a_failure_advises_retrying_only_an_element_that_was_not_retried()
     assert "retry_on_exception does not match it" in not_matched
     no_strategy = await fails(VirtualClock(), None)
     assert "retry this exception (retry=RetryStrategy(...)" in no_strategy
+
+
+@pytest.mark.parametrize("cut_short_by", ["finishing", "attempts used up"])
+async def test_a_failure_the_predicate_never_retries_is_not_blamed_on_what_ended_retries(
+    cut_short_by: str,
+) -> None:
+    # The strategy was not asked about the exception (finishing, or no attempt left): the
+    # advice said finish(keep_retrying=True) or more attempts would help, but the predicate
+    # never retries it.
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    retry = RetryStrategy.fixed_delay(2, 1, retry_on_exception=Flaky)
+    out, op = make(fn, clock, timeout=10, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    if cut_short_by == "finishing":
+        finishing = asyncio.ensure_future(op.finish())
+    else:
+        fn.fail("a", Flaky("busy"))
+        await clock.advance(1)  # the second and last attempt
+        finishing = asyncio.ensure_future(op.finish(keep_retrying=True))
+    await settle()
+    fn.fail("a", Fatal("bad request"))
+    with pytest.raises(AsyncFunctionError) as info:
+        await asyncio.wait_for(finishing, 5)
+    message = str(info.value)
+    assert "Fatal: bad request" in message
+    assert "The retry strategy's retry_on_exception does not match it." in message
+    assert "keep_retrying" not in message and "allow more attempts" not in message
+    await op.close()
 
 
 async def test_results_whose_iteration_raises_type_error_are_a_failed_attempt_not_a_wrong_shape():

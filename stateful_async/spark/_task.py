@@ -266,9 +266,10 @@ def _pair(
                 )
         if result.keys() != names:
             raise ResultSchemaError(
-                f"A result for input row {_row_text(record, shown, partition)} does not match "
-                f"the output schema: {_key_difference(result.keys(), names)}. The schema has "
-                f"the fields {sorted(names)}."
+                f"A result {source.lower()} returned for input row "
+                f"{_row_text(record, shown, partition)} does not match the output schema: "
+                f"{_key_difference(result.keys(), names)}. The schema has the fields "
+                f"{sorted(names)}."
             )
         paired.append((result, record))
     return paired
