@@ -51,7 +51,19 @@ def is_local(location: str) -> bool:
 
 
 def normalize(location: str | os.PathLike[str]) -> str:
+    """``location`` as the store keeps it: a local path made absolute, or a URI without a
+    trailing slash. Anything but a non-blank path or URI is refused."""
+    if not isinstance(location, (str, os.PathLike)) or not isinstance(os.fspath(location), str):
+        raise CheckpointLocationError(
+            f"The checkpoint location must be a path or URI (a str or os.PathLike); got "
+            f"{location!r}."
+        )
     text = os.fspath(location).strip()  # a pasted space is no part of a directory's name
+    if not text:
+        raise CheckpointLocationError(
+            f"The checkpoint location must be a path or URI; got {location!r} (an empty one "
+            "would be the working directory)."
+        )
     if is_local(text):
         # file:/abs, file:///abs and file://localhost/abs are all local paths.
         parsed = urlparse(text)
@@ -70,6 +82,19 @@ def normalize(location: str | os.PathLike[str]) -> str:
 
 
 StorageOptions = Union[dict[str, str], None]
+
+
+def check_storage_options(options: Any) -> None:
+    """Storage options are None or a dict of strings to strings, as deltalake takes them."""
+    if options is not None and (
+        not isinstance(options, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in options.items())
+    ):
+        raise CheckpointError(
+            f"storage_options must be a dict of strings to strings (as deltalake takes "
+            f"them), or None; got {options!r}."
+        )
+
 
 _S3_SCHEMES = ("s3", "s3a")
 

@@ -1423,6 +1423,7 @@ class SnapshotStore:
         self, location: str | os.PathLike[str], storage_options: dict[str, str] | None = None
     ) -> None:
         self.location = _layout.normalize(location)
+        _layout.check_storage_options(storage_options)
         self.storage_options = storage_options
 
     def __repr__(self) -> str:

@@ -29,6 +29,7 @@ which is also a ``StatefulAsyncError``.
 
 from __future__ import annotations
 
+import datetime
 import math
 import numbers
 import operator
@@ -181,6 +182,14 @@ def as_int(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def as_seconds(value: Any) -> float | None:
+    """A duration as seconds: a ``datetime.timedelta``, or a real number (see ``as_float``);
+    None for anything else."""
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    return as_float(value)
 
 
 def as_float(value: Any) -> float | None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
 import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
 
-from ._exceptions import ConfigurationError, as_float, as_int
+from ._exceptions import ConfigurationError, as_float, as_int, as_seconds
 
 ExceptionPredicate = Union[
     Callable[[BaseException], bool], type[BaseException], tuple[type[BaseException], ...]
@@ -20,12 +21,13 @@ def _never(_: Sequence[Any]) -> bool:
 
 
 def _check_number(name: str, value: Any, minimum: float, unit: str = "") -> float:
-    """``value`` as a plain float (numpy's numbers too), if it is a finite number >= minimum."""
-    number = as_float(value)
+    """``value`` as a plain float (numpy's numbers too; a timedelta where ``unit`` is
+    seconds), if it is a finite number >= minimum."""
+    number = as_seconds(value) if unit == "seconds" else as_float(value)
     if number is None or not math.isfinite(number):
         raise ConfigurationError(
-            f"RetryStrategy {name} must be a finite number{' of ' + unit if unit else ''}; "
-            f"got {value!r}."
+            f"RetryStrategy {name} must be a finite number{' of ' + unit if unit else ''}"
+            f"{' or a timedelta' if unit == 'seconds' else ''}; got {value!r}."
         )
     if number < minimum:
         raise ConfigurationError(f"RetryStrategy {name} must be >= {minimum}; got {value!r}.")
@@ -52,7 +54,11 @@ class RetryStrategy:
     An attempt is retried when its exception matches ``retry_on_exception`` (exception
     types, or a predicate; default: any ``Exception``) or its result list matches
     ``retry_on_result`` (default: never), while attempts remain. When attempts run out, an
-    exception fails the element and a result is emitted as it is.
+    exception fails the element and a result is emitted as it is (once the operator's
+    timeout has passed, such a result, like an exception, is dropped: the timeout handler
+    decides).
+
+    Delays are seconds (a number or a ``timedelta``).
 
     The delay before attempt ``n + 1`` is ``initial_delay * multiplier ** (n - 1)``, capped
     at ``max_delay``, then scaled by a random factor in ``[1 - jitter, 1 + jitter]``. It is
@@ -115,16 +121,16 @@ class RetryStrategy:
     def fixed_delay(
         cls,
         max_attempts: int,
-        delay: float,
+        delay: float | datetime.timedelta,
         *,
         retry_on_exception: ExceptionPredicate = Exception,
         retry_on_result: ResultPredicate = _never,
     ) -> RetryStrategy:
         """Retry after the same ``delay`` (seconds), up to ``max_attempts`` total attempts."""
-        _check_number("delay", delay, 0, "seconds")  # named as the caller named it
+        seconds = _check_number("delay", delay, 0, "seconds")  # named as the caller named it
         return cls(
             max_attempts,
-            delay,
+            seconds,
             retry_on_exception=retry_on_exception,
             retry_on_result=retry_on_result,
         )
@@ -133,8 +139,8 @@ class RetryStrategy:
     def exponential_backoff(
         cls,
         max_attempts: int,
-        initial_delay: float,
-        max_delay: float,
+        initial_delay: float | datetime.timedelta,
+        max_delay: float | datetime.timedelta,
         *,
         multiplier: float = 2.0,
         jitter: float = 0.0,
@@ -145,9 +151,9 @@ class RetryStrategy:
         ``max_delay``, optionally with ``jitter``; up to ``max_attempts`` total attempts."""
         return cls(
             max_attempts,
-            initial_delay,
+            _check_number("initial_delay", initial_delay, 0, "seconds"),
             multiplier=multiplier,
-            max_delay=max_delay,
+            max_delay=_check_number("max_delay", max_delay, 0, "seconds"),
             jitter=jitter,
             retry_on_exception=retry_on_exception,
             retry_on_result=retry_on_result,

@@ -795,6 +795,23 @@ def test_a_missing_location_is_a_clear_error(tmp_path: Path) -> None:
         SnapshotStore(tmp_path / "a-file").jobs()
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((123,), r"must be a path or URI \(a str or os.PathLike\); got 123\."),
+        ((b"/tmp",), r"must be a path or URI \(a str or os.PathLike\); got b'/tmp'\."),
+        (("  ",), r"got '  ' \(an empty one would be the working directory\)"),
+        (("/tmp/x", ["AWS_REGION=x"]), r"storage_options must be a dict of strings to strings"),
+        (("/tmp/x", {"AWS_REGION": 1}), r"storage_options must be a dict of strings to strings"),
+    ],
+)
+def test_bad_store_arguments_are_refused_naming_them(args: tuple, message: str) -> None:
+    # A blank location was the working directory (then expired or cleaned there), and bad
+    # options were blamed on the location at the first read.
+    with pytest.raises(CheckpointError, match=message):
+        SnapshotStore(*args)
+
+
 def test_a_file_uri_with_a_host_is_refused_not_taken_for_another_path(tmp_path: Path) -> None:
     # file://tmp/chk (two slashes) names the host "tmp": before, it became /chk
     from stateful_async.spark import CheckpointConfig

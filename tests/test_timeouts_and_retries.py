@@ -565,6 +565,17 @@ def test_invalid_retry_strategies_fail_at_construction(kwargs: dict, message: st
         RetryStrategy(**kwargs)
 
 
+def test_retry_delays_may_be_timedeltas() -> None:
+    import datetime
+
+    fixed = RetryStrategy.fixed_delay(3, datetime.timedelta(milliseconds=250))
+    backoff = RetryStrategy.exponential_backoff(
+        3, datetime.timedelta(seconds=1), datetime.timedelta(minutes=1)
+    )
+    assert (fixed.initial_delay, backoff.initial_delay, backoff.max_delay) == (0.25, 1.0, 60.0)
+    assert backoff.backoff(3) == 4.0
+
+
 def test_a_retry_strategy_keeps_numpy_numbers_as_plain_ones() -> None:
     import numpy as np
 

@@ -518,7 +518,7 @@ def _check_checkpoint(
 
     for column, schema in (("input", input_schema), ("result", output_schema)):
         storage_type(pa.struct(list(schema)), column)  # what the store cannot hold, named
-    _check_local_location(config.location)
+    _check_local_location(str(config.location))
     store = SnapshotStore(config.location, config.storage_options)
     try:
         try:  # a few listings, not the whole location's: each is a request on object stores

@@ -3,12 +3,13 @@ resumes from."""
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from .._exceptions import ConfigurationError, as_float, as_int
+from .._exceptions import ConfigurationError, as_int, as_seconds
 
 RestoreFrom = Union[None, str, int]
 
@@ -46,27 +47,29 @@ class CheckpointConfig:
     checkpoint id are.
     """
 
-    location: str
+    location: str | os.PathLike[str]  # kept as a str, absolute if local
     job_id: str
     interval_records: int = 10_000
-    interval_seconds: float | None = None
+    interval_seconds: float | datetime.timedelta | None = None  # kept as seconds
     retain: int = 3
     restore_from: RestoreFrom = None
     operator_id: str = "enrich"
     storage_options: dict[str, str] | None = field(default=None, hash=False)
 
+    @property
+    def _seconds(self) -> float | None:
+        """``interval_seconds`` as it is kept: seconds, or None."""
+        return self.interval_seconds  # type: ignore[return-value]
+
     def __post_init__(self) -> None:
         from checkpoint import CheckpointError
-        from checkpoint._layout import check_name, normalize
+        from checkpoint._layout import check_name, check_storage_options, normalize
 
-        if not isinstance(self.location, (str, os.PathLike)) or not str(self.location).strip():
-            raise ConfigurationError(
-                f"CheckpointConfig location must be a path or URI; got {self.location!r}."
-            )
         try:
             object.__setattr__(self, "location", normalize(self.location))
             check_name("job_id", self.job_id)
             check_name("operator_id", self.operator_id)
+            check_storage_options(self.storage_options)
         except CheckpointError as exc:
             raise ConfigurationError(f"CheckpointConfig: {exc}") from None
         records = as_int(self.interval_records)  # numpy's integers too, kept as plain ints
@@ -77,22 +80,13 @@ class CheckpointConfig:
             )
         object.__setattr__(self, "interval_records", records)
         if self.interval_seconds is not None:
-            seconds = as_float(self.interval_seconds)
+            seconds = as_seconds(self.interval_seconds)
             if seconds is None or not 0 < seconds < math.inf:
                 raise ConfigurationError(
                     f"CheckpointConfig interval_seconds must be a number of seconds > 0 (and "
-                    f"finite), or None; got {self.interval_seconds!r}."
+                    f"finite), a timedelta, or None; got {self.interval_seconds!r}."
                 )
             object.__setattr__(self, "interval_seconds", seconds)
-        options = self.storage_options
-        if options is not None and (
-            not isinstance(options, dict)
-            or not all(isinstance(k, str) and isinstance(v, str) for k, v in options.items())
-        ):
-            raise ConfigurationError(
-                f"CheckpointConfig storage_options must be a dict of strings to strings (as "
-                f"deltalake takes them), or None; got {options!r}."
-            )
         retain = as_int(self.retain)
         if retain is None or retain < 1:
             raise ConfigurationError(

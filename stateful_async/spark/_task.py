@@ -651,7 +651,7 @@ class _TaskRun:
         spec = self.spec
         process = self.op.process_element
         interval = spec.checkpoint.interval_records if spec.checkpoint else None
-        seconds = spec.checkpoint.interval_seconds if spec.checkpoint else None
+        seconds = spec.checkpoint._seconds if spec.checkpoint else None
         event_time = spec.event_time
         argument = self.argument
         self.last_checkpoint = time.monotonic()  # the interval runs from here, not from restore

@@ -2260,9 +2260,14 @@ def test_checkpoint_config_validates_its_fields(tmp_path) -> None:
     for options in (["AWS_REGION=x"], {"timeout": 5}):
         with pytest.raises(ConfigurationError, match="storage_options must be a dict of strings"):
             CheckpointConfig(str(tmp_path), "job", storage_options=options)
-    for seconds in (2, 0.5, np.int64(30)):
+    for seconds in (2, 0.5, np.int64(30), timedelta(seconds=30)):
         kept = CheckpointConfig(str(tmp_path), "j", interval_seconds=seconds).interval_seconds
-        assert kept == float(seconds) and type(kept) is float
+        assert kept == (30.0 if isinstance(seconds, timedelta) else float(seconds))
+        assert type(kept) is float
+    with pytest.raises(ConfigurationError, match="interval_seconds must be a number of sec"):
+        CheckpointConfig(str(tmp_path), "job", interval_seconds=timedelta(0))
+    # a location is a str or a path (kept as an absolute str)
+    assert CheckpointConfig(tmp_path / "c", "j").location == str(tmp_path / "c")
     numpy = CheckpointConfig(
         str(tmp_path), "j", interval_records=np.int64(500), retain=np.uint8(2),
         restore_from=np.int64(7),
