@@ -600,8 +600,8 @@ def replay(
     output: Annotated[
         Path | None,
         typer.Option(
-            help="Write results here (.jsonl or .json: one JSON object per line; .parquet); "
-            "default: stdout, as JSON lines."
+            help="Write results here (.jsonl: one JSON object per line; .json: one JSON "
+            "array of them; .parquet); default: stdout, as JSON lines."
         ),
     ] = None,
     job: JobOpt = None,
@@ -660,8 +660,11 @@ def replay(
             pq.write_table(table, output)
         else:
             with open(output, "x") as handle:
-                for row in results:
-                    handle.write(_to_json(row) + "\n")
+                if output.suffix == ".json":  # one document: an array, an object a line
+                    handle.write("[\n" + ",\n".join(map(_to_json, results)) + "\n]\n")
+                else:
+                    for row in results:
+                        handle.write(_to_json(row) + "\n")
         records = sum(1 for s in snapshots for e in s.elements if not _is_watermark(e))
         err.print(
             f"Replayed checkpoint {checkpoint_id} {_of_runs(snapshots)}: {records} in-flight "

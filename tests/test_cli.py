@@ -592,6 +592,14 @@ def test_replay_writes_parquet_and_instantiates_function_classes(
     table = pq.read_table(target)
     assert table.num_rows == 12  # both partitions: 6 in-flight records each
     assert all(g.startswith("hey ") for g in table.column("greeting").to_pylist())
+    # .json is one JSON document (it was JSON lines, which json.load refuses); .jsonl lines
+    for suffix in (".json", ".jsonl"):
+        written = tmp_path / f"replayed{suffix}"
+        result = replay(location, "replay_functions:Greeter", "--output", str(written))
+        assert result.exit_code == 0, result.output
+        text = written.read_text()
+        rows = json.loads(text) if suffix == ".json" else list(map(json.loads, text.splitlines()))
+        assert rows == table.to_pylist()
 
 
 @pytest.mark.parametrize(

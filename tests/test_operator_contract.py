@@ -12,6 +12,7 @@ import json
 import linecache
 import re
 import sys
+import time
 
 import pytest
 
@@ -710,6 +711,8 @@ async def _noop(value):
         ({"capacity": 8, "max_in_flight": 9}, "cannot exceed them: raise capacity too"),
         ({"max_in_flight": 2.0}, "max_in_flight must be an integer"),
         ({"max_in_flight": True}, "max_in_flight must be an integer"),
+        # a clock function, not a Clock: it failed at the first element with AttributeError
+        ({"timeout": 1, "clock": time.monotonic}, "clock must be a Clock"),
     ],
 )
 def test_invalid_arguments_fail_at_construction(kwargs: dict, message: str) -> None:
