@@ -30,6 +30,7 @@ from stateful_async import (
     TimeoutHandlerError,
     Watermark,
 )
+from stateful_async._function import as_async_function
 from stateful_async.testing import ControlledFunction, VirtualClock, settle
 
 MODES = [OutputMode.ORDERED, OutputMode.UNORDERED]
@@ -959,6 +960,64 @@ async def test_an_async_invoke_that_returns_no_awaitable_fails_at_once_and_is_no
         "attempt. async_invoke must return an awaitable: is it an async def?"
     )
     assert calls == ["a"]
+    await op.close()
+
+
+@pytest.mark.parametrize("method", ["async_invoke", "timeout"])
+async def test_a_spark_tasks_function_that_returns_no_awaitable_fails_at_once(method: str) -> None:
+    # The Spark task awaits the user's function inside its own coroutine, which the
+    # operator's check above does not see through: the TypeError was retried (async_invoke),
+    # or reported as "the timeout handler raised" (timeout).
+    pytest.importorskip("pyarrow")
+    from stateful_async.spark._task import _RowFunctionWithTimeout
+
+    calls: list = []
+
+    def results_now(row):
+        calls.append(row)
+        return [{"y": 1}]
+
+    class Fn(AsyncFunction):
+        async def async_invoke(self, row):
+            await asyncio.Event().wait()
+
+    setattr(Fn, method, _Calls(results_now))
+    clock = VirtualClock()
+    fn = _RowFunctionWithTimeout(Fn(), frozenset({"y"}), lambda row: row)
+    op = AsyncWaitOperator(
+        fn, lambda e: None, timeout=1, retry=RetryStrategy.fixed_delay(3, 0), clock=clock
+    )
+    await op.open()
+    await op.process_element(StreamRecord((0, {"x": 1}, {"x": 1})))
+    await clock.advance(1)
+    with pytest.raises(InvalidResultError) as info:
+        await asyncio.wait_for(op.finish(), 5.0)
+    assert str(info.value).startswith(
+        f"Fn.{method} returned list, not an awaitable, for input row {{'x': 1}} (record 0 of "
+        f"partition 0): is it an async def? Declare it 'async def {method}(self, row)'"
+    )
+    assert calls == [{"x": 1}]
+    await op.close()
+
+
+async def test_a_spark_tasks_function_that_forgot_await_is_told_so() -> None:
+    pytest.importorskip("pyarrow")
+    from stateful_async.spark._task import _RowFunction
+
+    async def lookup(row):
+        return [{"y": 1}]
+
+    async def forgot_await(row):
+        return lookup(row)
+
+    op = AsyncWaitOperator(
+        _RowFunction(as_async_function(forgot_await), frozenset({"y"}), lambda row: row),
+        lambda e: None,
+    )
+    await op.open()
+    await op.process_element(StreamRecord((0, {"x": 1}, {"x": 1})))
+    with pytest.raises(InvalidResultError, match=r"returned coroutine, an awaitable, .* Did you "):
+        await asyncio.wait_for(op.finish(), 5.0)
     await op.close()
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import inspect
 import itertools
 import math
 import os
@@ -106,13 +107,41 @@ class _RowFunction(AsyncFunction[Any, Any]):
         await self.fn.close()
 
     async def async_invoke(self, value: tuple[int, dict[str, Any], dict[str, Any]]) -> list[Any]:
-        return _pair(await self._invoke(value[2]), value, self.names, self.shown, self.partition)
+        call = self._invoke(value[2])
+        try:
+            results = await call
+        except TypeError:
+            if inspect.isawaitable(call):
+                raise
+            raise self._not_awaitable(call, value, "async_invoke") from None
+        return _pair(results, value, self.names, self.shown, self.partition)
+
+    def _not_awaitable(
+        self, call: Any, record: tuple[int, dict[str, Any], dict[str, Any]], method: str
+    ) -> InvalidResultError:
+        """The error of a call that returned something ``await`` refuses (an ``async_invoke``
+        that is a callable object, or a ``functools.partial`` of a plain function, passes the
+        function check): a programming error, never retried (as in the operator)."""
+        return InvalidResultError(
+            f"{type(self.fn).__name__}.{method} returned {type(call).__name__}, not an "
+            f"awaitable, for input row {_row_text(record, self.shown, self.partition)}: is it "
+            f"an async def? Declare it 'async def {method}(self, row)' returning a list of "
+            "result rows.",
+            element=record[1],
+        )
 
 
 class _RowFunctionWithTimeout(_RowFunction):
     async def timeout(self, value: tuple[int, dict[str, Any], dict[str, Any]]) -> list[Any]:
+        call = self.fn.timeout(value[2])
+        try:
+            results = await call
+        except TypeError:
+            if inspect.isawaitable(call):
+                raise
+            raise self._not_awaitable(call, value, "timeout") from None
         return _pair(
-            await self.fn.timeout(value[2]),
+            results,
             value,
             self.names,
             self.shown,
@@ -240,6 +269,16 @@ def _pair(
                 f"{source} returned {type(results).__name__} for input row "
                 f"{_row_text(record, shown, partition)}; it must return a list of result rows "
                 "(dicts): [row] for one result, [] for none.",
+                element=row,
+            )
+        if inspect.isawaitable(results):
+            if inspect.iscoroutine(results):
+                results.close()  # never to be awaited: closed, not warned about when collected
+            raise InvalidResultError(
+                f"{source} returned {type(results).__name__}, an awaitable, instead of a list "
+                f"of result rows for input row {_row_text(record, shown, partition)}. Did you "
+                "forget `await`? Await it inside the function and return a list of result "
+                "rows (dicts).",
                 element=row,
             )
         try:
