@@ -203,6 +203,7 @@ def _async_wait(
         ):
             raise ConfigurationError(restore_from_in_streaming(checkpoint.restore_from))
         _check_checkpoint(checkpoint, input_schema, output_schema, mode, function_names(function))
+        _refuse_if_tables_taken_upstream(df, mode, checkpoint)
         _warn_if_tasks_never_retry(df.sparkSession)
         _warn_if_after_unordered_wait(df, mode)
     source, input_names = _resolvable(df)
@@ -721,28 +722,55 @@ _SAME_STAGE = frozenset(
 )  # fmt: skip
 
 
-def _after_unordered_wait(df: Any) -> bool:
-    """Whether ``df`` is the output of an unordered_wait without checkpoints with only
-    narrow steps after it, in the plan as Spark caches it (a persisted DataFrame is a
-    leaf). A checkpointed one hands over only committed results, which its retry re-emits
-    in the same order. Spark Connect's plans cannot be walked from the client: False
-    there, as for anything this cannot read."""
-    unordered = task_name(OutputMode.UNORDERED)
+def _upstream(df: Any, name: str, same_stage: bool) -> bool:
+    """Whether the plan of ``df`` (as Spark caches it: a persisted DataFrame is a leaf)
+    holds a MapInArrow of a function called ``name``: in the same stage (only narrow steps
+    after it), or anywhere. Spark Connect's plans cannot be walked from the client: False
+    there, as for anything this cannot read (a heuristic: it never fails the user's call)."""
     try:
         plan = df._jdf.queryExecution()
         # a streaming plan has no cached form (Spark refuses to make one outside a query)
         pending, seen = [plan.analyzed() if df.isStreaming else plan.withCachedData()], 0
         while pending and seen < 1000:  # a plan of thousands of nodes: look no further
             node, seen = pending.pop(), seen + 1
-            name = node.nodeName()
-            if name == "MapInArrow" and node.functionExpr().name() == unordered:
+            kind = node.nodeName()
+            if kind == "MapInArrow" and node.functionExpr().name() == name:
                 return True
-            if name in _SAME_STAGE or (name == "Repartition" and not node.shuffle()):
-                children = node.children()  # coalesce() is a Repartition without shuffle
+            if (
+                not same_stage
+                or kind in _SAME_STAGE
+                or (kind == "Repartition" and not node.shuffle())  # coalesce()
+            ):
+                children = node.children()
                 pending.extend(children.apply(i) for i in range(children.size()))
-    except Exception:  # a heuristic: never fail the user's call over it
+    except Exception:
         return False
     return False
+
+
+def _after_unordered_wait(df: Any) -> bool:
+    """Whether ``df`` is the output of an unordered_wait without checkpoints with only
+    narrow steps after it. A checkpointed one hands over only committed results, which its
+    retry re-emits in the same order."""
+    return _upstream(df, task_name(OutputMode.UNORDERED), same_stage=True)
+
+
+def _refuse_if_tables_taken_upstream(
+    df: Any, mode: OutputMode, checkpoint: CheckpointConfig
+) -> None:
+    """Two checkpointed enrichments of one plan with the same location, ``job_id`` and
+    ``operator_id`` would write the same checkpoint tables: in one stage they are one run
+    and refuse each other's checkpoints (or schemas), on every task attempt; in two, each
+    one's retention expires the other's checkpoints."""
+    for upstream_mode in OutputMode:
+        if _upstream(df, task_name(upstream_mode, checkpoint), same_stage=False):
+            raise ConfigurationError(
+                f"This {task_name(mode)} checkpoints as job {checkpoint.job_id!r}, operator "
+                f"{checkpoint.operator_id!r} at {checkpoint.location}, and so does the "
+                f"{task_name(upstream_mode)} whose output it reads: both would write the same "
+                "checkpoint tables, and neither could resume. Give each enrichment its own "
+                "operator_id (CheckpointConfig(..., operator_id='...'))."
+            )
 
 
 def _warn_if_after_unordered_wait(df: Any, mode: OutputMode) -> None:

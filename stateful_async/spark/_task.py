@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import hashlib
 import inspect
 import itertools
 import math
@@ -392,10 +393,16 @@ class TaskSpec:
     app_start: str = ""
 
 
-def task_name(mode: OutputMode, checkpointed: bool = False) -> str:
-    """``ordered_wait`` / ``unordered_wait`` (``..._checkpointed`` with checkpoints): what a
-    ``PartitionTask`` is called in plans and Spark's UI."""
-    return f"{mode.value}_wait" + ("_checkpointed" if checkpointed else "")
+def task_name(mode: OutputMode, checkpoint: CheckpointConfig | None = None) -> str:
+    """``ordered_wait`` / ``unordered_wait``: what a ``PartitionTask`` is called in plans
+    and Spark's UI. With checkpoints, ``..._checkpointed[job/operator@hash]``, the hash
+    being of the location: the tables the task writes, which the adapter looks for in the
+    plan (two enrichments writing the same ones cannot both resume)."""
+    name = f"{mode.value}_wait"
+    if checkpoint is None:
+        return name
+    where = hashlib.sha1(str(checkpoint.location).encode()).hexdigest()[:8]
+    return f"{name}_checkpointed[{checkpoint.job_id}/{checkpoint.operator_id}@{where}]"
 
 
 class PartitionTask:
@@ -404,7 +411,7 @@ class PartitionTask:
     def __init__(self, spec: TaskSpec) -> None:
         self.spec = spec
         # the name Spark gives its MapInArrow (plans, the UI), which the adapter looks for
-        self.__name__ = task_name(spec.mode, spec.checkpoint is not None)
+        self.__name__ = task_name(spec.mode, spec.checkpoint)
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         try:

@@ -943,8 +943,13 @@ def test_interval_seconds_checkpoints_in_the_middle_of_a_slow_chunk(
     assert positions.count(rows) <= 2, positions
 
 
-def test_two_chained_enrichments_sharing_a_checkpoint_config_are_told_so(spark, tmp_path) -> None:
-    # One stage runs both, in one run: without distinct operator_ids they write one table.
+def test_two_chained_enrichments_sharing_a_checkpoint_config_are_told_so(
+    spark, tmp_path, monkeypatch
+) -> None:
+    # Without distinct operator_ids they write one table: in one stage they are one run and
+    # refuse each other's checkpoints; across a shuffle each expires the other's.
+    from stateful_async.spark import _adapter
+
     async def inc(row):  # type: ignore[no-untyped-def]
         return [{"id": row["id"] + 1}]
 
@@ -953,11 +958,23 @@ def test_two_chained_enrichments_sharing_a_checkpoint_config_are_told_so(spark, 
 
     config = CheckpointConfig(str(tmp_path), "chained", interval_records=50)
     df = spark.range(0, 400, numPartitions=2).selectExpr("nullif(id, -1) AS id")
-    out = ordered_wait(
-        ordered_wait(df, inc, "id long", checkpoint=config), dec, "id long", checkpoint=config
+    first = ordered_wait(df, inc, "id long", checkpoint=config)
+    # Refused when the second is declared (it was found by each task attempt, ~9 s later).
+    refused = (
+        r"This ordered_wait checkpoints as job 'chained', operator 'enrich' at .*, and so does "
+        r"the ordered_wait whose output it reads: .* Give each enrichment its own operator_id"
     )
+    for upstream in (first, first.repartition(3).filter("id > 0")):
+        with pytest.raises(ConfigurationError, match=refused):
+            ordered_wait(upstream, dec, "id long", checkpoint=config)
+    elsewhere = CheckpointConfig(str(tmp_path / "elsewhere"), "chained", interval_records=50)
+    ordered_wait(first, dec, "id long", checkpoint=elsewhere)  # other tables: fine
+    # Where the driver cannot read the plan (Spark Connect), the tasks refuse.
+    monkeypatch.setattr(_adapter, "_refuse_if_tables_taken_upstream", lambda *args: None)
+    out = ordered_wait(first, dec, "id long", checkpoint=config)
     with pytest.raises(Exception, match=r"Two enrichments of one run \(one Spark stage"):
         out.collect()
+    monkeypatch.undo()
     # With an operator_id each, the same chain runs.
     second = CheckpointConfig(str(tmp_path), "chained2", interval_records=50, operator_id="dec")
     first = CheckpointConfig(str(tmp_path), "chained2", interval_records=50)
