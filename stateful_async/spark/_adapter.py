@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import numbers
+import os
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -20,7 +21,15 @@ from .._retry import RetryStrategy
 from ._config import CheckpointConfig, restore_from_in_streaming
 from ._metrics import DriverOnlyError, EnrichmentMetrics
 from ._session import is_connect, task_attempts
-from ._task import OUTPUT_MODE_PROPERTY, PartitionTask, TaskSpec, function_names, task_name
+from ._task import (
+    OUTPUT_MODE_PROPERTY,
+    PROGRESS_VARIABLE,
+    PartitionTask,
+    TaskSpec,
+    function_names,
+    progress_seconds,
+    task_name,
+)
 
 _MAX_OOO = 2**63 - 1  # event times are 64-bit integers (microseconds, days, or the column's)
 
@@ -206,6 +215,7 @@ def _async_wait(
         _refuse_if_tables_taken_upstream(df, mode, checkpoint)
         _warn_if_tasks_never_retry(df.sparkSession)
         _warn_if_after_unordered_wait(df, mode)
+    _check_progress_setting(df.sparkSession)
     source, input_names = _resolvable(df)
     spec = TaskSpec(
         fn=function,
@@ -792,6 +802,24 @@ def _warn_if_after_unordered_wait(df: Any, mode: OutputMode) -> None:
         UserWarning,
         stacklevel=4,  # the call of ordered_wait / unordered_wait
     )
+
+
+def _check_progress_setting(session: Any) -> None:
+    """The executors' progress interval, as far as the driver sees it (the session's
+    ``spark.executorEnv``; in local mode the tasks' environment is the driver's): a bad
+    one would fail every task."""
+    key = f"spark.executorEnv.{PROGRESS_VARIABLE}"
+    try:
+        if is_connect(session):
+            master, setting = session.conf.get("spark.master", ""), session.conf.get(key, None)
+        else:
+            conf = session.sparkContext.getConf()
+            master, setting = conf.get("spark.master", ""), conf.get(key)
+    except Exception:  # nothing to check against: the tasks check it
+        return
+    progress_seconds(setting, f"the session's {key}")
+    if str(master).startswith("local") and os.environ.get("STATEFUL_ASYNC_TASK_LOG") != "0":
+        progress_seconds(os.environ.get(PROGRESS_VARIABLE), "the driver's environment")
 
 
 def _warn_if_tasks_never_retry(session: Any) -> None:

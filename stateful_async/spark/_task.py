@@ -1268,11 +1268,11 @@ def _count(n: int, one: str, many: str | None = None) -> str:
     return f"{n:,} {one if n == 1 else many or one + 's'}"
 
 
-def _progress_seconds() -> float:
-    """The task's progress interval, from the executor's environment; 0 turns it off."""
-    text = os.environ.get("STATEFUL_ASYNC_PROGRESS_SECONDS")
-    if os.environ.get("STATEFUL_ASYNC_TASK_LOG", "1") == "0":
-        return 0.0
+PROGRESS_VARIABLE = "STATEFUL_ASYNC_PROGRESS_SECONDS"
+
+
+def progress_seconds(text: str | None, where: str) -> float:
+    """A progress interval setting (``where`` says whose, for the error); 0 turns it off."""
     if text is None:
         return _PROGRESS_SECONDS
     try:
@@ -1281,10 +1281,18 @@ def _progress_seconds() -> float:
         seconds = -1.0
     if not 0 <= seconds < math.inf:
         raise ConfigurationError(
-            f"STATEFUL_ASYNC_PROGRESS_SECONDS must be a number of seconds >= 0 (0: no progress "
-            f"lines); the executor has {text!r}."
+            f"{PROGRESS_VARIABLE} must be a number of seconds >= 0 (0: no progress lines); "
+            f"{where} has {text!r}."
         )
     return seconds
+
+
+def _progress_seconds() -> float:
+    """The task's progress interval, from the executor's environment (the driver checked
+    what it could see of it)."""
+    if os.environ.get("STATEFUL_ASYNC_TASK_LOG", "1") == "0":
+        return 0.0
+    return progress_seconds(os.environ.get(PROGRESS_VARIABLE), "the executor")
 
 
 def _naming_the_row(

@@ -1609,7 +1609,11 @@ def test_the_close_error_a_failed_task_logs_has_its_traceback(capsys) -> None:
     ), logged
 
 
-def test_a_long_task_logs_its_progress(capsys, monkeypatch, tmp_path) -> None:
+async def _same_id(row):  # type: ignore[no-untyped-def]
+    return [row]
+
+
+def test_a_long_task_logs_its_progress(spark, capsys, monkeypatch, tmp_path) -> None:
     # The task itself, in this process (an executor's stderr does not reach the test): 40
     # rows at 5 ms each, two at a time, take about 0.1 s; a progress line every 0.03 s.
     from stateful_async.spark._task import TaskIdentity, _TaskRun
@@ -1670,6 +1674,10 @@ def test_a_long_task_logs_its_progress(capsys, monkeypatch, tmp_path) -> None:
     with pytest.raises(ConfigurationError, match="PROGRESS_SECONDS must be a number of seconds"):
         run(40, attempt=3)
     assert sorted(p.name for p in log_dir.rglob("_delta_log/*.json")) == versions
+    # ... which the driver refuses before any task runs where it can see it (in local mode
+    # the tasks' environment is its own): each task attempt failed on it
+    with pytest.raises(ConfigurationError, match="the driver's environment has 'soon'"):
+        ordered_wait(spark.range(3), _same_id, "id long")
 
 
 def test_a_result_missing_a_field_names_it_and_the_input_row(spark) -> None:
