@@ -5,15 +5,15 @@ Where each piece runs (measured on Spark 4.2, see docs/delta_sink.md):
 * ``DeltaRsDataSource.writer``/``streamWriter`` run in a planning Python worker; the writer
   object is pickled to the executors and (batch) to the commit worker. For streaming,
   Spark builds a new writer for every micro-batch and again, from the data source, in the
-  commit worker;
-* ``write`` runs in each task on executors and returns a ``SinkCommitMessage``;
+  commit worker, which so plans again from the table as it is at commit time;
+* ``write`` runs in each task on executors and returns a ``SinkCommitMessage`` that carries
+  the plan the task wrote by;
 * ``commit``/``abort`` run in a separate Python worker spawned by the driver JVM: they know
-  only the options, the schema and the messages.
+  only the options, the schema and the messages, and commit by the messages' plan.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,10 +45,16 @@ from ._sink_options import SinkOptions
 
 @dataclass(frozen=True)
 class SinkCommitMessage(WriterCommitMessage):
-    """What one successful task wrote, sent by Spark from the executor to ``commit``."""
+    """What one successful task wrote, sent by Spark from the executor to ``commit``.
+
+    ``plan`` is the plan the task wrote its files by (file schema with the NOT NULL flags
+    its rows were checked against, partition columns): the commit checks the table against
+    it, not against a plan of its own, which a streaming commit makes from the table as it
+    is by then.
+    """
 
     files: tuple[DataFile, ...]
-    partition_by: tuple[str, ...]
+    plan: WritePlan
     query_id: str | None
     batch_id: int | None
     partition_id: int
@@ -94,11 +100,10 @@ class _DeltaWriter:
         query_id: str | None = None,
     ) -> Outcome:
         received = _messages(messages, self._options.table_uri)
-        plan = self._plan
-        if received:
-            # Executors partitioned by what they planned; a streaming commit plans again,
-            # and the files must be committed the way they were laid out.
-            plan = dataclasses.replace(plan, partition_by=received[0].partition_by)
+        # A streaming commit worker builds its writer again, planning from the table as it
+        # is now: a table made NOT NULL (or partitioned) meanwhile would look unchanged.
+        # The files were laid out and their rows checked by the plan the tasks carried.
+        plan = received[0].plan if received else self._plan
         files = [f for m in received for f in m.files]
         outcome = commit_write(
             self._options,
@@ -146,7 +151,7 @@ def write_task_files(
         raise
     return SinkCommitMessage(
         files=files,
-        partition_by=plan.partition_by,
+        plan=plan,
         query_id=query_id,
         batch_id=batch_id,
         partition_id=partition_id,
@@ -166,12 +171,21 @@ def _messages(
                 "result is missing. Nothing was committed; re-run the write."
             )
         received.append(message)
-    partitionings = {m.partition_by for m in received}
-    if len(partitionings) > 1:
+    plans: list[WritePlan] = []
+    for message in received:
+        if message.plan not in plans:
+            plans.append(message.plan)
+    if len(plans) > 1:
+        partitionings = sorted({p.partition_by for p in plans})
+        what = (
+            f"partitioned by {partitionings}"
+            if len(partitionings) > 1
+            else "with different schemas or NOT NULL flags"
+        )
         raise DeltaSinkError(
-            f"The tasks of one write to {table_uri} partitioned their files differently "
-            f"({sorted(partitionings)}): the table changed while the write was planned. "
-            "Nothing was committed; re-run the write."
+            f"The tasks of one write to {table_uri} wrote their files by different plans "
+            f"({what}): the table changed while the write was planned. Nothing was "
+            "committed; re-run the write."
         )
     return received
 

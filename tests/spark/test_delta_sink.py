@@ -542,6 +542,89 @@ def test_a_table_made_not_null_while_a_write_ran_refuses_its_commit(
     assert DeltaTable(str(table)).to_pyarrow_table().to_pylist() == [{"id": 7, "s": {"a": 7}}]
 
 
+@pytest.mark.spark
+def test_a_table_made_not_null_while_a_micro_batch_ran_refuses_its_commit(
+    sink: Any, tmp_path: Path
+) -> None:
+    # Spark builds a streaming writer again in the commit worker, which planned from the
+    # table as it was by then, NOT NULL flags included: the check saw no change, the
+    # commit landed the batch's null in 's.a' and delta-rs could no longer read the table.
+    source, table, marker = tmp_path / "src", tmp_path / "table", tmp_path / "overwritten"
+    schema = pa.schema([("id", pa.int64()), ("s", pa.struct([("a", pa.int64())]))])
+    strict = pa.schema(
+        [
+            pa.field("id", pa.int64(), nullable=False),
+            pa.field("s", pa.struct([pa.field("a", pa.int64(), nullable=False)])),
+        ]
+    )
+    source.mkdir()
+    for n, row in enumerate([{"id": 1, "s": {"a": 1}}, {"id": 2, "s": {"a": None}}]):
+        pq.write_table(pa.Table.from_pylist([row], schema=schema), source / f"{n}.parquet")
+        os.utime(source / f"{n}.parquet", (1_700_000_000 + n, 1_700_000_000 + n))
+
+    def another_writer_meanwhile(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        # In micro-batch 1's task: after the batch was planned, before the sink writes it.
+        batch_id = TaskContext.get().getLocalProperty("streaming.sql.batchId")
+        if batch_id == "1" and not marker.exists():
+            marker.touch()
+            replacement = pa.table({"id": [7], "s": [{"a": 7}]}, schema=strict)
+            write_deltalake(str(table), replacement, mode="overwrite", schema_mode="overwrite")
+        yield from batches
+
+    stream = sink.readStream.schema("id long, s struct<a: long>")
+    stream = stream.option("maxFilesPerTrigger", 1).parquet(str(source))
+    query = (
+        stream.mapInArrow(another_writer_meanwhile, stream.schema)
+        .writeStream.format("delta_rs")
+        .option("checkpointLocation", str(tmp_path / "chk"))
+        .trigger(availableNow=True)
+        .start(str(table))
+    )
+    with pytest.raises(StreamingQueryException) as failure:
+        query.awaitTermination()
+    text = str(failure.value)
+    assert "SinkSchemaMismatchError" in text, text
+    assert re.search(
+        r"declares 'id', 's\.a' NOT NULL, which it did not when this write was planned", text
+    ), text
+    assert marker.exists()
+    assert DeltaTable(str(table)).version() == 1  # batch 0, then the other writer's overwrite
+    assert DeltaTable(str(table)).to_pyarrow_table().to_pylist() == [{"id": 7, "s": {"a": 7}}]
+    assert clean_orphan_files(str(table), older_than=0, dry_run=True) == []  # files removed
+
+
+def test_a_commit_refuses_messages_of_tasks_that_wrote_by_different_plans(
+    tmp_path: Path,
+) -> None:
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    table = tmp_path / "table"
+    write_deltalake(str(table), pa.table({"id": [0]}))
+    options = {"path": str(table)}
+    writer = DeltaBatchWriter(options, StructType([StructField("id", LongType())]), False)
+    opts = SinkOptions.parse(options, streaming=False)
+    plans = [
+        plan_write(opts, pa.schema([("id", pa.int64())])),
+        WritePlan(pa.schema([pa.field("id", pa.int64(), nullable=False)]), ()),
+    ]
+    messages = [
+        write_task_files(
+            opts,
+            plan,
+            iter([pa.record_batch({"id": [n]})]),
+            partition_id=n,
+            attempt=0,
+            batch_id=None,
+            query_id=None,
+        )  # fmt: skip
+        for n, plan in enumerate(plans)
+    ]
+    assert [m.plan for m in messages] == plans
+    with pytest.raises(DeltaSinkError, match="wrote their files by different plans"):
+        writer.commit(messages)
+    assert DeltaTable(str(table)).version() == 0
+
+
 def _unit_options(table: Path, **extra: str) -> SinkOptions:
     return SinkOptions.parse({"path": str(table), **extra}, streaming=True)
 
