@@ -36,8 +36,9 @@ Options (names are case-insensitive):
 ``txnAppId`` (``appId``)    app transaction id. Streaming: defaults to the query id; set it
                             only if batch ids continue across the checkpoints it is used
                             with. Batch: with ``txnVersion``, makes the write idempotent.
-``txnVersion``              batch writes only: the version recorded with ``txnAppId``; a
-                            write whose version is at or below the recorded one is skipped.
+``txnVersion``              batch writes only: the version recorded with ``txnAppId`` (0 to
+                            2**63 - 1); a write whose version is at or below the recorded
+                            one is skipped.
 ``cleanOrphans``            ``true``: after each commit, remove orphan files older than
                             ``orphanRetentionSeconds``. Default ``false``.
 ``orphanRetentionSeconds``  grace period of ``cleanOrphans`` (default 3600).
@@ -45,7 +46,8 @@ Options (names are case-insensitive):
                             file per task and partition value).
 ``compression``             Parquet codec: ``snappy`` (default), ``zstd``, ``gzip``, ``lz4``,
                             ``brotli``, ``none``.
-``maxCommitRetries``        delta-rs commit retries against concurrent writers (default 100).
+``maxCommitRetries``        delta-rs commit retries against concurrent writers (default 100,
+                            at most 2**63 - 1).
 ``storage.<key>``           passed to delta-rs's object store, e.g.
                             ``storage.AWS_REGION``; keys reach it lower-cased.
 ==========================  ===================================================================

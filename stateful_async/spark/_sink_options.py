@@ -32,6 +32,12 @@ CODECS = {
 _SPARK_OPTIONS = {"path", "checkpointlocation", "queryname"}
 
 _BOOLEAN = {"true": True, "false": False}
+
+#: The largest Delta app-transaction version (a signed 64-bit long, as Spark's batch ids)
+#: and the bound of maxCommitRetries (delta-rs fails from 2**64 - 1): past them delta-rs
+#: failed at commit time, after every file was written, with a bare OverflowError.
+MAX_LONG = 2**63 - 1
+
 # Spark lower-cases option keys; errors name an option as the docs spell it.
 _OPTION_NAMES = {
     name.lower(): name
@@ -106,7 +112,7 @@ class SinkOptions:
                 "The option txnAppId (appId) is empty; give a non-empty application id or "
                 "leave the option out."
             )
-        txn_version = _int(opts, "txnversion", minimum=0)
+        txn_version = _int(opts, "txnversion", minimum=0, maximum=MAX_LONG)
         if streaming and txn_version is not None:
             raise ConfigurationError(
                 "The option txnVersion applies to batch writes only: a streaming write uses "
@@ -139,7 +145,7 @@ class SinkOptions:
             orphan_retention_seconds=retention,
             max_records_per_file=_int(opts, "maxrecordsperfile", minimum=0) or 0,
             compression=compression,
-            max_commit_retries=_int(opts, "maxcommitretries", minimum=1) or 100,
+            max_commit_retries=_int(opts, "maxcommitretries", minimum=1, maximum=MAX_LONG) or 100,
         )
 
 
@@ -189,7 +195,9 @@ def _bool(opts: Mapping[str, str], key: str) -> bool:
     return _BOOLEAN[value]
 
 
-def _int(opts: Mapping[str, str], key: str, *, minimum: int) -> int | None:
+def _int(
+    opts: Mapping[str, str], key: str, *, minimum: int, maximum: int | None = None
+) -> int | None:
     if key not in opts:
         return None
     try:
@@ -201,6 +209,11 @@ def _int(opts: Mapping[str, str], key: str, *, minimum: int) -> int | None:
     if value < minimum:
         raise ConfigurationError(
             f"The option {_name(key)} must be at least {minimum}, not {value}."
+        )
+    if maximum is not None and value > maximum:
+        raise ConfigurationError(
+            f"The option {_name(key)} must be at most {maximum} (2**63 - 1, the largest "
+            f"signed 64-bit integer, which delta-rs takes), not {value}."
         )
     return value
 

@@ -777,6 +777,16 @@ def test_idempotent_batch_write_with_txn_options(sink: Any, tmp_path: Path) -> N
     assert DeltaTable(table).transaction_version("nightly") == 7
     assert _table_files(Path(table)) == _live_files(Path(table))
 
+    # A version past Delta's long is refused while planning, before any file is written.
+    with pytest.raises(AnalysisException) as too_large:
+        df.write.format("delta_rs").option("txnAppId", "nightly").option(
+            "txnVersion", str(2**63)
+        ).mode("append").save(table)
+    assert "ConfigurationError" in str(too_large.value)
+    assert "The option txnVersion must be at most 9223372036854775807" in str(too_large.value)
+    assert _table_files(Path(table)) == _live_files(Path(table))
+    assert DeltaTable(table).version() == 0
+
 
 @pytest.mark.spark
 def test_partitioned_table_and_file_uri(sink: Any, tmp_path: Path) -> None:
@@ -987,9 +997,22 @@ def test_options_are_validated_with_clear_errors() -> None:
         ("maxcommitretries", "x", "The option maxCommitRetries must be a whole number"),
         ("orphanretentionseconds", "x", "The option orphanRetentionSeconds must be a number"),
         ("orphanretentionseconds", "-1", "The option orphanRetentionSeconds must be zero or"),
+        # delta-rs took these only at commit time, after every file was written, and failed
+        # with a bare OverflowError
+        ("maxcommitretries", str(2**63), "The option maxCommitRetries must be at most 9223"),
     ]:
         with pytest.raises(ConfigurationError, match=message):
             SinkOptions.parse({"path": "/t", key: value}, streaming=False)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"The option txnVersion must be at most 9223372036854775807 \(2\*\*63 - 1",
+    ):
+        SinkOptions.parse(
+            {"path": "/t", "txnappid": "a", "txnversion": str(2**63)}, streaming=False
+        )
+    largest = {"txnappid": "a", "txnversion": str(2**63 - 1), "maxcommitretries": str(2**63 - 1)}
+    opts = SinkOptions.parse({"path": "/t", **largest}, streaming=False)
+    assert (opts.txn_version, opts.max_commit_retries) == (2**63 - 1, 2**63 - 1)
     opts = SinkOptions.parse(
         {"path": "s3://bucket/t/", "Storage.AWS_REGION": "eu-west-1", "partitionBy": "a, b"},
         streaming=True,
