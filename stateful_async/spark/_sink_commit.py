@@ -50,6 +50,23 @@ QUERY_ID_KEY = "stateful_async.sink.queryId"
 CLOCK_SKEW_MS = 10 * 60 * 1000
 
 
+def query_txn_id(app_id: str, query_id: str) -> str:
+    """The app transaction that a commit of ``app_id`` by the streaming query ``query_id``
+    also records, at the same version: how far that query got under the app id.
+
+    Spark's query ids are UUIDs (no ``@``), so the part after the last ``@`` is the query
+    and two (app id, query) pairs never share an id. delta-rs takes any string.
+    """
+    return f"{app_id}@{query_id}"
+
+
+def named_txn_id(app_id: str) -> str:
+    """The app transaction holding the last version of ``app_id`` committed together with
+    a ``query_txn_id`` (``*``: any query). When it equals the app id's own version, the
+    query that committed that version is on record."""
+    return f"{app_id}@*"
+
+
 class Outcome(enum.Enum):
     COMMITTED = "committed"
     REFUSED = "refused"  # the app transaction already holds this version (a replay)
@@ -373,8 +390,10 @@ def commit_write(
 
     ``mode`` is ``append`` or ``overwrite``. With ``app_id``, the transaction records
     ``(app_id, version)`` and a version at or below the recorded one is refused. With the
-    streaming ``query_id`` too, a version refused because *another* query recorded it under
-    the same app id raises instead (see ``_check_same_query``).
+    streaming ``query_id`` too (unless it is the app id itself), it also records
+    ``(query_txn_id(app_id, query_id), version)`` and ``(named_txn_id(app_id), version)``,
+    and a version refused because *another* query recorded it under the same app id raises
+    instead (see ``_check_same_query``).
     """
     from deltalake.exceptions import CommitFailedError, DeltaError
     from deltalake.transaction import (
@@ -393,12 +412,18 @@ def commit_write(
     metadata = {COMMIT_ID_KEY: cid}
     if app_id is not None and query_id is not None:
         metadata |= {APP_ID_KEY: app_id, QUERY_ID_KEY: query_id}
+    transactions = None
+    if app_id is not None and version is not None:
+        transactions = [Transaction(app_id, version)]
+        if query_id is not None and query_id != app_id:
+            transactions += [
+                Transaction(query_txn_id(app_id, query_id), version),
+                Transaction(named_txn_id(app_id), version),
+            ]
     props = CommitProperties(
         custom_metadata=metadata,
         max_commit_retries=opts.max_commit_retries,
-        app_transactions=(
-            [Transaction(app_id, version)] if app_id is not None and version is not None else None
-        ),
+        app_transactions=transactions,
     )
     what = _describe(files, app_id, version)
     table = load_table(uri, opts.storage_options)
@@ -479,7 +504,8 @@ def _already_committed(table: Any, app_id: str | None, version: int | None) -> b
     return committed is not None and version <= committed
 
 
-#: How far back ``_check_same_query`` reads the history for the app id's last commit.
+#: How far back the commit info is read for the query that committed an app id's version,
+#: when no app transaction records it (see ``_check_same_query``).
 _SAME_QUERY_HISTORY = 1000
 
 
@@ -491,26 +517,43 @@ def _check_same_query(
     A replay comes from the same query (Spark keeps the query id across restarts from one
     checkpoint location). A *new* query given another query's ``txnAppId`` starts its batch
     ids at 0: every batch of it would be refused as a replay, and its rows silently lost.
-    Commits by this sink name their query in their commit info; one that names another
-    query stops this one. Without that record (older commits, or history cleaned up) the
-    refusal stands, as before.
+    Each commit records how far its query got under the app id (``query_txn_id``), so a
+    version is a replay only if this query's own record reaches it.
+
+    If the app id's version was committed with no query on record (by this sink before it
+    kept these app transactions, or by a write that had no query id), the commit info of
+    the last 1,000 commits is the fallback: one naming another query stops this one; with
+    none (no query named, or the history cleaned up) the refusal stands.
     """
-    if app_id is None or query_id is None or app_id == query_id:
-        return  # the default app id is the query id itself
+    if app_id is None or version is None or query_id is None or app_id == query_id:
+        return  # no query to tell, or the default app id: the query id itself
+    own = table.transaction_version(query_txn_id(app_id, query_id))
+    if own is not None and version <= own:
+        return  # this query committed the version: a replay
+    recorded = table.transaction_version(app_id)
+    on_record = table.transaction_version(named_txn_id(app_id)) == recorded
+    other = _last_query_in_history(table, app_id)
+    if own is None and not on_record and other in (None, query_id):
+        return
+    # Another query committed the version; the history, if it still holds that commit,
+    # only names it.
+    by = f" ({other})" if other is not None and other != query_id else ""
+    raise DeltaSinkError(
+        f"The Delta table at {uri} already holds batch {recorded} of app id {app_id!r}, "
+        f"committed by another streaming query{by}; this query ({query_id}) is at batch "
+        f"{version}, so its batches would be refused as replays and their rows never "
+        "written. Nothing was committed. Give each query its own txnAppId (in writeStream "
+        "you may leave the option out: the query id is used), or restart the other query "
+        "from its own checkpoint location."
+    )
+
+
+def _last_query_in_history(table: Any, app_id: str) -> str | None:
+    """The query named by the newest of the last 1,000 commits that name ``app_id``."""
     entry = next(
         (e for e in table.history(_SAME_QUERY_HISTORY) if e.get(APP_ID_KEY) == app_id), None
     )
-    other = entry.get(QUERY_ID_KEY) if entry is not None else None
-    if other is None or other == query_id:
-        return
-    raise DeltaSinkError(
-        f"The Delta table at {uri} already holds batch {table.transaction_version(app_id)} of "
-        f"app id {app_id!r}, committed by another streaming query ({other}); this query "
-        f"({query_id}) is at batch {version}, so its batches would be refused as replays and "
-        "their rows never written. Nothing was committed. Give each query its own txnAppId "
-        "(in writeStream you may leave the option out: the query id is used), or restart the "
-        "other query from its own checkpoint location."
-    )
+    return entry.get(QUERY_ID_KEY) if entry is not None else None
 
 
 def _refuse(

@@ -456,12 +456,15 @@ def test_a_new_query_given_another_querys_txn_app_id_fails_instead_of_losing_row
 
 
 @pytest.mark.spark
+@pytest.mark.parametrize("history", ["kept", "cleaned up"])
 def test_foreach_batch_writes_of_a_query_restarted_from_a_new_checkpoint_fail_not_vanish(
-    sink: Any, tmp_path: Path
+    sink: Any, tmp_path: Path, history: str
 ) -> None:
     # The documented foreachBatch pattern (a fixed txnAppId, txnVersion = batch id). A
     # query restarted from a new checkpoint location starts its batch ids at 0: its writes
     # were refused as replays of the first query's batches, its rows silently dropped.
+    # Which query committed a batch was then read from the last 1,000 commits' info only:
+    # once the log was cleaned up (or 1,000 other commits later) the rows were dropped.
     from pyspark.sql.utils import CapturedException
 
     source, table = tmp_path / "src", tmp_path / "table"
@@ -491,15 +494,20 @@ def test_foreach_batch_writes_of_a_query_restarted_from_a_new_checkpoint_fail_no
     first.awaitTermination()
     _assert_exactly_once(table, expected)
     assert DeltaTable(str(table)).transaction_version("enrich-orders") == 2
+    named = rf" \({first.id}\)"
+    if history == "cleaned up":
+        _forget_history(table)
+        named = ""  # its commits are gone from the log: the query is not named
+    version = DeltaTable(str(table)).version()
     second = run(tmp_path / "chk2")
     with pytest.raises(CapturedException) as failure:
         second.awaitTermination()
     assert re.search(
         rf"already holds batch 2 of app id 'enrich-orders', committed by another streaming "
-        rf"query \({first.id}\); this query \({second.id}\) is at batch 0",
+        rf"query{named}; this query \({second.id}\) is at batch 0",
         str(failure.value),
     ), str(failure.value)
-    assert DeltaTable(str(table)).version() == 2
+    assert DeltaTable(str(table)).version() == version
     _assert_exactly_once(table, expected)
     assert _table_files(table) == _live_files(table)  # the failed batch's files were removed
 
@@ -625,6 +633,18 @@ def test_a_commit_refuses_messages_of_tasks_that_wrote_by_different_plans(
     assert DeltaTable(str(table)).version() == 0
 
 
+def _forget_history(table: Path) -> None:
+    """Clean the table's log up to a new checkpoint: ``history()`` then holds its last
+    version only, as a table whose log retention has passed."""
+    DeltaTable(str(table)).alter.set_table_properties(
+        {"delta.logRetentionDuration": "interval 0 seconds"}
+    )
+    current = DeltaTable(str(table))
+    current.create_checkpoint()
+    current.cleanup_metadata()
+    assert [e["version"] for e in DeltaTable(str(table)).history()] == [current.version()]
+
+
 def _unit_options(table: Path, **extra: str) -> SinkOptions:
     return SinkOptions.parse({"path": str(table), **extra}, streaming=True)
 
@@ -698,6 +718,75 @@ def test_a_refused_version_is_a_replay_only_for_the_query_that_committed_it(
         commit(20, 4, "query-1")
     assert DeltaTable(str(table)).transaction_version("shared") == 4
     assert _ids(table) == list(range(20))
+
+
+def test_a_new_query_is_told_from_a_replay_after_the_history_is_cleaned_up(
+    tmp_path: Path,
+) -> None:
+    # Which query committed a version was read from the last 1,000 commits' info only: past
+    # them, or once the log was cleaned up, a new query's batches were refused as replays.
+    table = tmp_path / "table"
+    opts = _unit_options(table, txnAppId="shared")
+    plan = plan_write(opts, SOURCE_ARROW)
+
+    def commit(start: int, version: int, query_id: str) -> Outcome:
+        files = _unit_write(opts, start, 10, batch_id=version)
+        return commit_write(
+            opts, plan, files, mode="append", app_id="shared", version=version, query_id=query_id
+        )
+
+    assert commit(0, 0, "query-1") is Outcome.COMMITTED
+    assert commit(10, 1, "query-1") is Outcome.COMMITTED
+    _forget_history(table)
+    assert commit(10, 1, "query-1") is Outcome.REFUSED  # still the same query's replay
+    assert commit(0, 0, "query-1") is Outcome.REFUSED
+    with pytest.raises(
+        DeltaSinkError,
+        match=r"holds batch 1 of app id 'shared', committed by another streaming query; "
+        r"this query \(query-2\) is at batch 0",
+    ):
+        commit(20, 0, "query-2")
+    # A query that committed under the app id before another one went further.
+    assert commit(20, 2, "query-2") is Outcome.COMMITTED
+    with pytest.raises(DeltaSinkError, match=r"another streaming query \(query-2\)"):
+        commit(30, 2, "query-1")
+    current = DeltaTable(str(table))
+    assert current.transaction_version("shared") == 2
+    assert current.transaction_version("shared@query-1") == 1
+    assert current.transaction_version("shared@query-2") == 2
+    assert _ids(table) == list(range(30))
+
+
+def test_versions_committed_before_queries_were_recorded_fall_back_to_the_history(
+    tmp_path: Path,
+) -> None:
+    # A table whose app id was committed as this sink did before it recorded each query's
+    # app transaction: only the commit info names the query.
+    from deltalake.transaction import CommitProperties, Transaction
+
+    from stateful_async.spark._sink_commit import APP_ID_KEY, QUERY_ID_KEY
+
+    table = tmp_path / "table"
+    legacy = CommitProperties(
+        custom_metadata={APP_ID_KEY: "shared", QUERY_ID_KEY: "query-1"},
+        app_transactions=[Transaction("shared", 3)],
+    )
+    write_deltalake(str(table), _rows(0, 10), commit_properties=legacy)
+    opts = _unit_options(table, txnAppId="shared")
+    plan = plan_write(opts, SOURCE_ARROW)
+
+    def commit(version: int, query_id: str) -> Outcome:
+        files = _unit_write(opts, 10, 10, batch_id=version)
+        return commit_write(
+            opts, plan, files, mode="append", app_id="shared", version=version, query_id=query_id
+        )
+
+    assert commit(3, "query-1") is Outcome.REFUSED  # the history names this query
+    with pytest.raises(DeltaSinkError, match=r"another streaming query \(query-1\)"):
+        commit(0, "query-2")
+    _forget_history(table)
+    assert commit(0, "query-2") is Outcome.REFUSED  # as documented: nothing left to tell
+    assert _ids(table) == list(range(10))
 
 
 def test_abort_deletes_only_files_whose_commit_did_not_land(tmp_path: Path) -> None:
