@@ -454,7 +454,7 @@ def commit_write(
     _check_not_null_kept(table, plan.schema, uri)
     if _already_committed(table, app_id, version):
         _check_same_query(table, app_id, version, query_id, uri)
-        return _refuse(opts, files, app_id, version)
+        return _refuse(opts, files, app_id, version, query_id)
     if not files and mode == "append":
         return Outcome.NOTHING
     try:
@@ -464,7 +464,7 @@ def commit_write(
             # alter() moved this object to a newer snapshot: check again on that one.
             if _already_committed(table, app_id, version):
                 _check_same_query(table, app_id, version, query_id, uri)
-                return _refuse(opts, files, app_id, version)
+                return _refuse(opts, files, app_id, version, query_id)
         table.create_write_transaction(
             adds,
             mode,
@@ -557,20 +557,35 @@ def _last_query_in_history(table: Any, app_id: str) -> str | None:
 
 
 def _refuse(
-    opts: SinkOptions, files: Sequence[DataFile], app_id: str | None, version: int | None
+    opts: SinkOptions,
+    files: Sequence[DataFile],
+    app_id: str | None,
+    version: int | None,
+    query_id: str | None,
 ) -> Outcome:
     if files and commit_landed(opts, files):
         # This very set of files is in the table: a retried commit() of a commit that
         # landed. Report success so Spark moves on, and keep the files.
         return Outcome.COMMITTED
     deleted = _delete(opts, files)
+    if query_id is not None:
+        why = "a replayed batch of this query"
+    else:
+        why = (
+            "no streaming query id reached this write's tasks (a batch write; or "
+            "foreachBatch under Spark Connect, or in a thread of your own), so the sink "
+            "could not check which query committed that version. A re-run of the same "
+            "write is rightly refused; but if this write is a batch of a query started "
+            "from a new checkpoint location that reuses this txnAppId, its rows were not "
+            "written: give each checkpoint location its own txnAppId"
+        )
     log.warning(
         "Refused version %s of app id %r for the Delta table at %s: the table already "
-        "holds that version (a replayed batch). Nothing was added; the replay's %d "
-        "file(s) were deleted.",
+        "holds that version (%s). Nothing was added; this write's %d file(s) were deleted.",
         version,
         app_id,
         opts.table_uri,
+        why,
         len(deleted),
     )
     return Outcome.REFUSED

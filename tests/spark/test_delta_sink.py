@@ -696,7 +696,7 @@ def test_commit_refuses_versions_at_or_below_the_recorded_one(tmp_path: Path) ->
 
 
 def test_a_refused_version_is_a_replay_only_for_the_query_that_committed_it(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     table = tmp_path / "table"
     opts = _unit_options(table, txnAppId="shared")
@@ -710,7 +710,13 @@ def test_a_refused_version_is_a_replay_only_for_the_query_that_committed_it(
 
     assert commit(0, 3, "query-1") is Outcome.COMMITTED
     assert commit(0, 3, "query-1") is Outcome.REFUSED  # the same query's replay
-    assert commit(0, 2, None) is Outcome.REFUSED  # no query to tell: a replay, as before
+    assert "(a replayed batch of this query)" in caplog.text
+    caplog.clear()
+    # No query to tell (foreachBatch under Spark Connect, say): refused, as a replay would
+    # be, and the warning says the query could not be checked (it claimed "a replay").
+    assert commit(0, 2, None) is Outcome.REFUSED
+    assert "could not check which query committed that version" in caplog.text
+    assert "give each checkpoint location its own txnAppId" in caplog.text
     with pytest.raises(DeltaSinkError, match=r"committed by another streaming query \(query-1\)"):
         commit(0, 0, "query-2")
     assert commit(10, 4, "query-2") is Outcome.COMMITTED  # a later version is not a replay
