@@ -1104,6 +1104,18 @@ def test_a_log_that_commits_and_expires_knows_its_checkpoints_without_rereading(
     assert log.restore(1, run_id="other").metadata.in_flight == 5
 
 
+def _writer_and_reader(tmp_path: Path, checkpoints: int) -> tuple[Any, Any]:
+    """A job's log with ``checkpoints`` checkpoints of 5 elements, and another process's
+    view of it that has read them."""
+    writer = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    parent = None
+    for ckpt in range(1, checkpoints + 1):
+        parent = commit(writer, "run", ckpt, n=5, parent=parent, position=ckpt * 10).ref
+    reader = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    reader.checkpoints()
+    return writer, reader
+
+
 def _expiring_under(monkeypatch: pytest.MonkeyPatch, reader, writer, retain: int) -> list:
     """Make ``writer`` expire (and vacuum) right after ``reader`` has listed the files of
     its next read, once: the interleaving of a job's expiry with a reader of its table."""
@@ -1127,13 +1139,8 @@ def test_a_read_whose_files_a_running_jobs_expiry_vacuums_reads_the_newer_table(
 ) -> None:
     # A reader (the CLI, a notebook) of a running job's table read a snapshot whose files the
     # job's expiry then rewrote and vacuumed: "Failed to open local file", now and then.
-    writer = SnapshotStore(tmp_path).subtask("job", "op", 0)
-    parent = None
-    for ckpt in range(1, 6):
-        parent = commit(writer, "run", ckpt, n=5, parent=parent, position=ckpt * 10).ref
-    reader = SnapshotStore(tmp_path).subtask("job", "op", 0)
-    reader.checkpoints()
-    commit(writer, "run", 6, n=5, parent=parent, position=60)
+    writer, reader = _writer_and_reader(tmp_path, 5)
+    commit(writer, "run", 6, n=5, parent=CheckpointRef("run", 5), position=60)
 
     reports = _expiring_under(monkeypatch, reader, writer, retain=2)
     listed = reader.checkpoints()
@@ -1150,12 +1157,7 @@ def test_a_read_whose_files_a_running_jobs_expiry_vacuums_reads_the_newer_table(
 def test_a_checkpoint_expired_while_it_is_read_is_named_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    writer = SnapshotStore(tmp_path).subtask("job", "op", 0)
-    parent = None
-    for ckpt in range(1, 4):
-        parent = commit(writer, "run", ckpt, n=5, parent=parent, position=ckpt * 10).ref
-    reader = SnapshotStore(tmp_path).subtask("job", "op", 0)
-    reader.checkpoints()
+    writer, reader = _writer_and_reader(tmp_path, 3)
     _expiring_under(monkeypatch, reader, writer, retain=1)
     with pytest.raises(
         CheckpointNotFoundError,

@@ -963,14 +963,26 @@ async def test_an_async_invoke_that_returns_no_awaitable_fails_at_once_and_is_no
     await op.close()
 
 
+async def _a_spark_row_timed_out(fn: AsyncFunction, retry: RetryStrategy | None = None):
+    """An operator as a Spark task runs ``fn`` (output schema: ``y``), holding the input
+    row {'x': 1} whose 1 s timeout has just passed."""
+    pytest.importorskip("pyarrow")
+    from stateful_async.spark._task import _RowFunctionWithTimeout
+
+    clock = VirtualClock()
+    wrapped = _RowFunctionWithTimeout(fn, frozenset({"y"}), lambda row: row)
+    op = AsyncWaitOperator(wrapped, lambda e: None, timeout=1, retry=retry, clock=clock)
+    await op.open()
+    await op.process_element(StreamRecord((0, {"x": 1}, {"x": 1})))
+    await clock.advance(1)
+    return op
+
+
 @pytest.mark.parametrize("method", ["async_invoke", "timeout"])
 async def test_a_spark_tasks_function_that_returns_no_awaitable_fails_at_once(method: str) -> None:
     # The Spark task awaits the user's function inside its own coroutine, which the
     # operator's check above does not see through: the TypeError was retried (async_invoke),
     # or reported as "the timeout handler raised" (timeout).
-    pytest.importorskip("pyarrow")
-    from stateful_async.spark._task import _RowFunctionWithTimeout
-
     calls: list = []
 
     def results_now(row):
@@ -982,14 +994,7 @@ async def test_a_spark_tasks_function_that_returns_no_awaitable_fails_at_once(me
             await asyncio.Event().wait()
 
     setattr(Fn, method, _Calls(results_now))
-    clock = VirtualClock()
-    fn = _RowFunctionWithTimeout(Fn(), frozenset({"y"}), lambda row: row)
-    op = AsyncWaitOperator(
-        fn, lambda e: None, timeout=1, retry=RetryStrategy.fixed_delay(3, 0), clock=clock
-    )
-    await op.open()
-    await op.process_element(StreamRecord((0, {"x": 1}, {"x": 1})))
-    await clock.advance(1)
+    op = await _a_spark_row_timed_out(Fn(), retry=RetryStrategy.fixed_delay(3, 0))
     with pytest.raises(InvalidResultError) as info:
         await asyncio.wait_for(op.finish(), 5.0)
     assert str(info.value).startswith(
@@ -1069,9 +1074,6 @@ async def test_fallback_rows_that_do_not_match_the_schema_are_not_reported_as_ra
     # The Spark task checks the handler's fallback rows against the output schema: a
     # mismatch was reported as a TimeoutHandlerError, "the handler raised ... return
     # fallback results from timeout() instead of raising", though it had returned them.
-    pytest.importorskip("pyarrow")
-    from stateful_async.spark._task import _RowFunctionWithTimeout
-
     class Fallback(AsyncFunction):
         async def async_invoke(self, row):
             await asyncio.Event().wait()
@@ -1079,12 +1081,7 @@ async def test_fallback_rows_that_do_not_match_the_schema_are_not_reported_as_ra
         async def timeout(self, row):
             return [{"wrong": 1}]
 
-    clock = VirtualClock()
-    fn = _RowFunctionWithTimeout(Fallback(), frozenset({"y"}), lambda row: row)
-    op = AsyncWaitOperator(fn, lambda e: None, timeout=1, clock=clock)
-    await op.open()
-    await op.process_element(StreamRecord((0, {"x": 1}, {"x": 1})))
-    await clock.advance(1)
+    op = await _a_spark_row_timed_out(Fallback())
     with pytest.raises(ResultSchemaError) as info:
         await asyncio.wait_for(op.finish(), 5.0)
     assert str(info.value).startswith(

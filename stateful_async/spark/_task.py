@@ -112,24 +112,26 @@ class _RowFunction(AsyncFunction[Any, Any]):
         try:
             results = await call
         except TypeError:
-            if inspect.isawaitable(call):
-                raise
-            raise self._not_awaitable(call, value, "async_invoke") from None
+            self._refuse_unawaitable(call, value, "async_invoke")
+            raise
         return _pair(results, value, self.names, self.shown, self.partition)
 
-    def _not_awaitable(
+    def _refuse_unawaitable(
         self, call: Any, record: tuple[int, dict[str, Any], dict[str, Any]], method: str
-    ) -> InvalidResultError:
-        """The error of a call that returned something ``await`` refuses (an ``async_invoke``
-        that is a callable object, or a ``functools.partial`` of a plain function, passes the
-        function check): a programming error, never retried (as in the operator)."""
-        return InvalidResultError(
+    ) -> None:
+        """After ``await call`` raised TypeError: if ``call`` is no awaitable (an
+        ``async_invoke`` that is a callable object, or a ``functools.partial`` of a plain
+        function, passes the function check), raise the programming error it is, never
+        retried (as in the operator); otherwise the TypeError was the function's own."""
+        if inspect.isawaitable(call):
+            return
+        raise InvalidResultError(
             f"{type(self.fn).__name__}.{method} returned {type(call).__name__}, not an "
             f"awaitable, for input row {_row_text(record, self.shown, self.partition)}: is it "
             f"an async def? Declare it 'async def {method}(self, row)' returning a list of "
             "result rows.",
             element=record[1],
-        )
+        ) from None
 
 
 class _RowFunctionWithTimeout(_RowFunction):
@@ -138,9 +140,8 @@ class _RowFunctionWithTimeout(_RowFunction):
         try:
             results = await call
         except TypeError:
-            if inspect.isawaitable(call):
-                raise
-            raise self._not_awaitable(call, value, "timeout") from None
+            self._refuse_unawaitable(call, value, "timeout")
+            raise
         return _pair(
             results,
             value,
