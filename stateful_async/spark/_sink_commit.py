@@ -592,14 +592,23 @@ def _refuse(
 
 
 def commit_landed(opts: SinkOptions, files: Sequence[DataFile]) -> bool:
-    """True if a commit of exactly these files is in the table's history.
+    """True if a commit of exactly these files is in the table: one of them is in its
+    current version, or the commit is in its history (a later one may have removed them).
 
-    Only commits made after the oldest file was written (minus clock skew) can hold
-    them, so the history is read newest first, in growing pages, back to that time.
+    delta-rs's history lists only commits that carry commit info, which the Delta protocol
+    leaves optional (a writer may omit it): the current version is looked at first, so that
+    the files of a landed commit are never taken for a lost one's. Only commits made after
+    the oldest file was written (minus clock skew) can hold them, so the history is read
+    newest first, in growing pages, back to that time (entries without a time do not end
+    it).
     """
     table = load_table(opts.table_uri, opts.storage_options)
     if table is None or not files:
         return False
+    actions = pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist()
+    current = {unquote(path) for path in actions}
+    if any(f.path in current for f in files):
+        return True
     wanted = commit_id(files)
     not_before = min(f.modification_time for f in files) - CLOCK_SKEW_MS
     limit = 32
@@ -609,7 +618,8 @@ def commit_landed(opts: SinkOptions, files: Sequence[DataFile]) -> bool:
             return True
         if len(history) < limit:
             return False
-        if min(int(entry.get("timestamp", 0)) for entry in history) < not_before:
+        stamps = [int(entry["timestamp"]) for entry in history if entry.get("timestamp")]
+        if stamps and min(stamps) < not_before:
             return False
         limit *= 4
 
