@@ -481,6 +481,18 @@ def commit_write(
             "cause above first."
         ) from exc
     except DeltaError as exc:
+        if commit_landed(opts, files):
+            # A step after the commit failed (delta-rs writes a log checkpoint every so many
+            # commits): the rows are in the table, and failing would make a re-run of a
+            # write without txnAppId write them twice.
+            log.warning(
+                "Committed %s to %s, but delta-rs failed after the commit: %s. The table "
+                "holds the write; fix the cause before the next commit runs into it.",
+                what,
+                uri,
+                exc,
+            )
+            return Outcome.COMMITTED
         raise DeltaSinkError(
             f"The commit of {what} to the Delta table at {uri} failed: {exc}. Spark aborts "
             "this write and removes its files; fix the cause and re-run the write."

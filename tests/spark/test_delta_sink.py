@@ -820,6 +820,21 @@ def test_abort_deletes_only_files_whose_commit_did_not_land(tmp_path: Path) -> N
     assert _ids(table) == list(range(10))
 
 
+def test_a_commit_that_landed_before_delta_rs_failed_counts_as_committed(tmp_path: Path) -> None:
+    # delta-rs writes a log checkpoint after every checkpointInterval commits, and raises if
+    # that fails, though the commit is in: the sink reported the write failed ("Spark
+    # removes its files", which abort rightly did not), and a re-run wrote the rows twice.
+    table = tmp_path / "table"
+    write_deltalake(str(table), _rows(0, 10), configuration={"delta.checkpointInterval": "1"})
+    (table / "_delta_log" / f"{1:020d}.checkpoint.parquet").mkdir()  # where it goes: taken
+    opts = _unit_options(table)
+    files = _unit_write(opts, 10, 10, batch_id=0)
+    plan = plan_write(opts, SOURCE_ARROW)
+    outcome = commit_write(opts, plan, files, mode="append", app_id=None, version=None)
+    assert outcome is Outcome.COMMITTED
+    assert _ids(table) == list(range(20))
+
+
 # -- 4. batch append, overwrite, schemas ---------------------------------------------------
 
 
