@@ -96,9 +96,7 @@ def as_async_function(fn: Any) -> AsyncFunction[Any, Any]:
             "operator awaits one list of results per value: write 'async def' that returns "
             "a list ([] to emit nothing)."
         )
-    if inspect.iscoroutinefunction(fn) or (
-        callable(fn) and inspect.iscoroutinefunction(type(fn).__call__)
-    ):
+    if _is_async(fn) or (callable(fn) and _is_async(type(fn).__call__)):
         return CoroutineFunction(fn)
     if callable(fn):
         raise ConfigurationError(
@@ -111,6 +109,18 @@ def as_async_function(fn: Any) -> AsyncFunction[Any, Any]:
     )
 
 
+def _is_async(fn: Any) -> bool:
+    """An ``async def``, also under decorators that kept it as ``__wrapped__``
+    (``functools.wraps``), whose plain ``def`` wrapper returns the coroutine: a wrapper
+    that does not is refused at its first call (the operator checks what it awaits)."""
+    if inspect.iscoroutinefunction(fn):
+        return True
+    try:
+        return inspect.iscoroutinefunction(inspect.unwrap(fn))
+    except ValueError:  # a __wrapped__ cycle
+        return False
+
+
 def _check_async_method(fn: AsyncFunction[Any, Any], name: str) -> None:
     """A method the operator awaits must be an ``async def`` (a plain ``def`` fails every
     call with "can't be used in 'await' expression", which would be retried as a service
@@ -120,7 +130,7 @@ def _check_async_method(fn: AsyncFunction[Any, Any], name: str) -> None:
         return  # inherited, or not a plain function (a callable object): trusted
     if inspect.isasyncgenfunction(method):
         problem = "is an async generator (it yields)"
-    elif not inspect.iscoroutinefunction(method):
+    elif not _is_async(method):
         problem = "is a plain 'def'"
     else:
         return

@@ -753,6 +753,40 @@ def test_a_regular_function_is_refused_with_advice() -> None:
         AsyncWaitOperator(sync, lambda e: None)
 
 
+async def test_an_async_def_under_a_wrapping_decorator_is_accepted() -> None:
+    # A decorator whose plain 'def' wrapper returns the coroutine (functools.wraps keeps
+    # the async def as __wrapped__) was refused as "a regular function".
+    calls: list = []
+
+    def logged(fn):
+        @functools.wraps(fn)
+        def wrapper(*args):
+            calls.append(args[-1])
+            return fn(*args)
+
+        return wrapper
+
+    @logged
+    async def enrich(value):
+        return [value * 2]
+
+    class Enrich(AsyncFunction):
+        @logged
+        async def async_invoke(self, value):
+            return [value + 1]
+
+    for fn, expected in ((enrich, [2, 4]), (Enrich(), [2, 3])):
+        out: list = []
+        op = AsyncWaitOperator(fn, out.append)
+        await op.open()
+        for value in (1, 2):
+            await op.process_element(StreamRecord(value))
+        await op.finish()
+        await op.close()
+        assert [e.value for e in out] == expected
+    assert calls == [1, 2, 1, 2]
+
+
 def test_an_async_function_class_is_refused_asking_for_an_instance() -> None:
     # it was called "a regular function" and sent to ThreadPoolAsyncFunction
     with pytest.raises(
