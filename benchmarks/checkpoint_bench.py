@@ -25,6 +25,13 @@
    commit latency of the first and the last 200, once with every commit file kept (as
    while they are younger than the table's log retention) and once with a retention of
    1 s (older commit files deleted at each Delta log checkpoint, as after the retention).
+6. Micro-batches: what one partition's task of a streaming micro-batch spends on the
+   store at its end, a final checkpoint (100 results) and the expiry after it (retain 3),
+   over a run of micro-batches: the expiry deleting just the files its commit removed (as
+   a task's does) against vacuuming the table (as a task's did, and `expire` without a
+   run still does), interleaved; medians, and the Delta versions each left.
+
+    python benchmarks/checkpoint_bench.py --micro-batches   # section 6 alone (~1 minute)
 """
 
 from __future__ import annotations
@@ -227,6 +234,47 @@ def _log_files(root: str, count: int, cleaned: bool) -> None:
         latencies.append(time.perf_counter() - start)
     files = sum(name.endswith(".json") for name in os.listdir(os.path.join(log.uri, "_delta_log")))
     print(json.dumps({"latencies": latencies, "log_files": files}))
+
+
+def micro_batches(count: int, rounds: int) -> list[dict[str, Any]]:
+    """Section 6: per micro-batch, the final checkpoint's commit and the expiry after it,
+    by how the expiry deletes files (see the module docstring)."""
+    measured: dict[str, list[tuple[float, float, int]]] = {"own files": [], "vacuum": []}
+    for _ in range(rounds):
+        for variant, runs in measured.items():
+            with tempfile.TemporaryDirectory() as root:
+                log = SnapshotStore(root).subtask("bench", "op", 0)
+                commits, expiries = [], []
+                for batch in range(count):
+                    run_id = f"query.batch{batch}"  # each micro-batch is a run of its own
+                    start = time.perf_counter()
+                    log.commit(
+                        run_id, 1, [], results(100), input_schema=INPUT, output_schema=OUTPUT,
+                        position=100, final=True,
+                    )  # fmt: skip
+                    middle = time.perf_counter()
+                    log.expire(3, run_id=run_id if variant == "own files" else None)
+                    commits.append(middle - start)
+                    expiries.append(time.perf_counter() - middle)
+                version = log._open(refresh=True).version()  # type: ignore[union-attr]
+                skip = min(10, count // 4)  # the table's first ones: nothing to expire yet
+                runs.append(
+                    (
+                        statistics.median(commits[skip:]),
+                        statistics.median(expiries[skip:]),
+                        version + 1,
+                    )
+                )
+    return [
+        {
+            "expiry": variant,
+            "micro_batches": count,
+            "commit_ms": statistics.median(r[0] for r in runs) * 1000,
+            "expire_ms": statistics.median(r[1] for r in runs) * 1000,
+            "delta_versions": runs[0][2],
+        }
+        for variant, runs in measured.items()
+    ]
 
 
 def _in_child(part: str, count: int, variant: str) -> dict[str, Any]:
@@ -450,10 +498,11 @@ def run(quick: bool = False) -> dict[str, Any]:
         "long_task": long_task(250 if quick else 1_000, 1 if quick else 2),
         "fences": fences(864 if quick else 8_640, 10 if quick else 30),
         "log_files": log_files(400 if quick else 3_000),
+        "micro_batch": micro_batches(40 if quick else 100, 1 if quick else 3),
     }
 
 
-# Sections 3-5 in the report: key in run()'s result, header, one row's line.
+# Sections 3-6 in the report: key in run()'s result, header, one row's line.
 _LATER_SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], str]]] = [
     (
         "long_task",
@@ -479,7 +528,23 @@ _LATER_SECTIONS: list[tuple[str, str, Callable[[dict[str, Any]], str]]] = [
             f"{r['first_ms']:>14.1f} {r['last_ms']:>13.1f}"
         ),
     ),
+    (
+        "micro_batch",
+        "expiry      micro-batches   commit ms   expire ms   Delta versions",
+        lambda r: (
+            f"{r['expiry']:<11} {r['micro_batches']:>13,} {r['commit_ms']:>11.1f} "
+            f"{r['expire_ms']:>11.1f} {r['delta_versions']:>16,}"
+        ),
+    ),
 ]
+
+
+def _later_sections(result: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for key, header, line in _LATER_SECTIONS:
+        if result.get(key):
+            lines += ["", header, *(line(r) for r in result[key])]
+    return lines
 
 
 def report(result: dict[str, Any]) -> str:
@@ -499,10 +564,7 @@ def report(result: dict[str, Any]) -> str:
             f"{r['p95_ms']:>7.1f} {r['failed_processes']:>8}   "
             f"({r['median_ms'] / base[r['layout']]:.2f}x of 1 committer)"
         )
-    for key, header, line in _LATER_SECTIONS:
-        if result.get(key):
-            lines += ["", header, *(line(r) for r in result[key])]
-    return "\n".join(lines)
+    return "\n".join(lines + _later_sections(result))
 
 
 def main() -> None:
@@ -521,7 +583,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--micro-batches", action="store_true", help="section 6 alone")
     args = parser.parse_args()
+    if args.micro_batches:
+        result = {"micro_batch": micro_batches(40 if args.quick else 100, 1 if args.quick else 3)}
+        print(json.dumps(result, indent=2) if args.json else "\n".join(_later_sections(result)[1:]))
+        return
     result = run(quick=args.quick)
     print(json.dumps(result, indent=2) if args.json else report(result))
 

@@ -1659,6 +1659,40 @@ def section_checkpoint(
                 f"{kept_logs['last_ms'] / cleaned['last_ms']:.1f}x the latency, with "
                 f"{kept_logs['log_files']:,} commit files against {cleaned['log_files']:,}.\n"
             )
+        batches = {r["expiry"]: r for r in store.get("micro_batch", [])}
+        if batches:  # measured since stop 28
+            own, vacuum = batches["own files"], batches["vacuum"]
+            lines.append(
+                f"Micro-batches: what one partition's task of a streaming micro-batch spends "
+                f"on the store at its end, over {own['micro_batches']:,} micro-batches (each a "
+                "run of its own): the final checkpoint (100 results) and the expiry after it "
+                "(retain 3). *own files*: the expiry deletes just the files its commit "
+                "removed, as a task's does; *vacuum*: it vacuums the table, as a task's did "
+                "(a listing of the directory and two more Delta commits), and `expire` "
+                "without a run still does. Medians of the runs, interleaved"
+                + (f"; {store['micro_batch_note']}" if store.get("micro_batch_note") else "")
+                + ".\n"
+            )
+            lines.append(
+                columns_table(
+                    list(batches.values()),
+                    [
+                        ("expiry", "expiry", ""),
+                        ("commit ms", "commit_ms", ".1f"),
+                        ("expire ms", "expire_ms", ".1f"),
+                        ("Delta versions at the end", "delta_versions", ","),
+                    ],
+                )
+            )
+            expiry = own["expire_ms"] / vacuum["expire_ms"]
+            work = (own["commit_ms"] + own["expire_ms"]) / (
+                vacuum["commit_ms"] + vacuum["expire_ms"]
+            )
+            lines.append(
+                f"Own files against vacuum: the expiry {expiry:.2f}x the time, the "
+                f"micro-batch's store work {work:.2f}x, {own['delta_versions']:,} Delta "
+                f"versions against {vacuum['delta_versions']:,}.\n"
+            )
     else:
         lines.append(failed(store))
     return "\n".join(lines)

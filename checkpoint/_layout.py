@@ -13,11 +13,12 @@ of its tables together with ``SnapshotStore.read_job``.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import time
 from typing import TYPE_CHECKING, Any, Union
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import pyarrow.fs as pafs
 
@@ -316,6 +317,33 @@ def data_files(table_uri: str, storage_options: StorageOptions = None) -> set[st
     except Exception:  # pyarrow raises several types for remote stores
         return None
     return {i.base_name for i in infos if i.type == pafs.FileType.File}
+
+
+def delete_removed_files(
+    table_uri: str, storage_options: StorageOptions, version: int
+) -> list[str]:
+    """Delete the data files that commit ``version`` of a table removed (its ``remove``
+    actions: no later version can use them again, names being unique) and return their
+    names: what a vacuum would delete of that commit's, without listing the directory or
+    logging the vacuum's two commits."""
+    fs, root = filesystem(table_uri, storage_options)
+
+    def at(name: str) -> str:
+        return f"{root}/{name}" if root else name
+
+    with fs.open_input_stream(at(f"_delta_log/{version:020d}.json")) as stream:
+        lines = stream.read().decode().splitlines()
+    removed = []
+    for line in lines:
+        action = json.loads(line) if line.strip() else {}
+        if "remove" in action:
+            name = unquote(action["remove"]["path"])
+            try:
+                fs.delete_file(at(name))
+            except FileNotFoundError:
+                continue  # deleted already (a vacuum, an earlier try)
+            removed.append(os.path.basename(name))
+    return removed
 
 
 def delete_stale_files(

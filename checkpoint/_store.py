@@ -1010,7 +1010,10 @@ class SubtaskLog:
 
         An attempt of a run passes ``run_id``: once a later attempt has taken the run over
         (``claim``), or while it does, this attempt expires nothing (the other one now
-        keeps the table), so it cannot delete files the other is restoring from.
+        keeps the table), so it cannot delete files the other is restoring from. Its
+        ``vacuum`` deletes just the files its own commit removed; without ``run_id`` the
+        table is vacuumed, which also deletes those an ``expire(vacuum=False)``, or a task
+        killed between its expiry's commit and the deletion, left behind.
         """
         count = as_int(retain)  # numpy's integers too
         if count is None or count < 0:
@@ -1076,7 +1079,14 @@ class SubtaskLog:
             else:
                 table.delete(predicate, commit_properties=properties)
             rewritten = table.version()
-            if vacuum:
+            if vacuum and run_id is not None:
+                # A task's expiry, after every final checkpoint (each micro-batch of a
+                # stream): a vacuum would list the whole directory and log two more
+                # commits each time.
+                report.files_removed = len(
+                    _layout.delete_removed_files(self.uri, self._storage_options, rewritten)
+                )
+            elif vacuum:
                 report.files_removed = len(self._vacuum(table, 0))
         except CheckpointError:
             raise

@@ -305,6 +305,21 @@ def test_the_log_files_benchmark_keeps_commit_files_in_one_variant_only() -> Non
     assert text.splitlines()[-1].startswith("cleaned ") and " 60 " in text.splitlines()[-1]
 
 
+def test_the_micro_batch_benchmark_compares_how_expiries_delete_files() -> None:
+    rows = checkpoint_bench.micro_batches(count=12, rounds=1)
+    assert [(r["expiry"], r["micro_batches"]) for r in rows] == [
+        ("own files", 12),
+        ("vacuum", 12),
+    ]
+    own, vacuum = rows
+    # 12 final checkpoints (the first creates the table); from the 4th on, each expires
+    # the oldest run: one Delta commit, and a vacuum logs two more
+    assert (own["delta_versions"], vacuum["delta_versions"]) == (12 + 9, 12 + 9 * 3)
+    assert all(r["commit_ms"] > 0 and r["expire_ms"] > 0 for r in rows)
+    text = checkpoint_bench.report({"sizes": [], "concurrency": [], "micro_batch": rows})
+    assert text.splitlines()[-1].startswith("vacuum ") and " 12 " in text.splitlines()[-1]
+
+
 def test_the_report_compares_kept_and_cleaned_commit_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -326,6 +341,33 @@ def test_the_report_compares_kept_and_cleaned_commit_files(
     assert (
         "Kept against cleaned: the last 200 commits 2.0x the latency, with 3,485 commit "
         "files against 53."
+    ) in text
+    assert "Micro-batches" not in text  # not measured: no section
+
+
+def test_the_report_compares_how_micro_batch_expiries_delete_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def row(variant: str, expire_ms: float, versions: int) -> dict[str, Any]:
+        return {
+            "expiry": variant, "micro_batches": 100, "commit_ms": 20.0, "expire_ms": expire_ms,
+            "delta_versions": versions,
+        }  # fmt: skip
+
+    store = {
+        "sizes": [],
+        "concurrency": [],
+        "micro_batch": [row("own files", 15.0, 197), row("vacuum", 40.0, 391)],
+        "micro_batch_note": "*separate measurement*, at abc1234",
+    }
+    report(tmp_path, monkeypatch, saved_run(store=store))
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "over 100 micro-batches (each a run of its own)" in text
+    assert "interleaved; *separate measurement*, at abc1234." in text
+    assert "| own files | 20.0 | 15.0 | 197 |" in text
+    assert (
+        "Own files against vacuum: the expiry 0.38x the time, the micro-batch's store work "
+        "0.58x, 197 Delta versions against 391."
     ) in text
 
 

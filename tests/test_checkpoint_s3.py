@@ -71,6 +71,9 @@ def test_a_store_on_s3_lists_restores_and_expires_with_its_storage_options(s3) -
     assert sorted(r.checkpoint_id for r in report.expired + report.deleted) == [1] * 3 + [2] * 3
     assert report.files_removed > 0
     assert [m.checkpoint_id for m in store.checkpoints("job", "enrich")] == [3, 3, 3]
+    # a task's expiry deletes the files its commit removed, on the bucket too
+    other = store.subtask("job", "other", 0)
+    assert other.expire(1, run_id="run").files_removed == 2  # checkpoints 1 and 2's
     # reads use pyarrow's own S3 filesystem: deltalake's Python handler aborts a process at
     # exit about one run in ten after a read
     table = store.subtask("job", "enrich", 0)._open()

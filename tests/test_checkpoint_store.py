@@ -1062,6 +1062,30 @@ def test_retention_keeps_the_last_n_and_reclaims_storage(tmp_path: Path) -> None
         log.load(6)
 
 
+def test_a_tasks_expiry_deletes_the_files_its_commit_removed_without_a_vacuum(
+    tmp_path: Path,
+) -> None:
+    # A task expires after every final checkpoint (each micro-batch of a stream): a vacuum
+    # listed the whole directory and logged two more Delta commits every time.
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    for batch in range(1, 6):  # micro-batches: a run each, one final checkpoint
+        commit(log, f"batch{batch}", 1, n=3, position=batch)
+    files_before = _files(tmp_path)
+    version = DeltaTable(log.uri).version()
+
+    report = log.expire(2, run_id="batch5")
+
+    assert sorted(str(r) for r in report.deleted) == ["batch1:1", "batch2:1", "batch3:1"]
+    gone = files_before - _files(tmp_path)
+    assert report.files_removed == len(gone) == 3  # one file per deleted checkpoint
+    assert DeltaTable(log.uri).version() == version + 1  # the delete only
+    assert [h["operation"] for h in DeltaTable(log.uri).history(1)] == ["DELETE"]
+    assert [m.run_id for m in log.checkpoints()] == ["batch4", "batch5"]
+    assert log.restore(1, run_id="batch4").results.column("id").to_pylist() == [1]
+    # nothing left for a vacuum of the table to delete
+    assert SnapshotStore(tmp_path).expire("job", retain=2).files_removed == 0
+
+
 @pytest.mark.parametrize("retain", [1, 3, 4, 5, 7, 9])
 def test_retention_keeps_every_checkpoint_of_a_partition_that_has_fewer(
     tmp_path: Path, retain: int
