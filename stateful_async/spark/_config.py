@@ -27,7 +27,8 @@ class CheckpointConfig:
     apart.
 
     Each task checkpoints every ``interval_records`` input records (and, if set, every
-    ``interval_seconds``), and once more when its input ends. Every 20 checkpoints, and
+    ``interval_seconds``), and once more when its input ends (but for a micro-batch's
+    partition that had no input). Every 20 checkpoints, and
     after its final one, a task keeps its ``retain`` newest checkpoints and expires the
     rest (their in-flight state is deleted; results stay while a kept checkpoint's chain
     needs them).

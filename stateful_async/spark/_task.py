@@ -638,7 +638,7 @@ class _TaskRun:
             # attempt its last).
             await self.op.finish(keep_retrying=True)
             self._flush()
-            if self.checkpointing:
+            if self.checkpointing and not self._nothing_to_checkpoint():
                 await self._checkpoint(final=True)
                 retain = spec.checkpoint.retain  # type: ignore[union-attr]
                 await self._in_io(self.log.expire, retain, run_id=self.identity.run_id)
@@ -804,6 +804,20 @@ class _TaskRun:
     async def _in_io(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         assert self.loop is not None
         return await self.loop.run_in_executor(self.io, functools.partial(fn, *args, **kwargs))
+
+    def _nothing_to_checkpoint(self) -> bool:
+        """A micro-batch's partition that had no input, and no checkpoint of its run to
+        resume: a retry of it starts as it did and ends the same, empty, so its final
+        checkpoint (and the expiry after it), a few Delta commits per partition and
+        micro-batch, would keep nothing. A batch job's partition still commits one: a later
+        run's ``restore_from`` takes each partition's newest checkpoint, which must be this
+        run's, empty, not an earlier run's."""
+        return (
+            "batch_id" in self.identity.properties
+            and self.position == 0
+            and self.parent is None
+            and not self.stats["checkpoints"]
+        )
 
     async def _restore(self) -> list[StreamElement]:
         from checkpoint import InputFingerprint, SnapshotStore

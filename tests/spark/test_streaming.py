@@ -294,6 +294,43 @@ def test_a_task_of_a_micro_batch_refuses_restore_from(tmp_path: Path) -> None:
         batch(1, "latest")
 
 
+def test_an_empty_partition_of_a_micro_batch_commits_no_checkpoint(tmp_path: Path) -> None:
+    # Each micro-batch's partitions all committed a final checkpoint and expired, empty
+    # ones too: a few Delta commits per partition and trigger that keep nothing (a retry
+    # of an empty partition starts as it did). A batch job's empty partition still commits
+    # one: restore_from='latest' must find this run's, not an earlier run's.
+    import pyarrow as pa
+
+    from checkpoint import SnapshotStore
+    from stateful_async.spark import CheckpointConfig
+    from stateful_async.spark._task import TaskIdentity, _TaskRun
+
+    async def echo(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    schema = pa.schema([("id", pa.int64())])
+    spec = id_task(echo, checkpoint=CheckpointConfig(str(tmp_path), "stream", interval_records=2))
+    store = SnapshotStore(tmp_path)
+
+    def run(partition: int, rows: int, streaming: bool) -> int:
+        properties = {"attempt": "0", "task_attempt_id": str(partition), "stage": "5"}
+        properties["app_id"] = "app"
+        if streaming:
+            properties.update(batch_id="7", query_id="query")
+        run_id = "query.batch7" if streaming else "app.start.stage5"
+        identity = TaskIdentity(partition, 0, run_id, properties)
+        batches = iter([pa.record_batch([pa.array(range(rows), pa.int64())], schema=schema)])
+        return sum(b.num_rows for b in _TaskRun(spec, batches, identity).run())
+
+    assert run(0, 0, streaming=True) == 0
+    assert run(1, 3, streaming=True) == 3
+    assert run(2, 0, streaming=False) == 0
+    finals = {(m.subtask, m.run_id) for m in store.checkpoints("stream") if m.final}
+    assert finals == {(1, "query.batch7"), (2, "app.start.stage5")}
+    assert not store.subtask("stream", "enrich", 0).exists()  # not even a table
+    assert run(0, 0, streaming=True) == 0  # a retry of it: as the first attempt
+
+
 def test_another_stage_of_a_micro_batch_is_refused_and_a_restart_resumes(tmp_path: Path) -> None:
     # Two stages of one execution of a micro-batch (the same job group) sharing checkpoints
     # are refused, naming a foreachBatch's own setJobGroup, which makes a restart look like
