@@ -842,5 +842,5 @@ def test_the_chaos_package_exports_what_it_lists() -> None:
         assert name in chaos_api.__all__
     for name in chaos_api.__all__:
         obj = getattr(chaos_api, name)
-        if isinstance(obj, type) and issubclass(obj, Exception) and name != "ServiceError":
+        if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, stateful_async.StatefulAsyncError), name

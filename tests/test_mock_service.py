@@ -4,6 +4,7 @@ the Spark and chaos tests)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -11,13 +12,15 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import fields
+from dataclasses import asdict, fields
 
 import psutil
 import pytest
 
+from stateful_async import ConfigurationError
 from stateful_async.chaos import MockService, MockServiceError, ServiceConfig
 from stateful_async.chaos._service import main as service_main
 
@@ -61,6 +64,23 @@ def test_the_command_line_help_lists_every_setting_and_refuses_an_unknown_one(
         capsys.readouterr().err
     )
 
+    # Python's json reads Infinity. (In a process of its own: before, it was taken and the
+    # service listened until killed.)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stateful_async.chaos.service",
+            "--config",
+            '{"latency_ms": Infinity}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert refused.returncode == 2
+    assert "latency_ms must be a finite number; got inf." in refused.stderr
+
 
 @pytest.mark.parametrize(
     ("changes", "message"),
@@ -69,7 +89,21 @@ def test_the_command_line_help_lists_every_setting_and_refuses_an_unknown_one(
         ({"error_rate": 1.5}, "error_rate must be between 0 and 1; got 1.5."),
         ({"latency_ms": -5}, "latency_ms must be at least 0; got -5."),
         ({"spike_every": 2.5}, "spike_every must be a whole number; got 2.5."),
-        ({"error_status": 42}, "error_status must be between 100 and 599; got 42."),
+        ({"error_status": 42}, "error_status must be between 400 and 599; got 42."),
+        # not errors to a client (>= 400 is): 100 made the server drop the connection,
+        # 204 and 302 answered a broken or an error body as if it were a result
+        ({"error_status": 100}, "error_status must be between 400 and 599; got 100."),
+        ({"error_status": 204}, "error_status must be between 400 and 599; got 204."),
+        ({"error_status": 302}, "error_status must be between 400 and 599; got 302."),
+        # before, taken, and /admin/config then answered Infinity (not JSON)
+        ({"latency_ms": math.inf}, "latency_ms must be a finite number; got inf."),
+        ({"spike_ms": -math.inf}, "spike_ms must be a finite number; got -inf."),
+        ({"latency_max_ms": 10**400}, "latency_max_ms must be a finite number; got 1000"),
+        # before, taken, and every lognormal request after it overflowed exp(): a 500
+        ({"latency_sigma": 1000.0}, "latency_sigma must be between 0 and 10; got 1000.0."),
+        # requests are numbered from 1: a burst from 0 or -1 failed fewer than burst_length
+        ({"burst_start": 0}, "burst_start must be at least 1: it is the number of the burst's"),
+        ({"burst_start": -1}, "requests are numbered from 1 (since the service started or was"),
         ({"fail_first": ["7"]}, "fail_first must map keys (strings) to request counts"),
         ({"hang_first": {"7": -1}}, "hang_first must map keys (strings) to request counts"),
         ({"distribution": "normal"}, "Unknown latency distribution 'normal': use one of"),
@@ -83,10 +117,43 @@ def test_a_bad_setting_is_refused_where_it_is_made_and_the_service_keeps_answeri
         service.configure(**changes)
     assert message in str(info.value)
     assert service.config == ServiceConfig(latency_ms=1)  # left as it was
+    with urllib.request.urlopen(f"{service.url}/admin/config", timeout=10) as response:
+        assert strict_json(response.read()) == asdict(ServiceConfig(latency_ms=1))
     with urllib.request.urlopen(f"{service.url}/enrich?key=8", timeout=10) as response:
         assert response.status == 200 and json.loads(response.read())["key"] == "8"
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ConfigurationError, match=re.escape(message)) as raised:
         ServiceConfig().merged(changes)  # --config and Python: the same check
+    assert isinstance(raised.value, ValueError)  # what callers caught before
+
+
+def strict_json(data: bytes) -> object:
+    """JSON as the standard has it: no Infinity, -Infinity or NaN."""
+
+    def refuse(constant: str) -> object:
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(data, parse_constant=refuse)
+
+
+def status_of(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_burst_without_a_start_fails_exactly_the_first_burst_length_requests() -> None:
+    # Requests are numbered from 1. Before, burst_start defaulted to -1: requests -1..3 of a
+    # burst of 5, i.e. only 3 real ones, failed (4 with burst_start=0).
+    with MockService(ServiceConfig(burst_length=5)) as service:
+        statuses = [status_of(f"{service.url}/enrich?key={k}") for k in range(7)]
+        assert statuses == [503] * 5 + [200] * 2
+        assert service.stats()["errors"] == 5
+        service.reset()  # numbering starts again at 1
+        service.configure(burst_start=2, burst_length=1)
+        statuses = [status_of(f"{service.url}/enrich?key={k}") for k in range(3)]
+        assert statuses == [200, 503, 200]
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 
+import pytest
+
 import stateful_async
 
 DESIGN_NAMES = {
@@ -44,3 +46,17 @@ def test_every_error_is_a_stateful_async_error() -> None:
         obj = getattr(stateful_async, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, stateful_async.StatefulAsyncError), name
+
+
+def test_every_error_of_the_chaos_tools_is_a_stateful_async_error() -> None:
+    # Before, ServiceError (the mock service's error status) was a bare Exception.
+    pytest.importorskip("aiohttp")  # the chaos extra
+    chaos = importlib.import_module("stateful_async.chaos")
+    errors = [
+        name
+        for name in chaos.__all__
+        if isinstance(getattr(chaos, name), type) and issubclass(getattr(chaos, name), Exception)
+    ]
+    assert {"ServiceError", "MockServiceError", "ClusterError", "ChaosCheckError"} <= set(errors)
+    for name in errors:
+        assert issubclass(getattr(chaos, name), stateful_async.StatefulAsyncError), name

@@ -16,6 +16,12 @@
 * ``compare_outputs``, ``check_snapshot_store``, ``request_repeats`` — the checks that a
   run was exactly-once, its snapshot store whole and its repeated requests bounded.
 
+Their errors are ``stateful_async.StatefulAsyncError``s: a bad setting or option is a
+``ConfigurationError`` (also a ``ValueError``), refused before anything starts; then
+``ServiceError``, ``MockServiceError``, ``ClusterError`` and ``ChaosCheckError``. Only a
+wait that runs out (``wait_until``, ``DriverProcess.wait``) raises the built-in
+``TimeoutError``.
+
 See ``docs/chaos.md``.
 
 Needs the ``chaos`` extra: ``pip install 'stateful-async[chaos]'``.

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._exceptions import StatefulAsyncError
 from .._function import AsyncFunction
 
 
-class ServiceError(Exception):
-    """The service answered with an error status (retry it with a RetryStrategy)."""
+class ServiceError(StatefulAsyncError):
+    """The service answered with an error status, >= 400 (retry it with a RetryStrategy:
+    ``retry_on_exception=(ServiceError,)``)."""
 
     def __init__(self, status: int, key: str) -> None:
         super().__init__(f"HTTP {status} for key {key!r}")

@@ -13,7 +13,8 @@ Admin API (JSON):
   "in_flight": F, "peak_in_flight": P}``: ``F`` requests being handled now, ``P`` the most
   handled at once since the last reset (``/enrich`` requests only)
 * ``POST /admin/reset`` — zero every counter (the peak restarts from the requests in flight)
-* ``GET|POST /admin/config`` — read / merge the fault configuration (``ServiceConfig``)
+* ``GET|POST /admin/config`` — read / merge the fault configuration (``ServiceConfig``); a
+  setting it cannot honour is refused with 400 and the configuration is left as it was
 * ``GET /health``
 
 Run it with ``MockService`` (``stateful_async.chaos``), or from a shell:
@@ -37,6 +38,8 @@ from typing import Any
 
 from aiohttp import web
 
+from .._exceptions import ConfigurationError
+
 
 def expected_enrichment(key: str) -> dict[str, Any]:
     """What the service returns for ``key`` (without faults): reference results are
@@ -49,16 +52,23 @@ def expected_enrichment(key: str) -> dict[str, Any]:
 class ServiceConfig:
     """How the service behaves. Every field has a harmless default.
 
+    Requests to ``/enrich`` are numbered from 1: the first one after the service started,
+    or after the last reset, is request 1.
+
     Latency: ``latency_ms`` with ``distribution`` ``constant``, ``uniform`` (between
     ``latency_min_ms`` and ``latency_max_ms``), ``exponential`` (mean ``latency_ms``) or
-    ``lognormal`` (median ``latency_ms``, ``latency_sigma``); every ``spike_every``-th
-    request takes ``spike_ms`` longer.
+    ``lognormal`` (median ``latency_ms``, ``latency_sigma`` at most 10); every
+    ``spike_every``-th request takes ``spike_ms`` longer.
 
-    Errors: each request fails with ``error_status`` with probability ``error_rate``;
-    requests number ``burst_start`` .. ``burst_start + burst_length - 1`` (counting from the
-    last reset) all fail; the first ``fail_first[key]`` requests of a key fail. Hangs: with
-    probability ``hang_rate``, or for the first ``hang_first[key]`` requests of a key, the
-    service never answers (the client's timeout decides).
+    Errors: each request fails with ``error_status`` (an error status, 400-599) with
+    probability ``error_rate``; requests number ``burst_start`` .. ``burst_start +
+    burst_length - 1`` all fail (``burst_start`` >= 1, by default 1: a ``burst_length``
+    alone fails the first requests); the first ``fail_first[key]`` requests of a key fail.
+    Hangs: with probability ``hang_rate``, or for the first ``hang_first[key]`` requests of
+    a key, the service never answers (the client's timeout decides).
+
+    Numbers must be finite. A setting out of range raises ``ConfigurationError`` (a
+    ``ValueError``), here, in ``--config`` and in the admin API (400).
     """
 
     latency_ms: float = 0.0
@@ -70,7 +80,7 @@ class ServiceConfig:
     spike_ms: float = 0.0
     error_rate: float = 0.0
     error_status: int = 503
-    burst_start: int = -1
+    burst_start: int = 1
     burst_length: int = 0
     fail_first: dict[str, int] = field(default_factory=dict)
     hang_rate: float = 0.0
@@ -80,34 +90,47 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         # checked here, so that a bad setting is refused when it is made (by the admin API,
         # --config or in Python), not by a 500 on every request after it
-        for name in ("latency_ms", "latency_min_ms", "latency_max_ms", "latency_sigma", "spike_ms"):
+        for name in ("latency_ms", "latency_min_ms", "latency_max_ms", "spike_ms"):
             _check_number(name, getattr(self, name), low=0.0)
+        # Bounded so that exp() of the lognormal's exponent cannot overflow: random.gauss
+        # stays within 8.6 sigma (Box-Muller on 53-bit floats), and exp(86) is finite.
+        _check_number("latency_sigma", self.latency_sigma, low=0.0, high=MAX_LATENCY_SIGMA)
         for name in ("error_rate", "hang_rate"):
             _check_number(name, getattr(self, name), low=0.0, high=1.0)
         for name in ("spike_every", "burst_length"):
             _check_int(name, getattr(self, name), low=0)
-        _check_int("burst_start", self.burst_start, low=-1)
-        _check_int("error_status", self.error_status, low=100, high=599)
+        _check_int("burst_start", self.burst_start)
+        if self.burst_start < 1:
+            raise ConfigurationError(
+                f"burst_start must be at least 1: it is the number of the burst's first "
+                f"request, and requests are numbered from 1 (since the service started or "
+                f"was last reset); got {self.burst_start!r}."
+            )
+        # ServiceEnrichment (and any client) takes only >= 400 for an error; an 1xx, 2xx or
+        # 3xx "failure" would break the connection or pass an error body off as an answer
+        _check_int("error_status", self.error_status, low=400, high=599)
         _check_int("seed", self.seed)
         for name in ("fail_first", "hang_first"):
             _check_counts(name, getattr(self, name))
         if self.distribution not in DISTRIBUTIONS:
-            raise ValueError(
+            raise ConfigurationError(
                 f"Unknown latency distribution {self.distribution!r}: "
                 f"use one of {', '.join(DISTRIBUTIONS)}."
             )
         if self.latency_min_ms > self.latency_max_ms and self.distribution == "uniform":
-            raise ValueError(
+            raise ConfigurationError(
                 f"latency_min_ms ({self.latency_min_ms}) is above latency_max_ms "
                 f"({self.latency_max_ms})."
             )
 
     def merged(self, changes: dict[str, Any]) -> ServiceConfig:
         if not isinstance(changes, dict):
-            raise ValueError(f"Service settings are a JSON object of name: value; got {changes!r}.")
+            raise ConfigurationError(
+                f"Service settings are a JSON object of name: value; got {changes!r}."
+            )
         unknown = set(changes) - set(asdict(self))
         if unknown:
-            raise ValueError(
+            raise ConfigurationError(
                 f"Unknown service settings: {', '.join(sorted(unknown))}; the settings are "
                 f"{', '.join(f.name for f in fields(self))}."
             )
@@ -115,22 +138,29 @@ class ServiceConfig:
 
 
 DISTRIBUTIONS = ("constant", "uniform", "exponential", "lognormal")
+MAX_LATENCY_SIGMA = 10.0
 
 
-def _check_number(name: str, value: Any, low: float, high: float = math.inf) -> None:
+def _check_number(name: str, value: Any, low: float, high: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number; got {value!r}.")
-    if not (low <= value <= high) or math.isnan(value):
-        bounds = f"at least {low:g}" if high == math.inf else f"between {low:g} and {high:g}"
-        raise ValueError(f"{name} must be {bounds}; got {value!r}.")
+        raise ConfigurationError(f"{name} must be a number; got {value!r}.")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        finite = False
+    if not finite:
+        raise ConfigurationError(f"{name} must be a finite number; got {value!r}.")
+    if value < low or (high is not None and value > high):
+        bounds = f"at least {low:g}" if high is None else f"between {low:g} and {high:g}"
+        raise ConfigurationError(f"{name} must be {bounds}; got {value!r}.")
 
 
 def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be a whole number; got {value!r}.")
+        raise ConfigurationError(f"{name} must be a whole number; got {value!r}.")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"at least {low}" if high is None else f"between {low} and {high}"
-        raise ValueError(f"{name} must be {bounds}; got {value!r}.")
+        raise ConfigurationError(f"{name} must be {bounds}; got {value!r}.")
 
 
 def _check_counts(name: str, value: Any) -> None:
@@ -138,7 +168,7 @@ def _check_counts(name: str, value: Any) -> None:
         isinstance(key, str) and isinstance(n, int) and not isinstance(n, bool) and n >= 0
         for key, n in value.items()
     ):
-        raise ValueError(
+        raise ConfigurationError(
             f"{name} must map keys (strings) to request counts (whole numbers >= 0), "
             f'like {{"7": 2}}; got {value!r}.'
         )
