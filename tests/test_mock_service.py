@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -154,6 +155,52 @@ def test_a_burst_without_a_start_fails_exactly_the_first_burst_length_requests()
         service.configure(burst_start=2, burst_length=1)
         statuses = [status_of(f"{service.url}/enrich?key={k}") for k in range(3)]
         assert statuses == [200, 503, 200]
+
+
+def test_a_request_that_arrived_before_a_reset_is_not_counted_after_it() -> None:
+    # Before, a failing request that was waiting out its latency when the counters were
+    # reset counted its error after the reset: errors 1, total 0.
+    with MockService(ServiceConfig(latency_ms=1500, error_rate=1.0)) as service:
+        statuses: list[int] = []
+        waiting = threading.Thread(
+            target=lambda: statuses.append(status_of(f"{service.url}/enrich?key=1"))
+        )
+        waiting.start()
+        try:
+            deadline = time.monotonic() + 30
+            while service.stats()["in_flight"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            service.reset()
+        finally:
+            waiting.join(timeout=60)
+        assert statuses == [503]  # it still failed, as configured when it arrived
+        stats = service.stats()
+        assert (stats["total"], stats["errors"], stats["counts"]) == (0, 0, {})
+        assert status_of(f"{service.url}/enrich?key=2") == 503  # one after it counts
+        stats = service.stats()
+        assert (stats["total"], stats["errors"], stats["counts"]) == (1, 1, {"2": 1})
+
+
+def test_a_service_started_again_picks_a_free_port_and_starts_its_counters_at_zero() -> None:
+    service = MockService(ServiceConfig(latency_ms=1)).start()
+    try:
+        first = service.port
+        service.configure(latency_ms=2)
+        assert status_of(f"{service.url}/enrich?key=1") == 200
+        service.stop()
+        with socket.socket() as taken:  # another process took the old port meanwhile
+            # (past the closed connections' TIME_WAIT; still no second listener can bind)
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            taken.bind(("127.0.0.1", first))
+            taken.listen()
+            service.start()  # before: --port <the old port>, "address already in use"
+        assert service.port != first and service.requested_port == 0
+        assert service.stats()["total"] == 0  # the counters died with the old process
+        assert service.config == ServiceConfig(latency_ms=2)  # the configuration did not
+        with urllib.request.urlopen(f"{service.url}/admin/config", timeout=10) as response:
+            assert json.loads(response.read())["latency_ms"] == 2
+    finally:
+        service.stop()
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,11 @@ class MockService:
     Use it as a context manager, or call ``start()`` and ``stop()``. ``stop()`` ends only
     the process this object started, by pid.
 
+    ``port=0`` (the default) picks a free port on every ``start()``, so a service started
+    again after ``stop()`` may listen on another port (read ``url`` after starting it). The
+    counters live in the service process: a restart begins them at zero, with the last
+    configuration (``config``, as ``configure()`` left it).
+
         with MockService(ServiceConfig(latency_ms=20)) as service:
             service.url        # "http://127.0.0.1:<port>"
             service.counts()   # {"key": requests, ...}
@@ -36,7 +41,8 @@ class MockService:
 
     def __init__(self, config: ServiceConfig | None = None, port: int = 0) -> None:
         self.config = config or ServiceConfig()
-        self.port = port
+        self.requested_port = port  # 0: a free port, picked again on every start()
+        self.port = port  # the port it listens on, once started
         self.process: subprocess.Popen[str] | None = None
         self._stderr: IO[str] | None = None
 
@@ -60,7 +66,7 @@ class MockService:
                 "-m",
                 "stateful_async.chaos.service",
                 "--port",
-                str(self.port),
+                str(self.requested_port),
                 "--config",
                 json.dumps(asdict(self.config)),
                 "--stop-on-stdin-eof",

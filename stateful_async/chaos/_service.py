@@ -12,7 +12,8 @@ Admin API (JSON):
 * ``GET /admin/counts`` — ``{"counts": {key: n}, "total": N, "errors": E, "hangs": H,
   "in_flight": F, "peak_in_flight": P}``: ``F`` requests being handled now, ``P`` the most
   handled at once since the last reset (``/enrich`` requests only)
-* ``POST /admin/reset`` — zero every counter (the peak restarts from the requests in flight)
+* ``POST /admin/reset`` — zero every counter (the peak restarts from the requests in flight;
+  a request that arrived before the reset is not counted after it, errors included)
 * ``GET|POST /admin/config`` — read / merge the fault configuration (``ServiceConfig``); a
   setting it cannot honour is refused with 400 and the configuration is left as it was
 * ``GET /health``
@@ -179,9 +180,14 @@ class _State:
         self.config = config
         self.random = random.Random(config.seed)
         self.in_flight = 0  # not reset: requests still being handled will finish
+        # Bumped by every reset. A request remembers the generation it arrived in and
+        # updates counters only while it is still current: a request counted before a
+        # reset must not count an error after it (errors > total).
+        self.generation = 0
         self.reset()
 
     def reset(self) -> None:
+        self.generation += 1
         self.counts: dict[str, int] = {}
         self.total = 0
         self.errors = 0
@@ -221,6 +227,7 @@ async def _answer(request: web.Request, state: _State) -> web.StreamResponse:
     key = request.query.get("key") or request.match_info.get("key")
     if key is None:
         return web.json_response({"error": "pass ?key=..."}, status=400)
+    generation = state.generation
     state.total += 1
     number = state.total
     seen = state.counts.get(key, 0) + 1
@@ -238,7 +245,8 @@ async def _answer(request: web.Request, state: _State) -> web.StreamResponse:
         or (c.error_rate and state.random.random() < c.error_rate)
     )
     if failing:
-        state.errors += 1
+        if state.generation == generation:  # not reset while this request waited
+            state.errors += 1
         return web.json_response({"error": "injected failure", "key": key}, status=c.error_status)
     return web.json_response(expected_enrichment(key))
 
