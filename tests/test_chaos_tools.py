@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pyarrow as pa
@@ -215,6 +216,38 @@ def test_the_fault_wrappers_refuse_the_same_settings() -> None:
         ZombieCommit(enrich, 2, max_wait=float("nan"))
     with pytest.raises(ConfigurationError, match="A fault's attempt"):
         CrashOnElement(enrich, at=[1], attempt=-1)
+
+
+@pytest.mark.parametrize("checkpoint_id", [0, -3, "3", True, 2.0, None])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda checkpoint_id: CrashDuringCommit(enrich, checkpoint_id),
+        lambda checkpoint_id: DelayCommit(enrich, checkpoint_id, 1.0),
+        lambda checkpoint_id: ZombieCommit(enrich, checkpoint_id),
+    ],
+    ids=["CrashDuringCommit", "DelayCommit", "ZombieCommit"],
+)
+def test_a_commit_fault_aimed_at_an_id_no_checkpoint_has_is_refused(
+    make: Any, checkpoint_id: object
+) -> None:
+    # Before, taken: ids start at 1 and are ints, so the fault never fired (True == 1 did).
+    with pytest.raises(
+        ConfigurationError,
+        match=r"Commit's checkpoint_id is the id of the checkpoint whose commit the fault "
+        rf"hits, an integer >= 1 \(a task's checkpoints are numbered from 1\); got "
+        rf"{re.escape(repr(checkpoint_id))}\.",
+    ):
+        make(checkpoint_id)
+
+
+def test_a_crash_on_no_element_is_refused() -> None:
+    # Before, at=[] never fired, and at="12" crashed on keys "1" and "2".
+    with pytest.raises(ConfigurationError, match="CrashOnElement's at names no key"):
+        CrashOnElement(enrich, at=[])
+    with pytest.raises(ConfigurationError, match=r"a collection of keys, like \['12'\]"):
+        CrashOnElement(enrich, at="12")
+    assert CrashOnElement(enrich, at=range(3)).at == {0, 1, 2}
 
 
 def test_the_job_options_survive_the_command_line_exactly(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any, Iterable
 
-from .._exceptions import ConfigurationError
+from .._exceptions import ConfigurationError, as_int
 from .._function import AsyncFunction, as_async_function, has_timeout_handler
 
 
@@ -46,6 +46,19 @@ def checked_aim(attempt: int, partitions: Iterable[int] | None) -> frozenset[int
             f"{', '.join(sorted(map(repr, wrong)))}."
         )
     return chosen
+
+
+def checked_checkpoint_id(name: str, value: int) -> int:
+    """A checkpoint id a commit fault waits for: an integer >= 1, since ids start at 1 (a
+    0, a negative id or the string "3" never equals a committed id, so the fault would
+    never fire)."""
+    checkpoint_id = as_int(value)  # numpy's integers too; bools and strings not
+    if checkpoint_id is None or checkpoint_id < 1:
+        raise ConfigurationError(
+            f"{name} is the id of the checkpoint whose commit the fault hits, an integer "
+            f">= 1 (a task's checkpoints are numbered from 1); got {value!r}."
+        )
+    return checkpoint_id
 
 
 def checked_seconds(name: str, value: float) -> float:
@@ -84,11 +97,29 @@ class CrashOnElement(_Wrapper):
         exit_code: int = 1,
     ) -> None:
         self.fn = as_async_function(fn)
+        if isinstance(at, (str, bytes)):  # frozenset("12") would be {"1", "2"}
+            raise ConfigurationError(
+                f"CrashOnElement's at is a collection of keys, like [{at!r}]; got {at!r}."
+            )
         self.at = frozenset(at)
+        if not self.at:
+            raise ConfigurationError(
+                "CrashOnElement's at names no key, so the fault would never fire; pass the "
+                "keys whose rows crash the worker, like at=[1234]."
+            )
+        if not isinstance(key_field, str):
+            raise ConfigurationError(
+                f"CrashOnElement's key_field is the name of a field; got {key_field!r}."
+            )
         self.key_field = key_field
         self.attempt = attempt
         self.partitions = checked_aim(attempt, partitions)
-        self.exit_code = exit_code
+        code = as_int(exit_code)
+        if code is None:
+            raise ConfigurationError(
+                f"CrashOnElement's exit_code is an integer (os._exit's); got {exit_code!r}."
+            )
+        self.exit_code = code
         self._armed = False
 
     async def open(self) -> None:
@@ -120,7 +151,9 @@ class _CommitFault(_Wrapper):
         partitions: Iterable[int] | None = None,
     ) -> None:
         self.fn = as_async_function(fn)
-        self.checkpoint_id = checkpoint_id
+        self.checkpoint_id = checked_checkpoint_id(
+            f"{type(self).__name__}'s checkpoint_id", checkpoint_id
+        )
         self.attempt = attempt
         self.partitions = checked_aim(attempt, partitions)
         self._hook: Any = None
