@@ -31,6 +31,7 @@ from stateful_async.chaos import (
     LocalCluster,
     ZombieCommit,
     _cluster,
+    _job,
     check_snapshot_store,
     to_argv,
 )
@@ -263,6 +264,94 @@ def test_the_job_options_survive_the_command_line_exactly(tmp_path: Path) -> Non
         ),
     )
     assert parse_args(to_argv(options)) == options
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--interval", "0"], "interval (--interval): CheckpointConfig interval_records must"),
+        (["--capacity", "0"], "capacity (--capacity): capacity must be an integer >= 1"),
+        (["--timeout", "0"], "timeout (--timeout): timeout must be a finite number of seconds"),
+        (["--timeout", "-1"], "timeout must be a finite number of seconds > 0; got -1.0"),
+        (["--retain", "0"], "retain (--retain): CheckpointConfig retain must be an integer >= 1"),
+        (["--max-attempts", "0"], "RetryStrategy max_attempts must be an integer >= 1"),
+        (["--retry-delay", "-1"], "retry_delay (--retry-delay): RetryStrategy delay must be >= 0"),
+        (["--cores", "0"], "cores (--cores) caps the job's cores: an integer >= 1"),
+        (["--txn-version", "-5"], "txn_version (--txn-version): The option txnVersion must be at"),
+        (["--restore-from", "-3"], "CheckpointConfig restore_from must be None, 'latest' or a"),
+        (["--job-id", "a/b"], "job_id (--job-id): CheckpointConfig: job_id 'a/b' cannot name"),
+        (
+            ["--rows", "1000", "--fault", "crash-at=1111"],
+            "The fault 'crash-at=1111' can never fire: row 1111 is not among the input rows (ids "
+            "0-499, 500-999 with --rows 1000 --partitions 2).",
+        ),
+        (
+            ["--rows", "1000", "--fault", "crash-at=600,partition=0"],
+            "row 600 is not among the input rows of partition(s) 0 (ids 0-499 with",
+        ),
+        (
+            ["--fault", "crash-commit=2,partition=5"],
+            "can never fire: the job has partitions 0 to 1 (--partitions 2), not 5.",
+        ),
+        (
+            ["--fault", "crash-at=7,attempt=8"],
+            "can never fire: Spark makes at most 8 attempts of a task, numbered 0 to 7",
+        ),
+        (
+            # 500 rows a partition: checkpoints at 250, 500 and the final one
+            ["--rows", "1000", "--interval", "250", "--fault", "crash-commit=4"],
+            "The fault 'crash-commit=4' can never fire: the tasks take checkpoints 1 to 3 at most",
+        ),
+        (
+            ["--rows", "1000", "--interval", "100", "--fault", "delay-commit=8:1,partition=1"],
+            "the tasks of partition(s) 1 take checkpoints 1 to 6 at most",
+        ),
+    ],
+)
+def test_a_job_option_that_cannot_work_is_refused_before_spark_starts(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    options: list[str],
+    message: str,
+) -> None:
+    # Before, each was refused only once the session had started (exit 1, as a failed job),
+    # failed obscurely, or ran a job whose fault never fired (max-attempts 0 ran as 1).
+    def no_spark(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a Spark session was started")
+
+    monkeypatch.setattr(_job, "session_for", no_spark)
+    argv = ["--master", "local[2]", "--service-url", "http://127.0.0.1:1"]
+    argv += ["--checkpoint", str(tmp_path / "c"), "--output", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as exited:
+        job_main([*argv, *options])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_fault_at_the_last_checkpoint_or_in_a_resumed_run_is_taken(tmp_path: Path) -> None:
+    def options(fault: str, **changes: Any) -> JobOptions:
+        return JobOptions(
+            master="local[2]",
+            service_url="http://127.0.0.1:1",
+            checkpoint=str(tmp_path / "chk"),
+            output=str(tmp_path / "out"),
+            faults=(FaultSpec.parse(fault),),
+            **{"rows": 1000, "interval": 250, **changes},
+        )
+
+    # (in Python as on the command line)
+    with pytest.raises(ConfigurationError, match=r"Invalid job option interval \(--interval\)"):
+        options("crash-at=1", interval=0)
+    with pytest.raises(ConfigurationError, match="the tasks take checkpoints 1 to 3 at most"):
+        options("zombie-commit=4")
+
+    assert options("crash-commit=3").faults[0].value == 3  # the final checkpoint's id
+    assert options("crash-at=999,partition=1").faults[0].value == 999
+    # a resumed run numbers its checkpoints on from the store's: no bound is known
+    assert options("crash-commit=40", restore_from="latest").restore_from == "latest"
+    # a speculative copy takes an attempt number without a failure
+    assert options("zombie-commit=2,attempt=9", speculation=True).faults[0].attempt == 9
 
 
 def test_a_report_in_a_folder_that_does_not_exist_is_refused_before_the_job_runs(

@@ -33,17 +33,20 @@ any job's output, snapshot store and service counters, not only this job's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
-from .._exceptions import ConfigurationError, StatefulAsyncError
+from .._exceptions import ConfigurationError, StatefulAsyncError, as_int, id_ranges
 from .._function import AsyncFunction
+from .._operator import check_capacity_and_timeout
+from .._retry import RetryStrategy
 from ._client import ServiceEnrichment, ServiceError
 from ._faults import (
     CrashDuringCommit,
@@ -55,6 +58,9 @@ from ._faults import (
 )
 from ._service import expected_enrichment
 
+if TYPE_CHECKING:
+    from ..spark import CheckpointConfig
+
 SCHEMA = "id long, name string, score double, label string"
 """The reference job's output schema (its input is ``id long, name string``)."""
 
@@ -62,6 +68,8 @@ FALLBACK = {"score": -1.0, "label": "fallback"}
 """What ``--fallback`` gives a row whose enrichment timed out."""
 
 OPERATOR_ID = "enrich"
+# spark.task.maxFailures of session_for: a task gets attempts 0 .. MAX_TASK_ATTEMPTS - 1
+MAX_TASK_ATTEMPTS = 8
 MODES = ("ordered", "unordered")
 FAULT_KINDS = ("crash-at", "crash-commit", "delay-commit", "zombie-commit")
 
@@ -156,7 +164,16 @@ class FaultSpec:
 
 @dataclass(frozen=True)
 class JobOptions:
-    """Everything the reference job takes (the command line's options)."""
+    """Everything the reference job takes (the command line's options).
+
+    Checked when made, with the checks the job's parts run themselves (the operator's
+    capacity and timeout, ``RetryStrategy``, ``CheckpointConfig``, the ``delta_rs`` sink's
+    options, the fault wrappers'), so that ``ConfigurationError`` names a bad option before
+    Spark starts. A fault that can never fire on the job's generated input is refused
+    too: a row id outside the input (or outside the partitions it is aimed at), a
+    partition the job does not have, a task attempt Spark never makes (without
+    speculation), a checkpoint id beyond those a fresh run takes (``restore_from`` unset).
+    """
 
     master: str
     service_url: str
@@ -184,10 +201,11 @@ class JobOptions:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigurationError(f"mode must be 'ordered' or 'unordered'; got {self.mode!r}.")
-        if self.rows < 0 or self.partitions < 1:
+        rows, partitions = as_int(self.rows), as_int(self.partitions)
+        if rows is None or rows < 0 or partitions is None or partitions < 1:
             raise ConfigurationError(
-                f"rows must be >= 0 and partitions >= 1; got rows={self.rows}, "
-                f"partitions={self.partitions}."
+                f"rows must be an integer >= 0 and partitions one >= 1; got rows={self.rows!r}, "
+                f"partitions={self.partitions!r}."
             )
         for what, path in (("checkpoint", self.checkpoint), ("output", self.output)):
             if "://" not in path and not os.path.isabs(path):
@@ -195,11 +213,133 @@ class JobOptions:
                     f"The {what} location must be an absolute path or a URI (executors do not "
                     f"run in this directory); got {path!r}."
                 )
+        # The operator's, the checkpoint config's and the sink's own checks, run now: the
+        # command line refuses a bad option before Spark starts, not as a failed job.
+        from ..spark._sink_options import SinkOptions
+
+        with _option("capacity"):
+            check_capacity_and_timeout(self.capacity, None, None)
+        with _option("timeout"):
+            check_capacity_and_timeout(1, self.timeout, None)
+        with _option("max_attempts", "retry_delay"):
+            check_capacity_and_timeout(self.capacity, self.timeout, self.retry_strategy())
+        with _option("checkpoint", "job_id"):
+            self.checkpoint_config(interval_records=1, retain=1, restore_from=None)
+        with _option("interval"):
+            self.checkpoint_config(retain=1, restore_from=None)
+        with _option("retain"):
+            self.checkpoint_config(restore_from=None)
+        with _option("restore_from"):
+            self.checkpoint_config()
+        with _option("txn_version"):
+            if as_int(self.txn_version) is None:
+                raise ConfigurationError(f"it must be an integer; got {self.txn_version!r}.")
+            SinkOptions.parse(
+                {"path": self.output, "txnAppId": self.job_id, "txnVersion": str(self.txn_version)},
+                streaming=False,
+            )
+        if self.cores is not None and (as_int(self.cores) is None or self.cores < 1):
+            raise ConfigurationError(
+                f"cores (--cores) caps the job's cores: an integer >= 1, or None for every core "
+                f"the cluster offers; got {self.cores!r}."
+            )
+        for fault in self.faults:
+            self._check_fault(fault)
+
+    def retry_strategy(self) -> RetryStrategy | None:
+        """Retries on an HTTP error status (``ServiceError``): ``max_attempts`` in all,
+        ``retry_delay`` apart; None for one attempt (the strategy is still built, so that
+        a bad delay is refused either way)."""
+        retry = RetryStrategy.fixed_delay(
+            self.max_attempts, self.retry_delay, retry_on_exception=(ServiceError,)
+        )
+        return retry if retry.max_attempts > 1 else None
+
+    def checkpoint_config(self, **changes: Any) -> CheckpointConfig:
+        """The job's ``CheckpointConfig`` (``changes`` replace its settings)."""
+        from ..spark import CheckpointConfig
+
+        settings: dict[str, Any] = {
+            "interval_records": self.interval,
+            "retain": self.retain,
+            "restore_from": self.restore_from,
+            "operator_id": OPERATOR_ID,
+        }
+        return CheckpointConfig(self.checkpoint, self.job_id, **{**settings, **changes})
+
+    def _check_fault(self, fault: FaultSpec) -> None:
+        """Refuse a fault that can never fire on this job's input (the generated rows:
+        ``partition_ids``), or that its wrapper refuses."""
+
+        def refuse(why: str) -> ConfigurationError:
+            return ConfigurationError(f"The fault {str(fault)!r} can never fire: {why}.")
+
+        try:
+            fault.wrap(_identity)  # the wrapper's own checks (ids, seconds, attempt, ...)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"Cannot use the fault {str(fault)!r}: {exc}") from None
+        # (a speculative copy takes an attempt number without a failure: then any may come)
+        if fault.attempt >= MAX_TASK_ATTEMPTS and not self.speculation:
+            raise refuse(
+                f"Spark makes at most {MAX_TASK_ATTEMPTS} attempts of a task, numbered 0 to "
+                f"{MAX_TASK_ATTEMPTS - 1} (spark.task.maxFailures={MAX_TASK_ATTEMPTS})"
+            )
+        aimed = sorted(fault.partitions) if fault.partitions is not None else None
+        missing = [p for p in aimed or () if p >= self.partitions]
+        if missing:
+            raise refuse(
+                f"the job has partitions 0 to {self.partitions - 1} (--partitions "
+                f"{self.partitions}), not {id_ranges(missing)}"
+            )
+        partitions = aimed if aimed is not None else list(range(self.partitions))
+        where = "" if aimed is None else f" of partition(s) {id_ranges(aimed)}"
+        if fault.kind == "crash-at":
+            if not any(
+                fault.value in partition_ids(self.rows, self.partitions, p) for p in partitions
+            ):
+                raise refuse(
+                    f"row {fault.value} is not among the input rows{where} (ids "
+                    f"{_id_span(self.rows, self.partitions, partitions)} with --rows "
+                    f"{self.rows} --partitions {self.partitions})"
+                )
+        elif self.restore_from is None:  # a resumed run numbers on from the store's ids
+            # A fresh run's task checkpoints every `interval` records and once at the end:
+            # ids 1 .. its rows // interval + 1.
+            last = max(
+                len(partition_ids(self.rows, self.partitions, p)) // self.interval + 1
+                for p in partitions
+            )
+            if fault.value > last:
+                raise refuse(
+                    f"the tasks{where} take checkpoints 1 to {last} at most (one every "
+                    f"{self.interval} records, --interval, and a final one; --rows "
+                    f"{self.rows} in {self.partitions} partitions)"
+                )
 
     @property
     def retry_bound(self) -> int:
         """Repeated requests allowed per failed task attempt: ``capacity + interval``."""
         return self.capacity + self.interval
+
+
+async def _identity(row: Any) -> list[Any]:
+    return [row]
+
+
+def _id_span(rows: int, partitions: int, chosen: Sequence[int]) -> str:
+    ids = [partition_ids(rows, partitions, p) for p in chosen]
+    spans = [f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in ids if len(r)]
+    return ", ".join(spans) or "none"
+
+
+@contextlib.contextmanager
+def _option(*names: str) -> Iterator[None]:
+    """Name the option(s) (field and command-line flag) that a check refused."""
+    try:
+        yield
+    except ConfigurationError as exc:
+        flags = ", ".join(f"{name} (--{name.replace('_', '-')})" for name in names)
+        raise ConfigurationError(f"Invalid job option {flags}: {exc}") from None
 
 
 def _restore_from(text: str) -> RestoreFrom:
@@ -358,7 +498,7 @@ def session_for(
     from ..spark import local_session
 
     settings: dict[str, Any] = {
-        "spark.task.maxFailures": "8",
+        "spark.task.maxFailures": str(MAX_TASK_ATTEMPTS),
         "spark.pyspark.python": sys.executable,
         "spark.executor.memory": "1g",
     }
@@ -475,22 +615,8 @@ def build_job(spark: Any, options: JobOptions, source: Any = None) -> Any:
     """The enriched DataFrame (not yet written) of ``source``, by default the generated
     input (``generate_input``); a streaming DataFrame of the same columns gives a
     streaming query."""
-    from .._retry import RetryStrategy
-    from ..spark import CheckpointConfig, ordered_wait, unordered_wait
+    from ..spark import ordered_wait, unordered_wait
 
-    retry = None
-    if options.max_attempts > 1:
-        retry = RetryStrategy.fixed_delay(
-            options.max_attempts, options.retry_delay, retry_on_exception=(ServiceError,)
-        )
-    config = CheckpointConfig(
-        options.checkpoint,
-        options.job_id,
-        interval_records=options.interval,
-        retain=options.retain,
-        restore_from=options.restore_from,
-        operator_id=OPERATOR_ID,
-    )
     enrich = ordered_wait if options.mode == "ordered" else unordered_wait
     return enrich(
         generate_input(spark, options.rows, options.partitions) if source is None else source,
@@ -498,8 +624,8 @@ def build_job(spark: Any, options: JobOptions, source: Any = None) -> Any:
         SCHEMA,
         capacity=options.capacity,
         timeout=options.timeout,
-        retry=retry,
-        checkpoint=config,
+        retry=options.retry_strategy(),
+        checkpoint=options.checkpoint_config(),
     )
 
 
