@@ -3,6 +3,8 @@ taken by another process between ``free_port()`` and the daemon's bind."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -32,6 +34,38 @@ def test_a_worker_started_after_every_worker_was_killed_registers(cluster: Local
         for index in (0, 1):
             if not cluster.workers[index].record.alive():
                 cluster.start_worker(index)
+    assert len(cluster.alive_workers()) == 2
+
+
+@pytest.mark.cluster
+def test_a_worker_killed_by_another_hand_fails_no_wait_for_the_workers_alive(
+    cluster: LocalCluster,
+) -> None:
+    # A worker SIGKILLed other than through kill_worker() (the OOM killer, os.kill, the CLI's
+    # kill-worker from another process). Before, every later wait_for_workers() and
+    # start_worker() raised "A Spark daemon (pid N) exited with code -9 while starting".
+    cluster.wait_for_workers(2)
+    victim = cluster.workers[1]
+    try:
+        os.kill(victim.pid, signal.SIGKILL)  # a process of the session's cluster, by pid
+        _cluster.wait_until(
+            lambda: not victim.record.alive(), 30, "The killed worker is still running"
+        )
+        started = time.monotonic()
+        cluster.wait_for_workers(1, timeout=30)  # worker 0 is alive: no error, no wait
+        with pytest.raises(ClusterError) as refused:
+            cluster.wait_for_workers(2, timeout=30)
+        assert time.monotonic() - started < 20  # neither waited out its timeout
+        assert str(refused.value) == (
+            "Cannot wait for 2 workers: 1 of the cluster's 2 run (0); worker 1 (pid "
+            f"{victim.pid}) exited with code -9. Start it again with start_worker(1)."
+        )
+        info = cluster.start_worker(1, timeout=60)
+        assert info.pid != victim.pid and info.record.alive()
+    finally:
+        if not cluster.workers[1].record.alive():
+            cluster.start_worker(1)
+    cluster.wait_for_workers(2)
     assert len(cluster.alive_workers()) == 2
 
 

@@ -281,6 +281,7 @@ class LocalCluster:
         self.workers: dict[int, WorkerInfo] = {}
         self._popen: dict[int, subprocess.Popen[bytes]] = {}  # children, reaped when killed
         self._log_starts: dict[int, tuple[Path, int]] = {}  # pid -> its log, where its run began
+        self._exit_codes: dict[int, int] = {}  # pid -> exit code, of a dead worker reaped
         self._spark_home = ""
         self._at_exit_registered = False
         # whether base_dir is this object's to clean up: set once start() took it (or
@@ -582,11 +583,30 @@ class LocalCluster:
         ]
 
     def wait_for_workers(self, count: int, timeout: float | None = None) -> None:
-        """Wait until ``count`` of this cluster's workers are registered and alive."""
+        """Wait until ``count`` of this cluster's workers are registered and alive.
+
+        Only running workers count, however the others died (``kill_worker``, the OOM
+        killer, a kill from another process): fewer running than ``count`` fails at once,
+        naming the dead ones (``start_worker`` brings them back)."""
         self._require_started()
 
         def ready() -> bool:
-            self._check_daemons()
+            self._check_master()
+            dead = self._dead_workers()
+            running = sorted(set(self.workers) - set(dead))
+            if len(running) < count:
+                gone = "; ".join(
+                    f"worker {i} (pid {self.workers[i].pid}) "
+                    + ("is not running" if code is None else f"exited with code {code}")
+                    for i, code in sorted(dead.items())
+                )
+                raise ClusterError(
+                    f"Cannot wait for {count} workers: {len(running)} of the cluster's "
+                    f"{len(self.workers)} run ({', '.join(map(str, running)) or 'none'}); "
+                    f"{gone}. Start {'it' if len(dead) == 1 else 'them'} again with "
+                    + ", ".join(f"start_worker({i})" for i in sorted(dead))
+                    + "."
+                )
             try:
                 return len(self.alive_workers()) >= count
             except ClusterError:
@@ -618,7 +638,8 @@ class LocalCluster:
                     )
                 launches[index] += 1
                 self._launch_worker(index)
-            self._check_daemons()  # the master
+            self._check_master()  # not the other workers: they may have died since, unwaited
+            self._dead_workers(besides=indices)  # reaped; their deaths fail nothing here
             try:
                 alive = {
                     w["port"] for w in self.master_status()["workers"] if w["state"] == "ALIVE"
@@ -658,18 +679,38 @@ class LocalCluster:
             f"time. The daemon said: {failure}"
         )
 
-    def _check_daemons(self) -> None:
-        for pid, process in list(self._popen.items()):
-            code = process.poll()
-            if code is not None and self._is_daemon(pid):
-                raise ClusterError(
-                    f"A Spark daemon (pid {pid}) exited with code {code} while starting. "
-                    f"{self._log_tail()}"
-                )
+    def _check_master(self) -> None:
+        """Raise if the master is gone (the workers cannot register without it)."""
+        assert self.master is not None
+        process = self._popen.get(self.master.pid)
+        code = None if process is None else process.poll()
+        if code is not None or not self.master.alive():
+            raise ClusterError(
+                f"The Spark master (pid {self.master.pid}) "
+                + ("is not running" if code is None else f"exited with code {code}")
+                + f". {self._log_tail()}"
+            )
 
-    def _is_daemon(self, pid: int) -> bool:
-        daemons = [self.master, *(w.record for w in self.workers.values())]
-        return any(d is not None and d.pid == pid for d in daemons)
+    def _dead_workers(self, besides: Sequence[int] = ()) -> dict[int, int | None]:
+        """The workers (other than ``besides``, being started) whose daemon is not running,
+        by index, with its exit code where this object launched it (else None: killed by
+        another process, the one that launched it gone). Their child entries are reaped
+        and dropped: a worker that died after it registered is nobody's start-up failure."""
+        dead: dict[int, int | None] = {}
+        for index, info in self.workers.items():
+            if index in besides or info.record.alive():
+                continue
+            process = self._popen.pop(info.pid, None)
+            if process is not None:
+                # Shown a zombie, a killed JVM can take a moment more to be reapable: its
+                # threads are still exiting.
+                try:
+                    self._exit_codes[info.pid] = process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self._popen[info.pid] = process  # reaped by a later call, or stop()
+                self._log_starts.pop(info.pid, None)
+            dead[index] = self._exit_codes.get(info.pid)
+        return dead
 
     def _log_tail(self, lines: int = 15) -> str:
         if self.base_dir is None:
@@ -823,7 +864,7 @@ class LocalCluster:
         killed = _kill_all(tree)
         popen = self._popen.pop(info.pid, None)
         if popen is not None:
-            popen.wait(timeout)
+            self._exit_codes[info.pid] = popen.wait(timeout)
         survivors = _wait_gone(tree, timeout)
         if survivors:
             raise ClusterError(f"Processes of worker {index} survived SIGKILL: {survivors}.")
@@ -871,6 +912,7 @@ class LocalCluster:
                 pass
         self._popen.clear()
         self._log_starts.clear()
+        self._exit_codes.clear()
         leftovers = _wait_gone(survivors, timeout)
         if leftovers:
             raise ClusterError(f"Cluster processes survived SIGKILL: {leftovers}.")
