@@ -74,6 +74,9 @@ EVENT_TIME_PROPERTY = "event_time"  # checkpoint properties: what watermarks cam
 _OUT_OF_ORDERNESS = "max_out_of_orderness"
 _SAME_WATERMARKS = (EVENT_TIME_PROPERTY, _OUT_OF_ORDERNESS)
 OUTPUT_MODE_PROPERTY = "output_mode"  # checkpoint property: ordered_wait or unordered_wait wrote it
+# (task attempt, keys of the partitions it computed empty in streaming, committing nothing):
+# see _TaskRun._remember_empty
+_EMPTY_UNCOMMITTED: tuple[str | None, set[tuple[str, ...]]] = (None, set())
 
 
 # -- the user's function, seen from the operator --------------------------------------------
@@ -638,7 +641,9 @@ class _TaskRun:
             # attempt its last).
             await self.op.finish(keep_retrying=True)
             self._flush()
-            if self.checkpointing and not self._nothing_to_checkpoint():
+            if self.checkpointing and self._nothing_to_checkpoint():
+                self._remember_empty()
+            elif self.checkpointing:
                 await self._checkpoint(final=True)
                 retain = spec.checkpoint.retain  # type: ignore[union-attr]
                 await self._in_io(self.log.expire, retain, run_id=self.identity.run_id)
@@ -819,6 +824,29 @@ class _TaskRun:
             and not self.stats["checkpoints"]
         )
 
+    def _key(self, config: CheckpointConfig) -> tuple[str, ...]:
+        """The checkpoints this task's partition of the run would write."""
+        return (
+            str(config.location),
+            config.job_id,
+            config.operator_id,
+            str(self.identity.partition),
+            self.identity.run_id,
+        )
+
+    def _remember_empty(self) -> None:
+        """An empty partition left no checkpoint, which is how a second computation of the
+        same partition in this task attempt (``coalesce()`` after the enrichment) is told
+        apart (``_check_not_this_attempt``): remember it instead, for this task attempt
+        only (a worker runs one task at a time)."""
+        global _EMPTY_UNCOMMITTED
+        owner = self.properties.get(_OWNER)
+        if owner is None:
+            return
+        if _EMPTY_UNCOMMITTED[0] != owner:
+            _EMPTY_UNCOMMITTED = (owner, set())
+        _EMPTY_UNCOMMITTED[1].add(self._key(self.spec.checkpoint))  # type: ignore[arg-type]
+
     async def _restore(self) -> list[StreamElement]:
         from checkpoint import InputFingerprint, SnapshotStore
 
@@ -889,6 +917,9 @@ class _TaskRun:
             raise ConfigurationError(restore_from_in_streaming(config.restore_from))
         log = self.log
         owner = self.properties.get(_OWNER)
+        if owner is not None and _EMPTY_UNCOMMITTED[0] == owner:
+            if self._key(config) in _EMPTY_UNCOMMITTED[1]:
+                raise self._run_twice_in_one_task("computed it already: no input, nothing kept")
         if owner is not None and log.claimed_by(self.identity.run_id, owner):
             latest = log.latest(run_id=self.identity.run_id)
             if latest is not None:

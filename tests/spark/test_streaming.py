@@ -302,6 +302,7 @@ def test_an_empty_partition_of_a_micro_batch_commits_no_checkpoint(tmp_path: Pat
     import pyarrow as pa
 
     from checkpoint import SnapshotStore
+    from stateful_async import ConfigurationError
     from stateful_async.spark import CheckpointConfig
     from stateful_async.spark._task import TaskIdentity, _TaskRun
 
@@ -312,9 +313,9 @@ def test_an_empty_partition_of_a_micro_batch_commits_no_checkpoint(tmp_path: Pat
     spec = id_task(echo, checkpoint=CheckpointConfig(str(tmp_path), "stream", interval_records=2))
     store = SnapshotStore(tmp_path)
 
-    def run(partition: int, rows: int, streaming: bool) -> int:
-        properties = {"attempt": "0", "task_attempt_id": str(partition), "stage": "5"}
-        properties["app_id"] = "app"
+    def run(partition: int, rows: int, streaming: bool, task: str = "") -> int:
+        properties = {"attempt": "0", "task_attempt_id": task or str(partition), "stage": "5"}
+        properties.update(app_id="app", owner=f"app/start/{task or partition}")
         if streaming:
             properties.update(batch_id="7", query_id="query")
         run_id = "query.batch7" if streaming else "app.start.stage5"
@@ -328,7 +329,14 @@ def test_an_empty_partition_of_a_micro_batch_commits_no_checkpoint(tmp_path: Pat
     finals = {(m.subtask, m.run_id) for m in store.checkpoints("stream") if m.final}
     assert finals == {(1, "query.batch7"), (2, "app.start.stage5")}
     assert not store.subtask("stream", "enrich", 0).exists()  # not even a table
-    assert run(0, 0, streaming=True) == 0  # a retry of it: as the first attempt
+    assert run(0, 0, streaming=True, task="10") == 0  # a retry of it: as the first attempt
+    # coalesce() after the enrichment: one task computes two of its partitions, which both
+    # report the task's partition number; an empty first one no longer leaves a checkpoint
+    # that shows it, and the second then resumed from the first's (InputMismatchError on
+    # every retry): still refused, saying why
+    assert run(3, 0, streaming=True, task="11") == 0
+    with pytest.raises(ConfigurationError, match=r"a second time in one task .* coalesce\(\)"):
+        run(3, 3, streaming=True, task="11")
 
 
 def test_another_stage_of_a_micro_batch_is_refused_and_a_restart_resumes(tmp_path: Path) -> None:
