@@ -1063,6 +1063,7 @@ class SubtaskLog:
             max_commit_retries=_COMMIT_RETRIES,
         )
         predicate = _refs_predicate(to_expire + to_delete)
+        before = table.version()
         try:
             if to_expire:
                 # The rows that survive (the results and metadata row of each expired
@@ -1079,7 +1080,7 @@ class SubtaskLog:
             else:
                 table.delete(predicate, commit_properties=properties)
             rewritten = table.version()
-            if vacuum and run_id is not None:
+            if vacuum and run_id is not None and rewritten > before:
                 # A task's expiry, after every final checkpoint (each micro-batch of a
                 # stream): a vacuum would list the whole directory and log two more
                 # commits each time.
@@ -1350,24 +1351,32 @@ class SubtaskLog:
         in-flight elements too) are in the files that replaced it, unless that expiry
         deleted them, which is said so."""
         for tries_left in reversed(range(_READ_TRIES)):
+            read_version = table.version()
             try:
                 return _layout.delta_dataset(table, self._storage_options).to_table(
                     filter=expression, columns=columns, **(_SEQUENTIAL if sequential else {})
                 )
             except Exception as exc:
-                if not (_vacuumed_under_us(exc) and tries_left):
+                failure = exc
+                if not _vacuumed_under_us(exc):
                     raise CheckpointError(
                         f"Cannot read checkpoint table {self.uri}: {exc}"
-                        + (
-                            f". Each of {_READ_TRIES} reads lost its files to an expiry of a "
-                            "running job (it rewrites the table as it goes); read again, or "
-                            "while the job is idle."
-                            if _vacuumed_under_us(exc)
-                            else ""
-                        )
                     ) from exc
             fresh = self._open(refresh=True)
             assert fresh is not None
+            if fresh.version() == read_version:  # nobody expired: the file is just gone
+                raise CheckpointError(
+                    f"Cannot read checkpoint table {self.uri}: {failure}. Its newest version "
+                    "names a data file that is not there (deleted by hand, or by a storage "
+                    "lifecycle rule?): the checkpoints in it cannot be read. Restore the file, "
+                    "or delete the subtask's checkpoints (its table directory) to start it over."
+                ) from failure
+            if not tries_left:
+                raise CheckpointError(
+                    f"Cannot read checkpoint table {self.uri}: {failure}. Each of "
+                    f"{_READ_TRIES} reads lost its files to an expiry of a running job (it "
+                    "rewrites the table as it goes); read again, or while the job is idle."
+                ) from failure
             table = fresh
             if refs:
                 self._require_present(refs, state)

@@ -1178,6 +1178,16 @@ def test_a_read_whose_files_a_running_jobs_expiry_vacuums_reads_the_newer_table(
     assert len(restored.elements) == 5
 
 
+def test_a_data_file_gone_without_an_expiry_is_named_so_not_read_again(tmp_path: Path) -> None:
+    # It was read 10 times over and blamed on "an expiry of a running job".
+    writer, reader = _writer_and_reader(tmp_path, 2)
+    newest = max(Path(writer.uri).glob("*.parquet"), key=lambda p: p.stat().st_mtime_ns)
+    newest.unlink()
+    with pytest.raises(CheckpointError, match="names a data file that is not there") as info:
+        reader.restore(2)
+    assert "expiry" not in str(info.value)
+
+
 def test_a_checkpoint_expired_while_it_is_read_is_named_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
