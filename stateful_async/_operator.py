@@ -1073,12 +1073,23 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             last = ""
         if handler.retry_due is not None and last:
             due = handler.retry_due - (handler.deadline - timeout)
-            what = f"The next retry did not fit within the {timeout:g} s timeout"
-            advice = (
-                f"The last attempt {last}, and its retry was due {due:g} s after the "
-                f"element's first call, past the {timeout:g} s timeout (no retry starts at or "
-                f"after the deadline). Use a longer timeout or a shorter backoff; {fallback}"
-            )
+            if handler.retry_due >= handler.deadline:
+                what = f"The next retry did not fit within the {timeout:g} s timeout"
+                advice = (
+                    f"The last attempt {last}, and its retry was due {due:g} s after the "
+                    f"element's first call, past the {timeout:g} s timeout (no retry starts at "
+                    f"or after the deadline). Use a longer timeout or a shorter backoff; "
+                    f"{fallback}"
+                )
+            else:  # due in time, but its timer ran after the deadline's
+                what = f"The next retry did not start within the {timeout:g} s timeout"
+                advice = (
+                    f"The last attempt {last}, and its retry was due {due:g} s after the "
+                    "element's first call, within the timeout, but the event loop was busy "
+                    "until after the deadline (no retry starts at or after it): keep "
+                    "blocking work off the loop (ThreadPoolAsyncFunction), or use a longer "
+                    f"timeout; {fallback}"
+                )
         else:
             what = f"The element did not complete within the {timeout:g} s timeout"
             advice = f"Raise the timeout, {fallback}" + (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from datetime import timedelta
 
 import pytest
@@ -434,6 +435,31 @@ async def test_a_timeout_waiting_for_a_retry_says_the_retry_did_not_fit(outcome:
         "or a shorter backoff; or implement timeout()"
     ) in message
     assert fn.calls == ["a"]
+    await op.close()
+
+
+async def test_a_retry_due_in_time_that_a_busy_loop_delays_past_the_deadline_says_so() -> None:
+    # The retry (due at 0.15 s) fit the 0.2 s timeout, but the loop was blocked until both
+    # timers were overdue and the deadline's ran first: the error advised a shorter backoff.
+    calls = []
+
+    async def failing(value):
+        calls.append(value)
+        raise Flaky("down")
+
+    op = AsyncWaitOperator(
+        failing, lambda e: None, timeout=0.2, retry=RetryStrategy.fixed_delay(5, 0.15)
+    )
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await asyncio.sleep(0)  # the first attempt fails; its retry is armed
+    time.sleep(0.3)  # blocking work on the loop
+    with pytest.raises(AsyncTimeoutError) as info:
+        await op.finish()
+    message = str(info.value)
+    assert message.startswith("The next retry did not start within the 0.2 s timeout"), message
+    assert "within the timeout, but the event loop was busy until after the deadline" in message
+    assert calls == ["a"]
     await op.close()
 
 

@@ -8,7 +8,7 @@ import numbers
 import os
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Union
 
@@ -817,9 +817,16 @@ def _check_progress_setting(session: Any) -> None:
             master, setting = conf.get("spark.master", ""), conf.get(key)
     except Exception:  # nothing to check against: the tasks check it
         return
-    progress_seconds(setting, f"the session's {key}")
-    if str(master).startswith("local") and os.environ.get("STATEFUL_ASYNC_TASK_LOG") != "0":
-        progress_seconds(os.environ.get(PROGRESS_VARIABLE), "the driver's environment")
+    _check_progress(setting, str(master), os.environ)
+
+
+def _check_progress(setting: str | None, master: str, environ: Mapping[str, str]) -> None:
+    """The progress interval the executors will see: the session's ``spark.executorEnv``
+    setting, over the environment they inherit (in local mode, ``environ``, the driver's)."""
+    if setting is not None:
+        progress_seconds(setting, f"the session's spark.executorEnv.{PROGRESS_VARIABLE}")
+    elif master.startswith("local") and environ.get("STATEFUL_ASYNC_TASK_LOG") != "0":
+        progress_seconds(environ.get(PROGRESS_VARIABLE), "the driver's environment")
 
 
 def _warn_if_tasks_never_retry(session: Any) -> None:
@@ -851,15 +858,17 @@ def _check_local_location(location: str) -> None:
     if not is_local(location):
         return
     path = Path(location)
-    existing = next(c for c in (path, *path.parents) if c.exists())
-    if not existing.is_dir():
-        raise ConfigurationError(
-            f"The checkpoint location {location} cannot be a directory: {existing} is "
-            "a file. Choose a directory path (it is created if missing)."
-        )
-    missing = [c for c in (path, *path.parents) if c != existing and existing in c.parents]
+    doing = "reaching"
     try:
+        existing = next(c for c in (path, *path.parents) if c.exists())
+        if not existing.is_dir():
+            raise ConfigurationError(
+                f"The checkpoint location {location} cannot be a directory: {existing} is "
+                "a file. Choose a directory path (it is created if missing)."
+            )
+        missing = [c for c in (path, *path.parents) if c != existing and existing in c.parents]
         if missing:  # created and removed again: the tasks create it when they commit
+            doing = "creating"
             path.mkdir(parents=True, exist_ok=True)
             for created in missing:
                 try:
@@ -867,12 +876,13 @@ def _check_local_location(location: str) -> None:
                 except OSError:
                     break  # another writer's meanwhile, no longer empty: theirs
         else:
+            doing = "writing to"
             with tempfile.TemporaryFile(dir=path):
                 pass
     except OSError as exc:
         raise ConfigurationError(
             f"The checkpoint location {location} is not writable: "
-            f"{'creating' if missing else 'writing to'} it failed ({exc}). Choose a "
+            f"{doing} it failed ({exc}). Choose a "
             "directory this job can write (on a cluster: mounted at the same path on the "
             "driver and every executor), or an object-store URI."
         ) from exc

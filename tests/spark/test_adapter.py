@@ -1210,6 +1210,36 @@ def test_a_checkpoint_location_the_job_cannot_write_is_refused_up_front(spark, t
     assert not (tmp_path / "new").exists()
 
 
+def test_a_location_the_driver_cannot_reach_is_refused_naming_it(monkeypatch, tmp_path) -> None:
+    # Path.exists raises PermissionError under a directory the driver cannot enter (as
+    # measured for another user): it escaped as it was.
+    from stateful_async.spark._adapter import _check_local_location
+
+    private, exists = tmp_path / "private", Path.exists
+
+    def denied(path: Path) -> bool:
+        if private in (path, *path.parents) and path != private:
+            raise PermissionError(13, "Permission denied", str(path))
+        return exists(path)
+
+    monkeypatch.setattr(Path, "exists", denied)
+    with pytest.raises(ConfigurationError, match=r"not writable: reaching it failed \(\[Errno 13"):
+        _check_local_location(str(private / "checkpoints"))
+
+
+def test_the_progress_setting_checked_is_the_one_executors_see() -> None:
+    from stateful_async.spark._adapter import _check_progress
+
+    bad = {"STATEFUL_ASYNC_PROGRESS_SECONDS": "soon"}
+    _check_progress("5", "local[2]", bad)  # spark.executorEnv wins over the environment
+    _check_progress(None, "spark://host:7077", bad)  # a cluster's executors: not this one
+    _check_progress(None, "local[2]", {**bad, "STATEFUL_ASYNC_TASK_LOG": "0"})  # not read
+    with pytest.raises(ConfigurationError, match="the driver's environment has 'soon'"):
+        _check_progress(None, "local[2]", bad)
+    with pytest.raises(ConfigurationError, match=r"spark\.executorEnv\.STATEFUL_ASYNC_PROGRESS_"):
+        _check_progress("-1", "local[2]", {})
+
+
 def test_names_differing_only_in_case_are_refused_up_front_with_checkpoints(
     spark, tmp_path
 ) -> None:
