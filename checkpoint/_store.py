@@ -53,7 +53,7 @@ from deltalake.exceptions import CommitFailedError, SchemaMismatchError, TableNo
 
 from stateful_async import StreamElement, StreamRecord, Watermark
 from stateful_async import __version__ as library_version
-from stateful_async._exceptions import as_float, as_int, id_ranges
+from stateful_async._exceptions import as_int, as_seconds, id_ranges
 
 from . import _faults, _layout
 from ._exceptions import (
@@ -1619,9 +1619,7 @@ class SnapshotStore:
 def grace_hours(older_than: Any) -> int:
     """``older_than`` (a timedelta, or seconds) in whole hours, rounded up (delta-rs's
     vacuum counts whole hours); CheckpointError for a value it cannot take."""
-    seconds = (
-        older_than.total_seconds() if isinstance(older_than, timedelta) else as_float(older_than)
-    )
+    seconds = as_seconds(older_than)
     if seconds is None or not 0 <= seconds <= _MAX_GRACE_HOURS * 3600:
         raise CheckpointError(
             f"older_than must be a timedelta or a number of seconds, from 0 to "

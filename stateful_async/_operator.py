@@ -731,9 +731,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             call = self._invoke(handler.element.value)  # type: ignore[union-attr]
             results = await call
         except BaseException as exc:
-            if type(exc) is TypeError and call is not _NOT_CALLED and not inspect.isawaitable(call):
-                exc = self._not_awaitable(handler, call)
-            self._on_attempt_raised(handler, 1, exc)
+            self._on_attempt_raised(handler, 1, exc, call)
             return
         if handler.decided:
             return  # the operator failed or closed meanwhile: dropped
@@ -755,9 +753,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             call = self._invoke(handler.element.value)  # type: ignore[union-attr]
             results = await call
         except BaseException as exc:
-            if type(exc) is TypeError and call is not _NOT_CALLED and not inspect.isawaitable(call):
-                exc = self._not_awaitable(handler, call)
-            self._on_attempt_raised(handler, attempt, exc)
+            self._on_attempt_raised(handler, attempt, exc, call)
             return
         if handler.decided or attempt != handler.attempts:
             return  # the element is decided, or this attempt was superseded: dropped
@@ -789,12 +785,18 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             ),
         )
 
-    def _on_attempt_raised(self, handler: _Element, attempt: int, exc: BaseException) -> None:
+    def _on_attempt_raised(
+        self, handler: _Element, attempt: int, exc: BaseException, call: Any
+    ) -> None:
+        """Attempt ``attempt`` raised ``exc``; ``call`` is what the function returned
+        (``_NOT_CALLED`` if it raised instead)."""
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise exc  # not an outcome of the element: they stop the loop
         if handler.decided or attempt != handler.attempts:
             return  # decided elsewhere (which cancels its other attempts), or superseded
-        if isinstance(exc, asyncio.CancelledError):
+        if type(exc) is TypeError and call is not _NOT_CALLED and not inspect.isawaitable(call):
+            exc = self._not_awaitable(handler, call)  # await refused it: never retried
+        elif isinstance(exc, asyncio.CancelledError):
             exc = asyncio.CancelledError(
                 "The attempt was cancelled by someone other than the operator."
             )

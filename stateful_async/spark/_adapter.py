@@ -212,9 +212,10 @@ def _async_wait(
         ):
             raise ConfigurationError(restore_from_in_streaming(checkpoint.restore_from))
         _check_checkpoint(checkpoint, input_schema, output_schema, mode, function_names(function))
-        _refuse_if_tables_taken_upstream(df, mode, checkpoint)
+        upstream = _upstream_functions(df)
+        _refuse_if_tables_taken_upstream(upstream, mode, checkpoint)
         _warn_if_tasks_never_retry(df.sparkSession)
-        _warn_if_after_unordered_wait(df, mode)
+        _warn_if_after_unordered_wait(upstream, mode)
     _check_progress_setting(df.sparkSession)
     source, input_names = _resolvable(df)
     spec = TaskSpec(
@@ -732,48 +733,51 @@ _SAME_STAGE = frozenset(
 )  # fmt: skip
 
 
-def _upstream(df: Any, name: str, same_stage: bool) -> bool:
-    """Whether the plan of ``df`` (as Spark caches it: a persisted DataFrame is a leaf)
-    holds a MapInArrow of a function called ``name``: in the same stage (only narrow steps
-    after it), or anywhere. Spark Connect's plans cannot be walked from the client: False
-    there, as for anything this cannot read (a heuristic: it never fails the user's call)."""
+def _upstream_functions(df: Any) -> dict[str, bool]:
+    """The functions of the MapInArrow nodes in the plan of ``df`` (as Spark caches it: a
+    persisted DataFrame is a leaf), each with whether it runs in the same stage as ``df``
+    (only narrow steps after it). One walk of the plan, read through py4j node by node.
+    Spark Connect's plans cannot be walked from the client: none there, as for anything
+    this cannot read (a heuristic: it never fails the user's call)."""
+    found: dict[str, bool] = {}
     try:
         plan = df._jdf.queryExecution()
         # a streaming plan has no cached form (Spark refuses to make one outside a query)
-        pending, seen = [plan.analyzed() if df.isStreaming else plan.withCachedData()], 0
+        root = plan.analyzed() if df.isStreaming else plan.withCachedData()
+        pending, seen = [(root, True)], 0
         while pending and seen < 1000:  # a plan of thousands of nodes: look no further
-            node, seen = pending.pop(), seen + 1
+            (node, same_stage), seen = pending.pop(), seen + 1
             kind = node.nodeName()
-            if kind == "MapInArrow" and node.functionExpr().name() == name:
-                return True
-            if (
-                not same_stage
-                or kind in _SAME_STAGE
-                or (kind == "Repartition" and not node.shuffle())  # coalesce()
-            ):
-                children = node.children()
-                pending.extend(children.apply(i) for i in range(children.size()))
+            if kind == "MapInArrow":
+                name = node.functionExpr().name()
+                found[name] = found.get(name, False) or same_stage
+            narrow = kind in _SAME_STAGE or (kind == "Repartition" and not node.shuffle())
+            children = node.children()  # coalesce() is a Repartition without shuffle
+            pending.extend(
+                (children.apply(i), same_stage and narrow) for i in range(children.size())
+            )
     except Exception:
-        return False
-    return False
+        return found
+    return found
 
 
-def _after_unordered_wait(df: Any) -> bool:
-    """Whether ``df`` is the output of an unordered_wait without checkpoints with only
-    narrow steps after it. A checkpointed one hands over only committed results, which its
-    retry re-emits in the same order."""
-    return _upstream(df, task_name(OutputMode.UNORDERED), same_stage=True)
+def _after_unordered_wait(upstream: dict[str, bool]) -> bool:
+    """Whether the input is the output of an unordered_wait without checkpoints with only
+    narrow steps after it (``upstream``: ``_upstream_functions``). A checkpointed one hands
+    over only committed results, which its retry re-emits in the same order."""
+    return upstream.get(task_name(OutputMode.UNORDERED), False)
 
 
 def _refuse_if_tables_taken_upstream(
-    df: Any, mode: OutputMode, checkpoint: CheckpointConfig
+    upstream: dict[str, bool], mode: OutputMode, checkpoint: CheckpointConfig
 ) -> None:
     """Two checkpointed enrichments of one plan with the same location, ``job_id`` and
     ``operator_id`` would write the same checkpoint tables: in one stage they are one run
     and refuse each other's checkpoints (or schemas), on every task attempt; in two, each
-    one's retention expires the other's checkpoints."""
+    one's retention expires the other's checkpoints (``upstream``: ``_upstream_functions``
+    of the input)."""
     for upstream_mode in OutputMode:
-        if _upstream(df, task_name(upstream_mode, checkpoint), same_stage=False):
+        if task_name(upstream_mode, checkpoint) in upstream:
             raise ConfigurationError(
                 f"This {task_name(mode)} checkpoints as job {checkpoint.job_id!r}, operator "
                 f"{checkpoint.operator_id!r} at {checkpoint.location}, and so does the "
@@ -783,12 +787,12 @@ def _refuse_if_tables_taken_upstream(
             )
 
 
-def _warn_if_after_unordered_wait(df: Any, mode: OutputMode) -> None:
+def _warn_if_after_unordered_wait(upstream: dict[str, bool], mode: OutputMode) -> None:
     """A checkpointed enrichment resumes only over input that comes in the same order on
     every attempt; unordered_wait's results come in completion order. Chained after one
     without checkpoints in the same stage (nothing between but narrow steps), its retries
     fail with InputMismatchError: say so before the job."""
-    if not _after_unordered_wait(df):
+    if not _after_unordered_wait(upstream):
         return
     warnings.warn(
         f"This checkpointed {task_name(mode)} reads the output of an unordered_wait without "
@@ -808,16 +812,11 @@ def _check_progress_setting(session: Any) -> None:
     """The executors' progress interval, as far as the driver sees it (the session's
     ``spark.executorEnv``; in local mode the tasks' environment is the driver's): a bad
     one would fail every task."""
-    key = f"spark.executorEnv.{PROGRESS_VARIABLE}"
     try:
-        if is_connect(session):
-            master, setting = session.conf.get("spark.master", ""), session.conf.get(key, None)
-        else:
-            conf = session.sparkContext.getConf()
-            master, setting = conf.get("spark.master", ""), conf.get(key)
+        master, setting = _settings(session, f"spark.executorEnv.{PROGRESS_VARIABLE}")
     except Exception:  # nothing to check against: the tasks check it
         return
-    _check_progress(setting, str(master), os.environ)
+    _check_progress(setting, master, os.environ)
 
 
 def _check_progress(setting: str | None, master: str, environ: Mapping[str, str]) -> None:
@@ -829,13 +828,17 @@ def _check_progress(setting: str | None, master: str, environ: Mapping[str, str]
         progress_seconds(environ.get(PROGRESS_VARIABLE), "the driver's environment")
 
 
+def _settings(session: Any, key: str) -> tuple[str, str | None]:
+    """The session's master and its setting ``key`` (None if unset), as the context was
+    given them (Spark Connect has no SparkContext: its conf has them)."""
+    if is_connect(session):
+        return session.conf.get("spark.master"), session.conf.get(key, None)
+    context = session.sparkContext
+    return context.master, context.getConf().get(key)
+
+
 def _warn_if_tasks_never_retry(session: Any) -> None:
-    if is_connect(session):  # no SparkContext; its conf has what the context was given
-        master = session.conf.get("spark.master")
-        failures = session.conf.get("spark.task.maxFailures", None)
-    else:
-        master = session.sparkContext.master
-        failures = session.sparkContext.getConf().get("spark.task.maxFailures")
+    master, failures = _settings(session, "spark.task.maxFailures")
     if task_attempts(master, failures) > 1:
         return
     warnings.warn(

@@ -434,6 +434,11 @@ class TaskIdentity:
     run_id: str
     properties: dict[str, str]
 
+    @property
+    def streaming(self) -> bool:
+        """Whether the task runs a streaming micro-batch (its run is that batch)."""
+        return "batch_id" in self.properties
+
 
 def _task_identity(spec: TaskSpec, context: Any) -> TaskIdentity:
     """Which run this task belongs to (see docs/checkpointing.md), from its TaskContext."""
@@ -818,7 +823,7 @@ class _TaskRun:
         run's ``restore_from`` takes each partition's newest checkpoint, which must be this
         run's, empty, not an earlier run's."""
         return (
-            "batch_id" in self.identity.properties
+            self.identity.streaming
             and self.position == 0
             and self.parent is None
             and not self.stats["checkpoints"]
@@ -878,7 +883,7 @@ class _TaskRun:
         same_run = meta.run_id == self.identity.run_id
         # a micro-batch replayed by a restarted query (another execution of it: its run id,
         # Spark's job group), rather than Spark's retry of a task of this execution
-        replayed = "batch_id" in self.identity.properties and any(
+        replayed = self.identity.streaming and any(
             meta.properties.get(key) != self.properties.get(key) for key in ("job_group", "app_id")
         )
         await self._skip_consumed(
@@ -911,7 +916,7 @@ class _TaskRun:
         return restored
 
     def _find_restore_point(self, config: CheckpointConfig) -> Any:
-        if config.restore_from is not None and "batch_id" in self.identity.properties:
+        if config.restore_from is not None and self.identity.streaming:
             # foreachBatch hands over a batch DataFrame, which the driver cannot tell from
             # a batch job's (the driver refuses it where it can: _async_wait)
             raise ConfigurationError(restore_from_in_streaming(config.restore_from))
