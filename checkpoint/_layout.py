@@ -307,6 +307,14 @@ def list_dirs(location: str, *parts: str, storage_options: StorageOptions = None
     return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
 
 
+def table_files(table: DeltaTable) -> set[str]:
+    """The paths (relative to its root, decoded) of the data files ``table`` uses."""
+    import pyarrow as pa
+
+    paths = pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist()
+    return {unquote(path) for path in paths}
+
+
 def data_files(table_uri: str, storage_options: StorageOptions = None) -> set[str] | None:
     """Names of the files at the root of a table (its data: checkpoint tables are not
     partitioned), or None where they cannot be listed."""
@@ -346,25 +354,36 @@ def delete_removed_files(
     return removed
 
 
-def delete_stale_files(
+def stale_files(
     table_uri: str, storage_options: StorageOptions, older_than_seconds: float
 ) -> list[str]:
-    """Delete the Parquet files at the root of a table directory that has no Delta log yet
-    (its first commit never landed) and that were last written more than
-    ``older_than_seconds`` ago; their names."""
+    """The Parquet files at the root of a table directory that has no Delta log yet (its
+    first commit never landed) that were last written more than ``older_than_seconds``
+    ago; their names."""
     fs, root = filesystem(table_uri, storage_options)
     cutoff = time.time() - older_than_seconds
-    removed = []
-    for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
-        if (
-            info.type == pafs.FileType.File
-            and info.base_name.endswith(".parquet")
-            and info.mtime is not None
-            and info.mtime.timestamp() < cutoff
-        ):
-            fs.delete_file(info.path)
-            removed.append(info.base_name)
-    return removed
+    return [
+        info.base_name
+        for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+        if info.type == pafs.FileType.File
+        and info.base_name.endswith(".parquet")
+        and info.mtime is not None
+        and info.mtime.timestamp() < cutoff
+    ]
+
+
+def delete_files(table_uri: str, storage_options: StorageOptions, names: list[str]) -> list[str]:
+    """Delete these files (paths relative to the table's root) and return those that were
+    there."""
+    fs, root = filesystem(table_uri, storage_options)
+    deleted = []
+    for name in names:
+        try:
+            fs.delete_file(f"{root}/{name}" if root else name)
+        except FileNotFoundError:
+            continue
+        deleted.append(name)
+    return deleted
 
 
 def subtask_numbers(names: list[str]) -> list[int]:

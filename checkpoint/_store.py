@@ -1138,15 +1138,34 @@ class SubtaskLog:
         ``older_than`` is the grace period: a newer file may belong to a commit still
         running. delta-rs counts it in whole hours, so it is rounded up to the next hour.
         Keep it longer than your slowest commit (the default, a day, is far longer); 0
-        deletes the file of a commit in progress, so use it only while no job runs.
+        deletes the file of a commit in progress, so use it only while no job runs. A file
+        that a commit logs while this looks (a running task's checkpoint) is kept: the
+        table is read again after the listing. Nothing is logged to the table, so a running
+        job's commits cannot make this fail.
         """
         hours = grace_hours(older_than)
-        table = self._open(refresh=True)
+        options = self._storage_options
         try:
+            table = self._open(refresh=True)
             if table is None:  # the first commit never landed: no file is the table's
-                removed = _layout.delete_stale_files(self.uri, self._storage_options, hours * 3600)
+                candidates = _layout.stale_files(self.uri, options, hours * 3600)
             else:
-                removed = self._vacuum(table, hours, full=True)
+                # Listed, not deleted: delta-rs's vacuum would delete what the snapshot read
+                # before its listing does not name, and log two commits, which a running
+                # job's expiry landing meanwhile makes fail.
+                candidates = table.vacuum(
+                    retention_hours=hours,
+                    enforce_retention_duration=False,
+                    dry_run=True,
+                    full=True,
+                )
+            # Read after the listing: a file a commit logged meanwhile (a running task's
+            # checkpoint) is the table's, and stays.
+            newest = self._open(refresh=True)
+            in_use = set() if newest is None else _layout.table_files(newest)
+            removed = _layout.delete_files(
+                self.uri, options, [c for c in map(unquote, candidates) if c not in in_use]
+            )
         except CheckpointError:
             raise
         except Exception as exc:
@@ -1155,6 +1174,7 @@ class SubtaskLog:
                 "checkpoints are unchanged (any file already deleted was one no checkpoint "
                 "uses); run it again once the storage is reachable."
             ) from exc
+        removed = [os.path.basename(name) for name in removed]
         return sorted(removed)
 
     # -- internals ----------------------------------------------------------------------

@@ -11,11 +11,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import duckdb
 import polars as pl
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
@@ -1499,3 +1500,64 @@ def test_a_long_lived_log_opens_its_table_afresh_every_so_many_versions(
     latest = log.latest(run_id="run")
     assert latest is not None and latest.checkpoint_id == 8
     assert [m.checkpoint_id for m in log.chain(latest)] == list(range(1, 9))
+
+
+def _committing_during_the_orphan_scan(
+    monkeypatch: pytest.MonkeyPatch, action: Callable[[], object]
+) -> list[object]:
+    """Run ``action`` (a running job's commit or expiry) once, after ``remove_orphans`` has
+    read its table's snapshot and before it lists and deletes the directory's files."""
+    done: list[object] = []
+    real = DeltaTable.vacuum
+
+    def vacuum(table: DeltaTable, *args: Any, **kwargs: Any) -> list[str]:
+        if not done:
+            done.append(action())
+        return real(table, *args, **kwargs)
+
+    monkeypatch.setattr(DeltaTable, "vacuum", vacuum)
+    return done
+
+
+def test_removing_orphans_never_deletes_the_file_of_a_commit_that_landed_during_the_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scan vacuumed the snapshot it had read before listing the directory: a checkpoint
+    # a running task committed in between had its data file deleted (with a grace period
+    # shorter than the file's age: 0 here), and every later read of the partition, its
+    # retry's restore included, failed with "names a data file that is not there".
+    task = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    parent = commit(task, "run", 1, n=2, position=1).ref
+    done = _committing_during_the_orphan_scan(
+        monkeypatch, lambda: commit(task, "run", 2, n=2, parent=parent, position=2)
+    )
+
+    removed = SnapshotStore(tmp_path).remove_orphans("job", older_than=0)
+
+    assert done and removed == []
+    restored = SnapshotStore(tmp_path).subtask("job", "op", 0).restore(2)
+    assert restored.results.column("id").to_pylist() == [1, 2]
+
+
+def test_removing_orphans_while_a_running_task_expires_does_not_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The vacuum logged a commit of its own, which a task's expiry landing meanwhile made
+    # fail: `checkpoints expire` against a running job exited 2, "Removing orphan files ...
+    # failed: ... a concurrent transaction deleted data this operation read ... run it again
+    # once the storage is reachable" (whatever the grace period).
+    task = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    parent = None
+    for ckpt in range(1, 5):
+        parent = commit(task, "run", ckpt, n=2, parent=parent, position=ckpt).ref
+    stray = Path(task.uri) / "part-00000-orphan-c000.snappy.parquet"
+    pq.write_table(pa.table({"id": [1]}), stray)
+    os.utime(stray, (time.time() - 25 * 3600,) * 2)
+    done = _committing_during_the_orphan_scan(monkeypatch, lambda: task.expire(1, run_id="run"))
+
+    removed = SnapshotStore(tmp_path).remove_orphans("job")
+
+    assert done and done[0].expired  # type: ignore[attr-defined]
+    assert removed == [f"op/subtask=00000/{stray.name}"] and not stray.exists()
+    restored = SnapshotStore(tmp_path).subtask("job", "op", 0).restore(4)
+    assert restored.results.column("id").to_pylist() == [1, 2, 3, 4]
