@@ -641,8 +641,8 @@ def replay(
             elements = _as_the_function_sees_them(store, s)
             results.extend(asyncio.run(_replay(fn, elements, capacity, timeout, mode.value)))
         if output is None:
-            for row in results:
-                sys.stdout.write(_to_json(row) + "\n")
+            for line in [_to_json(row) for row in results]:  # none printed if one fails
+                sys.stdout.write(line + "\n")
         elif output.suffix == ".parquet" and not results:
             # no rows, no schema: an empty file without columns would only mislead
             err.print(f"No results, so no Parquet file was written to {escape(str(output))}.")
@@ -659,12 +659,12 @@ def replay(
                 ) from exc
             pq.write_table(table, output)
         else:
+            lines = [_to_json(row) for row in results]  # first: a failure leaves no file
             with open(output, "x") as handle:
                 if output.suffix == ".json":  # one document: an array, an object a line
-                    handle.write("[\n" + ",\n".join(map(_to_json, results)) + "\n]\n")
+                    handle.write("[\n" + ",\n".join(lines) + "\n]\n")
                 else:
-                    for row in results:
-                        handle.write(_to_json(row) + "\n")
+                    handle.writelines(line + "\n" for line in lines)
         records = sum(1 for s in snapshots for e in s.elements if not _is_watermark(e))
         err.print(
             f"Replayed checkpoint {checkpoint_id} {_of_runs(snapshots)}: {records} in-flight "
@@ -880,11 +880,21 @@ def _to_json(value: Any, indent: int | None = None) -> str:
 def _finite(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, dict):  # keys as JSON writes them (a MAP<DATE, ...>'s dates too)
+        return {_json_key(k): _finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+def _json_key(key: Any) -> Any:
+    """A dict key as JSON writes it: keys json takes as they are, others as their values
+    are written (a date as its ISO string, bytes as base64, ...)."""
+    if key is None or isinstance(key, (str, int, bool)):
+        return key
+    if isinstance(key, float):
+        return _finite(key)
+    return str(_finite(_json_default(key)))
 
 
 def _json_default(value: Any) -> Any:

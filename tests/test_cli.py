@@ -582,6 +582,55 @@ def test_replay_hands_map_values_to_the_function_as_dicts(tmp_path, functions) -
     assert json.loads(result.stdout.splitlines()[0]) == {"id": 7, "greeting": "seven"}
 
 
+def test_replay_writes_json_for_map_values_whose_keys_are_not_strings(tmp_path, functions) -> None:
+    # A Spark job's MAP<DATE, ...> (or a binary, decimal, timestamp key) reaches the function
+    # as a dict with such keys: writing its results raised "keys must be str, int, float,
+    # bool or None" as a traceback (exit 1), and --output left an empty file behind that
+    # the next try refused as existing.
+    by_day = pa.map_(pa.date32(), pa.float64())
+    SnapshotStore(tmp_path / "ckpt").subtask("job", "enrich", 0).commit(
+        "run",
+        2,
+        [StreamRecord({"id": 7, "by_day": [(dt.date(2024, 2, 29), 1.5)]})],
+        [],
+        input_schema=pa.schema([("id", pa.int64()), ("by_day", by_day)]),
+        output_schema=OUTPUT,
+        position=1,
+    )
+    wanted = {"id": 7, "by_day": {"2024-02-29": 1.5}}
+    result = replay(tmp_path / "ckpt", "replay_functions:echo")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.splitlines()[0]) == wanted
+    for suffix in (".json", ".jsonl"):
+        written = tmp_path / f"replayed{suffix}"
+        result = replay(tmp_path / "ckpt", "replay_functions:echo", "--output", str(written))
+        assert result.exit_code == 0, result.output
+        assert json.loads(written.read_text()) == ([wanted] if suffix == ".json" else wanted)
+
+
+def test_replay_that_fails_writing_its_output_leaves_no_file(
+    tmp_path, functions, monkeypatch
+) -> None:
+    # The output file was opened before the results were turned into JSON: a failure there
+    # left an empty file, and the next try was refused ("already exists").
+    import stateful_async.cli as cli
+
+    SnapshotStore(tmp_path / "ckpt").subtask("job", "enrich", 0).commit(
+        "run", 2, [StreamRecord({"id": 7})], [],
+        input_schema=pa.schema([("id", pa.int64())]), output_schema=OUTPUT, position=1,
+    )  # fmt: skip
+
+    def broken(value: Any, indent: int | None = None) -> str:
+        raise ValueError("cannot write this")
+
+    monkeypatch.setattr(cli, "_to_json", broken)
+    for suffix in (".json", ".jsonl"):
+        written = tmp_path / f"replayed{suffix}"
+        result = replay(tmp_path / "ckpt", "replay_functions:echo", "--output", str(written))
+        assert result.exit_code != 0
+        assert not written.exists(), suffix
+
+
 def test_replay_writes_parquet_and_instantiates_function_classes(
     checkpoints, functions, tmp_path
 ) -> None:
