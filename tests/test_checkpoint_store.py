@@ -1561,3 +1561,32 @@ def test_removing_orphans_while_a_running_task_expires_does_not_fail(
     assert removed == [f"op/subtask=00000/{stray.name}"] and not stray.exists()
     restored = SnapshotStore(tmp_path).subtask("job", "op", 0).restore(4)
     assert restored.results.column("id").to_pylist() == [1, 2, 3, 4]
+
+
+def test_an_expiry_whose_vacuum_a_running_task_s_commit_refuses_still_reports_and_deletes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The vacuum after the expiry's rewrite logs commits of its own; a task's expiry landing
+    # meanwhile made it fail, and the whole expiry was tried again: the rewrite had landed,
+    # so the second try found nothing to do, and `checkpoints expire` said "0 checkpoint(s)
+    # expired ... 0 file(s) removed" with the files it had replaced left on disk.
+    task = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    parent = None
+    for ckpt in range(1, 7):
+        parent = commit(task, "run", ckpt, n=2, parent=parent, position=ckpt).ref
+    before = _files(tmp_path)
+
+    def running_task() -> object:
+        commit(task, "run", 7, n=2, parent=CheckpointRef("run", 6), position=7)
+        return task.expire(3, run_id="run")
+
+    done = _committing_during_the_orphan_scan(monkeypatch, running_task)
+
+    report = SnapshotStore(tmp_path).expire("job", retain=4)
+
+    assert done and [str(r) for r in done[0].expired] == ["run:3", "run:4"]  # type: ignore[attr-defined]
+    assert [str(r) for r in report.expired] == ["run:1", "run:2"]
+    assert report.files_removed == 2
+    assert len(before - _files(tmp_path)) == 4  # the expiry's two and the task's two
+    restored = SnapshotStore(tmp_path).subtask("job", "op", 0).restore(7)
+    assert restored.results.column("id").to_pylist() == [1, 2, 3, 4, 5, 6, 7]
