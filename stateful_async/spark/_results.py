@@ -260,6 +260,8 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
             if _is_number(value):
                 reason = "an interval field would read a number as microseconds: return a timedelta"
                 return _Loss("", arrow_type, value, reason)
+            if isinstance(value, dt.timedelta) and (dropped := _nanoseconds(value, "nanoseconds")):
+                return _Loss("", arrow_type, value, dropped)
             return None
 
         return check_duration
@@ -331,14 +333,19 @@ def _check_datetime(arrow_type: pa.DataType) -> _Check:
     """pyarrow reads a number as a count of the type's units since 1970 (an epoch in
     seconds becomes a time in January 1970), a naive datetime in a zoned TIMESTAMP as UTC
     (Spark takes it as local time), an aware one in a TIMESTAMP_NTZ as its UTC time, and
-    drops a datetime's time of day in a DATE: refuse each instead of guessing."""
+    drops a datetime's time of day in a DATE and a pandas Timestamp's nanoseconds: refuse
+    each instead of guessing."""
     if pa.types.is_date(arrow_type):
 
         def check_date(value: Any) -> _Loss | None:
             if isinstance(value, dt.datetime):
                 if value != value:  # pandas' NaT, which pyarrow stores as 0001-01-01
                     reason = "NaT is not a date (pyarrow would store 0001-01-01): return None"
-                elif value.tzinfo is None and value.time() == dt.time():
+                elif (
+                    value.tzinfo is None
+                    and value.time() == dt.time()
+                    and not getattr(value, "nanosecond", 0)  # a pandas Timestamp's
+                ):
                     return None  # midnight: the date itself, nothing lost
                 else:
                     reason = (
@@ -356,7 +363,8 @@ def _check_datetime(arrow_type: pa.DataType) -> _Check:
     def check_timestamp(value: Any) -> _Loss | None:
         if isinstance(value, dt.datetime):
             if (value.utcoffset() is not None) == zoned:
-                return None
+                reason = _nanoseconds(value, "nanosecond")
+                return None if reason is None else _Loss("", arrow_type, value, reason)
             reason = (
                 "a naive datetime does not say which instant it is (pyarrow would take it as "
                 "UTC, Spark as local time): return an aware one, e.g. "
@@ -376,6 +384,19 @@ def _check_datetime(arrow_type: pa.DataType) -> _Check:
         return _Loss("", arrow_type, value, reason)
 
     return check_timestamp
+
+
+def _nanoseconds(value: dt.datetime | dt.timedelta, attribute: str) -> str | None:
+    """Why a pandas Timestamp or Timedelta (whose ``attribute`` holds the nanoseconds
+    below its microseconds) cannot go into a field of microseconds, as pyarrow would drop
+    them; None for a value without any (every datetime and timedelta)."""
+    nanoseconds = getattr(value, attribute, 0)
+    if not nanoseconds:
+        return None
+    return (
+        f"Spark holds microseconds, and pyarrow would drop its {nanoseconds} nanoseconds: "
+        "round it to microseconds first, e.g. value.round('us') or value.floor('us')"
+    )
 
 
 def _map_entries(value: Any) -> Iterator[tuple[Any, Any]]:

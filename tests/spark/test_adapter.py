@@ -1913,6 +1913,44 @@ def test_pandas_nat_in_a_date_field_is_refused_naming_the_field_and_the_row() ->
     assert midnight.column(0).to_pylist() == [date(2024, 1, 1)]
 
 
+@pytest.mark.parametrize(
+    ("arrow_type", "value", "problem"),
+    [
+        # pyarrow dropped the nanoseconds silently (...00.000001234 became ...00.000001)
+        (UTC_TS, "2024-01-01 00:00:00.000001234+00:00", r"would drop its 234 nanoseconds"),
+        (pa.timestamp("us"), "2024-01-01 00:00:00.000000001", r"would drop its 1 nanoseconds"),
+        (pa.date32(), "2024-01-01 00:00:00.000000001", "would drop its time of day"),
+        (pa.duration("us"), "1234ns", r"would drop its 234 nanoseconds"),
+        (pa.list_(UTC_TS), ["2024-01-01 00:00:00.000000999+00:00"], r"'r\[0\]' \(timestamp"),
+        # whole microseconds convert as they are
+        (UTC_TS, "2024-01-01 00:00:00.000001+00:00", None),
+        (pa.timestamp("us"), "2024-01-01 00:00:00.000001", None),
+        (pa.date32(), "2024-01-01", None),
+        (pa.duration("us"), "1us", None),
+    ],
+)
+def test_pandas_nanoseconds_are_refused_where_spark_holds_microseconds(
+    arrow_type, value, problem
+) -> None:
+    import pandas as pd
+
+    from stateful_async.spark._results import to_batch
+
+    def pandas(text: Any) -> Any:
+        if isinstance(text, list):
+            return [pandas(item) for item in text]
+        return pd.Timedelta(text) if text.endswith("s") else pd.Timestamp(text)
+
+    schema = pa.schema([("r", arrow_type)])
+    row = {"r": pandas(value)}
+    if problem is None:
+        [converted] = to_batch([row], [{"id": 0}], schema).column(0).to_pylist()
+        assert converted == (row["r"].date() if pa.types.is_date(arrow_type) else row["r"])
+    else:
+        with pytest.raises(ResultSchemaError, match=problem + r".*input row \{'id': 0\}"):
+            to_batch([row], [{"id": 0}], schema)
+
+
 def test_plain_numbers_cost_the_result_checks_no_python_call_per_row() -> None:
     # The checks of a LONG and a DOUBLE field ran a Python function for every row (the
     # boolean check added one per DOUBLE field: to_batch went from 0.25 to 0.37 us per row
