@@ -279,6 +279,16 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
                 if math.isfinite(number) and abs(number) > _FLOAT32_MAX:
                     reason = "a FLOAT field (32 bits) would make it infinite: declare it DOUBLE"
                     return _Loss("", arrow_type, value, reason)
+                # below the smallest normal float32 it keeps fewer digits, down to none
+                if 0 < abs(number) < _FLOAT32_TINY:
+                    stored = float(np.float32(number))
+                    if stored != number:
+                        reason = (
+                            f"a FLOAT field (32 bits) would round it to {stored!r} (it holds "
+                            f"numbers down to {_FLOAT32_TINY:.7g} with full precision): "
+                            "declare it DOUBLE"
+                        )
+                        return _Loss("", arrow_type, value, reason)
             return None
 
         return check_float
@@ -317,6 +327,7 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_TINY = float(np.finfo(np.float32).smallest_normal)  # 2**-126, 1.175494e-38
 _BOOLEAN_NUMBER = (
     "a numeric field would take a boolean as 1 or 0: return a number, or declare the field BOOLEAN"
 )

@@ -1951,6 +1951,39 @@ def test_pandas_nanoseconds_are_refused_where_spark_holds_microseconds(
             to_batch([row], [{"id": 0}], schema)
 
 
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        # pyarrow made these 0.0 (or -0.0), silently
+        (1e-50, r"would round it to 0.0"),
+        (-1e-50, r"would round it to -0.0"),
+        (np.float64(1e-46), r"would round it to 0.0"),
+        # ... or a subnormal float32 that keeps few of its digits (1.401298464324817e-45)
+        (1e-45, r"would round it to 1.401298464324817e-45"),
+        (1e-40, r"would round it to 9.99994610111476e-41"),
+        ([1.0, 1e-50], r"'r\[1\]' \(float\) cannot hold 1e-50"),  # in an array
+        # what a FLOAT holds as it is, or with its usual rounding
+        (0.0, None),
+        (-0.0, None),
+        (0.1, None),
+        (1.2e-38, None),  # just above the smallest normal float32
+        (float(np.float32(1e-40)), None),  # a subnormal float32 itself: nothing to lose
+        (np.float32(1e-45), None),
+        (float("nan"), None),
+    ],
+)
+def test_a_float_field_refuses_a_number_too_small_for_32_bits(value, problem) -> None:
+    from stateful_async.spark._results import to_batch
+
+    arrow_type = pa.list_(pa.float32()) if isinstance(value, list) else pa.float32()
+    schema = pa.schema([("r", arrow_type)])
+    if problem is None:
+        assert to_batch([{"r": value}], [{"id": 0}], schema).num_rows == 1
+    else:
+        with pytest.raises(ResultSchemaError, match=problem + r".*input row \{'id': 0\}"):
+            to_batch([{"r": value}], [{"id": 0}], schema)
+
+
 def test_plain_numbers_cost_the_result_checks_no_python_call_per_row() -> None:
     # The checks of a LONG and a DOUBLE field ran a Python function for every row (the
     # boolean check added one per DOUBLE field: to_batch went from 0.25 to 0.37 us per row
