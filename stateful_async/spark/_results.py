@@ -271,6 +271,12 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
         def check_float(value: Any) -> _Loss | None:
             if isinstance(value, bool):  # pyarrow takes it as 1.0 or 0.0
                 return _Loss("", arrow_type, value, _BOOLEAN_NUMBER)
+            if isinstance(value, np.uint64) and value > _INT64_MAX:
+                # pyarrow reads its 64 bits as a signed number: 2**64 - 1 becomes -1.0
+                reason = (
+                    "a floating-point field would wrap it to a negative number: return float(value)"
+                )
+                return _Loss("", arrow_type, value, reason)
             if single and isinstance(value, numbers.Real):
                 try:
                     number = float(value)
@@ -327,6 +333,7 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_INT64_MAX = np.uint64(np.iinfo(np.int64).max)
 _FLOAT32_TINY = float(np.finfo(np.float32).smallest_normal)  # 2**-126, 1.175494e-38
 _BOOLEAN_NUMBER = (
     "a numeric field would take a boolean as 1 or 0: return a number, or declare the field BOOLEAN"

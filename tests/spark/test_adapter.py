@@ -1984,6 +1984,30 @@ def test_a_float_field_refuses_a_number_too_small_for_32_bits(value, problem) ->
             to_batch([{"r": value}], [{"id": 0}], schema)
 
 
+@pytest.mark.parametrize("arrow_type", [pa.float64(), pa.float32()])
+def test_a_numpy_uint64_beyond_int64_is_not_wrapped_to_a_negative_number(arrow_type) -> None:
+    # pyarrow took np.uint64(2**64 - 1) for a DOUBLE or a FLOAT as -1.0, silently (it reads
+    # the unsigned number as a signed 64-bit one), also from a numpy array in an array field
+    from stateful_async.spark._results import to_batch
+
+    def convert(value: Any, element_type: pa.DataType) -> pa.RecordBatch:
+        return to_batch([{"r": value}], [{"id": 0}], pa.schema([("r", element_type)]))
+
+    for value, element_type, where in [
+        (np.uint64(2**64 - 1), arrow_type, "'r'"),
+        (np.uint64(2**64 - 2**20), arrow_type, "'r'"),  # -1048576.0
+        (np.array([1, 2**64 - 1], dtype=np.uint64), pa.list_(arrow_type), r"'r\[1\]'"),
+    ]:
+        with pytest.raises(
+            ResultSchemaError,
+            match=where + r".* would wrap it to a negative number.*float\(value\).*\{'id': 0\}",
+        ):
+            convert(value, element_type)
+    # below 2**63 they convert as they are, and float() of one beyond does
+    assert convert(np.uint64(5), arrow_type).column(0).to_pylist() == [5.0]
+    assert convert(float(np.uint64(2**64 - 1)), arrow_type).column(0).to_pylist() == [2.0**64]
+
+
 def test_plain_numbers_cost_the_result_checks_no_python_call_per_row() -> None:
     # The checks of a LONG and a DOUBLE field ran a Python function for every row (the
     # boolean check added one per DOUBLE field: to_batch went from 0.25 to 0.37 us per row
