@@ -159,7 +159,14 @@ def _plain_types(arrow_type: pa.DataType) -> tuple[type, ...]:
         return (int,)
     if pa.types.is_floating(arrow_type) and not _is_single(arrow_type):
         return (float, int)
+    if _is_binary(arrow_type):
+        return (bytes,)
     return ()
+
+
+def _is_binary(arrow_type: pa.DataType) -> bool:
+    """What Spark's BINARY arrives as (large with spark.sql.execution.arrow.useLargeVarTypes)."""
+    return pa.types.is_binary(arrow_type) or pa.types.is_large_binary(arrow_type)
 
 
 def _is_single(arrow_type: pa.DataType) -> bool:
@@ -298,6 +305,13 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
             return None
 
         return check_float
+    if _is_binary(arrow_type):
+
+        def check_binary(value: Any) -> _Loss | None:
+            # pyarrow stores a str's UTF-8 bytes: base64 or hex text would stay text
+            return _Loss("", arrow_type, value, _TEXT_BYTES) if isinstance(value, str) else None
+
+        return check_binary
     if pa.types.is_map(arrow_type):
         key, item = _check_for(arrow_type.key_type), _check_for(arrow_type.item_type)
 
@@ -335,6 +349,11 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INT64_MAX = np.uint64(np.iinfo(np.int64).max)
 _FLOAT32_TINY = float(np.finfo(np.float32).smallest_normal)  # 2**-126, 1.175494e-38
+_TEXT_BYTES = (
+    "a BINARY field would store the text's UTF-8 bytes, and Spark refuses a str for one "
+    "(in createDataFrame and a UDF's result): return bytes, e.g. value.encode() for its "
+    "UTF-8 bytes or base64.b64decode(value) for base64 text, or declare the field STRING"
+)
 _BOOLEAN_NUMBER = (
     "a numeric field would take a boolean as 1 or 0: return a number, or declare the field BOOLEAN"
 )
