@@ -261,6 +261,19 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
         return check_list
     if pa.types.is_timestamp(arrow_type) or pa.types.is_date(arrow_type):
         return _check_datetime(arrow_type)
+    if pa.types.is_time(arrow_type):  # Spark's TIME, as time64[ns]
+        units = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
+        time_reason = (
+            f"a TIME field would read a number as {units[arrow_type.unit]} since midnight: "
+            "return a datetime.time"
+        )
+
+        def check_time(value: Any) -> _Loss | None:
+            if _is_number(value):  # 5 would be 00:00:00.000000005, 5.7 too
+                return _Loss("", arrow_type, value, time_reason)
+            return None
+
+        return check_time
     if pa.types.is_duration(arrow_type):
 
         def check_duration(value: Any) -> _Loss | None:

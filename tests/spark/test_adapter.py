@@ -2041,6 +2041,31 @@ def test_a_binary_field_refuses_a_str_as_spark_does(arrow_type, value, problem) 
             to_batch([{"r": value}], [{"id": 0}], schema)
 
 
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        # pyarrow read a number as nanoseconds since midnight, silently: 5 became
+        # 00:00:00.000000005, 5.7 too, and 86_400_000_000_000 a TIME past 23:59:59
+        (5, "a TIME field would read a number as nanoseconds since midnight"),
+        (5.7, "would read a number as nanoseconds"),
+        (np.int64(3_600), "would read a number as nanoseconds"),
+        (86_400_000_000_000, "would read a number as nanoseconds"),
+        (datetime(2024, 1, 1, 1, 2, 3, 4).time(), None),
+    ],
+)
+def test_a_time_field_refuses_a_number(value, problem) -> None:
+    from stateful_async.spark._results import to_batch
+
+    schema = pa.schema([("r", pa.time64("ns"))])  # Spark's TIME, as to_arrow_schema gives it
+    if problem is None:
+        assert to_batch([{"r": value}], [{"id": 0}], schema).column(0).to_pylist() == [value]
+    else:
+        with pytest.raises(
+            ResultSchemaError, match=r"'r' \(time64\[ns\]\).*" + problem + r".*datetime.time"
+        ):
+            to_batch([{"r": value}], [{"id": 0}], schema)
+
+
 def test_plain_numbers_cost_the_result_checks_no_python_call_per_row() -> None:
     # The checks of a LONG and a DOUBLE field ran a Python function for every row (the
     # boolean check added one per DOUBLE field: to_batch went from 0.25 to 0.37 us per row
