@@ -410,20 +410,28 @@ def _check_datetime(arrow_type: pa.DataType) -> _Check:
         return check_date
     zoned = arrow_type.tz is not None
 
+    naive = (
+        "a naive datetime does not say which instant it is (pyarrow would take it as "
+        "UTC, Spark as local time): return an aware one, e.g. "
+        "datetime.now(timezone.utc), or declare the field TIMESTAMP_NTZ"
+    )
+
     def check_timestamp(value: Any) -> _Loss | None:
         if isinstance(value, dt.datetime):
             if (value.utcoffset() is not None) == zoned:
                 reason = _nanoseconds(value, "nanosecond")
                 return None if reason is None else _Loss("", arrow_type, value, reason)
             reason = (
-                "a naive datetime does not say which instant it is (pyarrow would take it as "
-                "UTC, Spark as local time): return an aware one, e.g. "
-                "datetime.now(timezone.utc), or declare the field TIMESTAMP_NTZ"
+                naive
                 if zoned
                 else "a TIMESTAMP_NTZ field holds wall-clock times, and would store an aware "
                 "datetime's UTC time: return a naive one (value.replace(tzinfo=None) keeps its "
                 "wall-clock time), or declare the field TIMESTAMP"
             )
+        elif isinstance(value, np.datetime64):  # naive (a numpy array's, in an array field)
+            if not zoned:
+                return None
+            reason = naive
         elif _is_number(value):
             reason = (
                 "a timestamp field would read a number as microseconds since 1970: return a "

@@ -2066,6 +2066,24 @@ def test_a_time_field_refuses_a_number(value, problem) -> None:
             to_batch([{"r": value}], [{"id": 0}], schema)
 
 
+def test_numpy_datetime64_in_a_zoned_timestamp_is_refused_as_a_naive_datetime_is() -> None:
+    # numpy's datetime64 has no time zone: one from a numpy array in an array<timestamp>
+    # was taken as UTC, silently (a single one pyarrow refuses itself), where a naive
+    # datetime is refused as Spark would take it as local time
+    from stateful_async.spark._results import to_batch
+
+    stamps = np.array(["2024-01-01T05:00"], dtype="datetime64[us]")
+    zoned = pa.schema([("r", pa.list_(UTC_TS))])
+    with pytest.raises(
+        ResultSchemaError,
+        match=r"'r\[0\]' \(timestamp\[us, tz=UTC\]\).*a naive datetime does not say which instant",
+    ):
+        to_batch([{"r": stamps}], [{"id": 0}], zoned)
+    # in a TIMESTAMP_NTZ, a wall-clock time as it is
+    wall = to_batch([{"r": stamps}], [{"id": 0}], pa.schema([("r", pa.list_(pa.timestamp("us")))]))
+    assert wall.column(0).to_pylist() == [[datetime(2024, 1, 1, 5)]]
+
+
 def test_plain_numbers_cost_the_result_checks_no_python_call_per_row() -> None:
     # The checks of a LONG and a DOUBLE field ran a Python function for every row (the
     # boolean check added one per DOUBLE field: to_batch went from 0.25 to 0.37 us per row
