@@ -272,6 +272,7 @@ def _description(input_schema: pa.Schema, output_schema: pa.Schema) -> str:
 
 
 _TICK = timedelta(microseconds=1)  # the smallest step of a checkpoint's created_at
+_STATS_PRECISION = timedelta(milliseconds=1)  # of timestamps in Delta file statistics
 
 
 def newest_restorable(
@@ -730,14 +731,18 @@ class SubtaskLog:
                 f"{result_table.num_rows} results."
             )
         created_at = datetime.now(timezone.utc)
+        table = self._open(refresh=True)
+        if table is not None and (newest := self._newest_stamp(table)) is not None:
+            # Never before a checkpoint already written, whatever this machine's clock says:
+            # "latest" across runs and retention order a subtask's checkpoints by created_at,
+            # and the order must be the order they were written in. An attempt or a run on a
+            # machine whose clock is behind would otherwise make its checkpoints look older
+            # than ones written before them (by its own run: retention deleted the newest;
+            # by a run it rolled back from: "latest" went back to that run's abandoned line).
+            created_at = max(created_at, newest + _TICK)
         checked_at = None  # the table version at which the parent was last seen
         if parent is not None:
-            # Never before its parent, whatever this machine's clock says: retention orders
-            # a subtask's checkpoints by created_at (an attempt on an executor whose clock is
-            # behind would otherwise make its run's newest checkpoints look oldest).
-            table = self._open(refresh=True)
-            found = self._parent(table, parent, run_id, checkpoint_id)
-            created_at = max(created_at, found.created_at + _TICK)
+            self._parent(table, parent, run_id, checkpoint_id)
             checked_at = table.version() if table is not None else None
         meta = CheckpointMetadata(
             job_id=self.job_id,
@@ -856,6 +861,22 @@ class SubtaskLog:
                 "job_ids."
             )
         return found
+
+    def _newest_stamp(self, table: DeltaTable) -> datetime | None:
+        """The latest created_at of the checkpoints in ``table``, or a bound at most 1 ms
+        above it: from the metadata read last if the table has not moved since, else from
+        the file statistics in the Delta log (which hold timestamps cut to milliseconds)
+        rather than by reading every checkpoint's row."""
+        cached = self._metadata
+        if cached is not None and cached[0] == table.version():
+            return max((m.created_at for m in cached[1]), default=None)
+        actions = pa.table(table.get_add_actions(flatten=True))
+        if "max.created_at" not in actions.column_names:  # written without statistics
+            return max((m.created_at for m in self.checkpoints()), default=None)
+        newest = pc.max(actions.column("max.created_at")).as_py()
+        if newest is None:
+            return None
+        return newest.astimezone(timezone.utc) + _STATS_PRECISION
 
     def _find(self, table: DeltaTable, ref: CheckpointRef) -> CheckpointMetadata | None:
         """One checkpoint's metadata, reading only the files whose statistics (in the Delta

@@ -770,6 +770,66 @@ def test_a_checkpoint_is_never_older_than_its_parent_whatever_the_clock(
     assert fresh.restore(5, "R").results.num_rows == 5
 
 
+@pytest.mark.parametrize("reopen", [False, True], ids=["same-log", "fresh-log"])
+def test_latest_follows_commit_order_across_runs_whose_clocks_differ(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reopen: bool
+) -> None:
+    # Run A ran on machines whose clock is five minutes ahead. Run B rolls back to A:1
+    # (restore_from=1) and writes on; run C starts over without restoring. "latest" is the
+    # checkpoint written last: it used to go back to A's abandoned line, as B's and C's
+    # checkpoints were stamped by their own clocks, earlier than A's.
+    from checkpoint import _store
+
+    class Ahead(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):  # type: ignore[no-untyped-def]
+            return dt.datetime.now(tz) + dt.timedelta(minutes=5)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(_store, "datetime", Ahead)
+        log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+        a1 = commit(log, "A", 1)
+        commit(log, "A", 3, parent=commit(log, "A", 2, parent=a1.ref).ref)
+
+    def reopened():
+        return SnapshotStore(tmp_path).subtask("job", "op", 0) if reopen else log
+
+    b1 = commit(reopened(), "B", 1, parent=a1.ref)
+    b2 = commit(reopened(), "B", 2, parent=b1.ref)
+    assert SnapshotStore(tmp_path).subtask("job", "op", 0).latest().ref == b2.ref
+    c1 = commit(reopened(), "C", 1)
+    fresh = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    assert fresh.latest().ref == c1.ref
+    assert [str(m.ref) for m in fresh.checkpoints()] == ["A:1", "A:2", "A:3", "B:1", "B:2", "C:1"]
+    fresh.expire(2)  # the newest two are the last two written
+    assert [str(m.ref) for m in fresh.checkpoints(include_expired=False)] == ["B:2", "C:1"]
+
+
+def test_checkpoints_written_at_one_clock_reading_are_stamped_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stopped (or coarse) clock: each run's checkpoint is still stamped after the one
+    # before, also by a writer that reads the newest stamp from the Delta log's file
+    # statistics, which cut timestamps to milliseconds.
+    from checkpoint import _store
+
+    stopped = dt.datetime(2026, 1, 1, 12, 0, 0, 999_999, tzinfo=dt.timezone.utc)
+
+    class Stopped(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):  # type: ignore[no-untyped-def]
+            return stopped
+
+    monkeypatch.setattr(_store, "datetime", Stopped)
+    stamps = [
+        commit(SnapshotStore(tmp_path).subtask("job", "op", 0), run, 1).created_at
+        for run in ("Z", "Y", "X")
+    ]
+    assert stamps[0] == stopped
+    assert stamps[0] < stamps[1] < stamps[2]
+    assert SnapshotStore(tmp_path).subtask("job", "op", 0).latest().run_id == "X"
+
+
 def test_unknown_checkpoint_id_lists_the_ids_that_exist(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     log = store.subtask("job", "op", 0)
