@@ -49,7 +49,12 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
-from deltalake.exceptions import CommitFailedError, SchemaMismatchError, TableNotFoundError
+from deltalake.exceptions import (
+    CommitFailedError,
+    DeltaError,
+    SchemaMismatchError,
+    TableNotFoundError,
+)
 
 from stateful_async import StreamElement, StreamRecord, Watermark
 from stateful_async import __version__ as library_version
@@ -830,6 +835,15 @@ class SubtaskLog:
             except (OSError, ValueError, TypeError) as exc:
                 raise CheckpointError(
                     f"Committing checkpoint {meta.ref} to {self.uri} failed: {exc}"
+                ) from exc
+            except DeltaError as exc:
+                # delta-rs also fails after its commit landed (a post-commit step: writing a
+                # log checkpoint, cleaning up expired log files)
+                raise CheckpointError(
+                    f"Committing checkpoint {meta.ref} to {self.uri} failed: {exc}. The "
+                    "commit may have landed before the failure; either way the table is "
+                    "consistent, and a retried attempt resumes from the newest checkpoint "
+                    "it holds."
                 ) from exc
             cached = self._metadata
             if cached is not None and table.version() == cached[0] + 1:

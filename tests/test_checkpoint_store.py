@@ -1650,3 +1650,27 @@ def test_an_expiry_whose_vacuum_a_running_task_s_commit_refuses_still_reports_an
     assert len(before - _files(tmp_path)) == 4  # the expiry's two and the task's two
     restored = SnapshotStore(tmp_path).subtask("job", "op", 0).restore(7)
     assert restored.results.column("id").to_pylist() == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_a_delta_failure_after_the_commit_landed_is_named_as_such(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # delta-rs can fail in a post-commit step (writing a log checkpoint) after the commit
+    # itself landed: its bare DeltaError used to leave the store, saying nothing of that.
+    from deltalake.exceptions import DeltaError
+
+    from checkpoint import _store
+
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    first = commit(log, "R", 1)
+    real_write = _store.write_deltalake
+
+    def write_then_fail(*args, **kwargs):  # type: ignore[no-untyped-def]
+        real_write(*args, **kwargs)
+        raise DeltaError("Generic error: writing the log checkpoint failed")
+
+    monkeypatch.setattr(_store, "write_deltalake", write_then_fail)
+    with pytest.raises(CheckpointError, match=r"R:2 .* may have landed before the failure"):
+        commit(log, "R", 2, parent=first.ref)
+    monkeypatch.undo()
+    assert SnapshotStore(tmp_path).subtask("job", "op", 0).latest(run_id="R").checkpoint_id == 2
