@@ -384,6 +384,21 @@ def commit(
     )
 
 
+def commit_chain(
+    log,
+    run: str,
+    ids: range | tuple[int, ...],
+    n: int = 1,
+    parent: CheckpointRef | None = None,
+    position_step: int = 0,
+) -> CheckpointRef | None:
+    """Commits checkpoints ``ids`` of ``run``, each following the one before it (the first
+    following ``parent``), checkpoint i at input position i * position_step; the last's ref."""
+    for ckpt in ids:
+        parent = commit(log, run, ckpt, n=n, parent=parent, position=ckpt * position_step).ref
+    return parent
+
+
 def test_a_checkpoint_table_drops_its_delta_log_after_an_hour_not_thirty_days(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -405,12 +420,9 @@ def test_a_checkpoint_table_drops_its_delta_log_after_an_hour_not_thirty_days(
         store_module, "_TABLE_CONFIGURATION", {**short, "delta.checkpointInterval": "5"}
     )
     log = SnapshotStore(tmp_path).subtask("job", "op", 1)
-    parent = None
-    for ckpt in range(1, 7):
-        parent = commit(log, "run", ckpt, parent=parent, position=ckpt).ref
+    parent = commit_chain(log, "run", range(1, 7), position_step=1)
     time.sleep(1.5)
-    for ckpt in range(7, 13):
-        parent = commit(log, "run", ckpt, parent=parent, position=ckpt).ref
+    parent = commit_chain(log, "run", range(7, 13), position_step=1, parent=parent)
     logs = sorted(p.name for p in (Path(log.uri) / "_delta_log").glob("*.json"))
     assert logs[0] >= "00000000000000000004.json", logs  # the first commits' entries are gone
     fresh = SnapshotStore(tmp_path).subtask("job", "op", 1)  # and the table reads whole
@@ -750,9 +762,7 @@ def test_a_checkpoint_is_never_older_than_its_parent_whatever_the_clock(
     from checkpoint import _store
 
     log = SnapshotStore(tmp_path).subtask("job", "op", 0)
-    parent = None
-    for i in (1, 2, 3):
-        parent = commit(log, "R", i, parent=parent).ref
+    parent = commit_chain(log, "R", (1, 2, 3))
 
     class Behind(dt.datetime):
         @classmethod
@@ -761,8 +771,7 @@ def test_a_checkpoint_is_never_older_than_its_parent_whatever_the_clock(
 
     monkeypatch.setattr(_store, "datetime", Behind)
     retried = SnapshotStore(tmp_path).subtask("job", "op", 0)
-    for i in (4, 5):
-        parent = commit(retried, "R", i, parent=parent).ref
+    parent = commit_chain(retried, "R", (4, 5), parent=parent)
     fresh = SnapshotStore(tmp_path).subtask("job", "op", 0)
     assert [m.checkpoint_id for m in fresh.checkpoints()] == [1, 2, 3, 4, 5]
     fresh.expire(2)
@@ -1076,9 +1085,7 @@ def test_a_checkpoint_past_2_gib_in_one_column_is_refused_saying_what_to_change(
 def test_retention_keeps_the_last_n_and_reclaims_storage(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     log = store.subtask("job", "op", 0)
-    parent = None
-    for ckpt in range(1, 7):
-        parent = commit(log, "run", ckpt, n=200, parent=parent, position=ckpt * 10).ref
+    parent = commit_chain(log, "run", range(1, 7), n=200, position_step=10)
     other = store.subtask("job", "op", 1)
     commit(other, "run", 1, n=200)
     size_before = _dir_size(Path(log.uri))
@@ -1100,14 +1107,12 @@ def test_retention_keeps_the_last_n_and_reclaims_storage(tmp_path: Path) -> None
     # files_removed counts what left the disk, and only this expiry's: a vacuum lists again
     # the files an earlier one deleted (their removal stays in the Delta log)
     assert report.files_removed == len(files_before - _files(tmp_path)) > 0
-    for ckpt in range(7, 9):
-        parent = commit(log, "run", ckpt, n=200, parent=parent, position=ckpt * 10).ref
+    parent = commit_chain(log, "run", range(7, 9), n=200, position_step=10, parent=parent)
     files_before = _files(tmp_path)
     report = store.expire("job", retain=2)
     assert report.files_removed == len(files_before - _files(tmp_path)) > 0
     # ... and those an expiry without vacuum left for this one to delete
-    for ckpt in range(9, 11):
-        parent = commit(log, "run", ckpt, n=200, parent=parent, position=ckpt * 10).ref
+    parent = commit_chain(log, "run", range(9, 11), n=200, position_step=10, parent=parent)
     assert store.expire("job", retain=3, vacuum=False).files_removed == 0
     files_before = _files(tmp_path)
     report = store.expire("job", retain=2)
@@ -1154,9 +1159,7 @@ def test_retention_keeps_every_checkpoint_of_a_partition_that_has_fewer(
     # retain=7 kept only 7 - 5 = 2 of 5 checkpoints (a slice from a negative start), and the
     # resume from one the docs promised to keep was refused as expired.
     log = SnapshotStore(tmp_path).subtask("job", "op", 0)
-    parent = None
-    for ckpt in range(1, 6):
-        parent = commit(log, "run", ckpt, n=3, parent=parent, position=ckpt * 10).ref
+    commit_chain(log, "run", range(1, 6), n=3, position_step=10)
     log.expire(retain)
     kept = [m.checkpoint_id for m in log.checkpoints(include_expired=False)]
     assert kept == [1, 2, 3, 4, 5][-retain:]
@@ -1193,9 +1196,7 @@ def _writer_and_reader(tmp_path: Path, checkpoints: int) -> tuple[Any, Any]:
     """A job's log with ``checkpoints`` checkpoints of 5 elements, and another process's
     view of it that has read them."""
     writer = SnapshotStore(tmp_path).subtask("job", "op", 0)
-    parent = None
-    for ckpt in range(1, checkpoints + 1):
-        parent = commit(writer, "run", ckpt, n=5, parent=parent, position=ckpt * 10).ref
+    commit_chain(writer, "run", range(1, checkpoints + 1), n=5, position_step=10)
     reader = SnapshotStore(tmp_path).subtask("job", "op", 0)
     reader.checkpoints()
     return writer, reader
@@ -1304,7 +1305,7 @@ import asyncio, sys
 sys.path.insert(0, sys.argv[4])
 from checkpoint import SnapshotStore
 from stateful_async.chaos import CrashDuringCommit
-from test_checkpoint_store import commit
+from test_checkpoint_store import commit_chain
 
 async def enrich(row):
     return [row]
@@ -1312,9 +1313,7 @@ async def enrich(row):
 location, subtask, crash = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 asyncio.run(CrashDuringCommit(enrich, checkpoint_id=crash).open())
 log = SnapshotStore(location).subtask("job", "op", subtask)
-parent = None
-for ckpt in range(1, crash + 1):
-    parent = commit(log, "run", ckpt, n=50, parent=parent).ref
+commit_chain(log, "run", range(1, crash + 1), n=50)
 """
 
 
@@ -1607,9 +1606,7 @@ def test_removing_orphans_while_a_running_task_expires_does_not_fail(
     # failed: ... a concurrent transaction deleted data this operation read ... run it again
     # once the storage is reachable" (whatever the grace period).
     task = SnapshotStore(tmp_path).subtask("job", "op", 0)
-    parent = None
-    for ckpt in range(1, 5):
-        parent = commit(task, "run", ckpt, n=2, parent=parent, position=ckpt).ref
+    commit_chain(task, "run", range(1, 5), n=2, position_step=1)
     stray = Path(task.uri) / "part-00000-orphan-c000.snappy.parquet"
     pq.write_table(pa.table({"id": [1]}), stray)
     os.utime(stray, (time.time() - 25 * 3600,) * 2)
@@ -1631,9 +1628,7 @@ def test_an_expiry_whose_vacuum_a_running_task_s_commit_refuses_still_reports_an
     # so the second try found nothing to do, and `checkpoints expire` said "0 checkpoint(s)
     # expired ... 0 file(s) removed" with the files it had replaced left on disk.
     task = SnapshotStore(tmp_path).subtask("job", "op", 0)
-    parent = None
-    for ckpt in range(1, 7):
-        parent = commit(task, "run", ckpt, n=2, parent=parent, position=ckpt).ref
+    commit_chain(task, "run", range(1, 7), n=2, position_step=1)
     before = _files(tmp_path)
 
     def running_task() -> object:
