@@ -282,6 +282,8 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
                 return _Loss("", arrow_type, value, reason)
             if isinstance(value, dt.timedelta) and (dropped := _nanoseconds(value, "nanoseconds")):
                 return _Loss("", arrow_type, value, dropped)
+            if isinstance(value, np.timedelta64) and (misread := _numpy_unit(value, arrow_type)):
+                return _Loss("", arrow_type, value, misread)
             return None
 
         return check_duration
@@ -429,8 +431,9 @@ def _check_datetime(arrow_type: pa.DataType) -> _Check:
                 "wall-clock time), or declare the field TIMESTAMP"
             )
         elif isinstance(value, np.datetime64):  # naive (a numpy array's, in an array field)
-            if not zoned:
-                return None
+            if not zoned:  # as it is, if pyarrow reads its unit as the field's
+                misread = _numpy_unit(value, arrow_type)
+                return None if misread is None else _Loss("", arrow_type, value, misread)
             reason = naive
         elif _is_number(value):
             reason = (
@@ -454,6 +457,22 @@ def _nanoseconds(value: dt.datetime | dt.timedelta, attribute: str) -> str | Non
     return (
         f"Spark holds microseconds, and pyarrow would drop its {nanoseconds} nanoseconds: "
         "round it to microseconds first, e.g. value.round('us') or value.floor('us')"
+    )
+
+
+def _numpy_unit(value: np.datetime64 | np.timedelta64, arrow_type: pa.DataType) -> str | None:
+    """Why a numpy datetime64 or timedelta64 in another unit than the field's cannot go
+    into it: pyarrow reads the counts of a numpy array's values (in an array field) as
+    counts of the field's unit (2024-01-01 in seconds became 1970-01-01T00:28:24, 1 s
+    became 1 us) and refuses a single one; None if the units are the same."""
+    unit, count = np.datetime_data(value.dtype)
+    if (unit, count) == (arrow_type.unit, 1):
+        return None
+    kind = "datetime64" if isinstance(value, np.datetime64) else "timedelta64"
+    return (
+        f"pyarrow would read a numpy {kind}[{unit if count == 1 else f'{count}{unit}'}] as a "
+        f"count of {arrow_type.unit} (or refuse it): convert it first, e.g. "
+        f"values.astype('{kind}[{arrow_type.unit}]') for a numpy array"
     )
 
 

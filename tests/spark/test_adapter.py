@@ -2067,6 +2067,27 @@ def test_numpy_datetime64_in_a_zoned_timestamp_is_refused_as_a_naive_datetime_is
     assert wall.column(0).to_pylist() == [[datetime(2024, 1, 1, 5)]]
 
 
+@pytest.mark.parametrize("unit", ["D", "s", "ms", "10us", "ns"])
+def test_numpy_arrays_of_another_unit_in_timestamp_ntz_or_interval_arrays_are_refused(
+    unit: str,
+) -> None:
+    # pyarrow reads the counts of a numpy datetime64/timedelta64 array inside an array
+    # field as counts of the field's microseconds: 2024-01-01 in seconds was stored as
+    # 1970-01-01T00:28:24 and pandas' datetime64[ns] out of any date's range, silently
+    days = np.array(["2024-01-01"], dtype=f"datetime64[{unit}]")
+    _converted(
+        pa.list_(pa.timestamp("us")), days, rf"'r\[0\]'.*datetime64\[{unit}\] as a count of us"
+    )
+    if unit != "D":  # timedelta64[D] is refused by pyarrow itself
+        spans = np.array([1], dtype=f"timedelta64[{unit}]")
+        _converted(pa.list_(pa.duration("us")), spans, rf"timedelta64\[{unit}\] as a count of us")
+    # in microseconds, as they are
+    wall = np.array(["2024-01-01T05:00"], dtype="datetime64[us]")
+    assert _converted(pa.list_(pa.timestamp("us")), wall, None) == [datetime(2024, 1, 1, 5)]
+    spans = np.array([1], dtype="timedelta64[us]")
+    assert _converted(pa.list_(pa.duration("us")), spans, None) == [timedelta(microseconds=1)]
+
+
 def test_plain_numbers_cost_the_result_checks_no_python_call_per_row() -> None:
     # The checks of a LONG and a DOUBLE field ran a Python function for every row (the
     # boolean check added one per DOUBLE field: to_batch went from 0.25 to 0.37 us per row
