@@ -73,10 +73,15 @@ def to_batch(
             try:
                 pa.array([value], type=field.type)
             except _CONVERSION_ERRORS as exc:
+                advice = (
+                    "Return None for a missing value (NaT is pandas' missing time)"
+                    if type(value).__name__ == "NaTType"
+                    else "Return values of the types the output schema declares"
+                )
                 raise ResultSchemaError(
                     f"The result field {field.name!r} ({field.type}) cannot hold {describe(value)} "
                     f"({type(value).__name__}), returned for input row {described(source)}: "
-                    f"{exc}. Return values of the types the output schema declares."
+                    f"{exc}. {advice}."
                 ) from exc
     # Every value converts alone but a column does not: pyarrow takes the form of a
     # column's values (a struct as a dict, or as a tuple) from its first one.

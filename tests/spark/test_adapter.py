@@ -1920,6 +1920,21 @@ def test_pandas_nat_in_a_date_field_is_refused_naming_the_field_and_the_row() ->
     assert midnight.column(0).to_pylist() == [date(2024, 1, 1)]
 
 
+@pytest.mark.parametrize("arrow_type", [UTC_TS, pa.timestamp("us"), pa.duration("us")])
+def test_pandas_nat_in_a_time_field_is_refused_saying_to_return_none(arrow_type) -> None:
+    # refused by pyarrow ("NaTType does not support utcoffset"), with the advice to return
+    # values of the declared types, which NaT (pandas' missing value) already looks like
+    import pandas as pd
+
+    from stateful_async.spark._results import to_batch
+
+    with pytest.raises(
+        ResultSchemaError,
+        match=r"cannot hold NaT \(NaTType\).*input row \{'id': 0\}.*Return None for a missing",
+    ):
+        to_batch([{"r": pd.NaT}], [{"id": 0}], pa.schema([("r", arrow_type)]))
+
+
 @pytest.mark.parametrize(
     ("arrow_type", "value", "problem"),
     [
