@@ -96,16 +96,16 @@ def test_crash_during_commit_leaves_its_orphan_file_in_a_file_uri_tables_directo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
 
 
-def test_crash_during_commit_refuses_a_remote_checkpoint_location() -> None:
+def test_crash_during_commit_refuses_a_remote_checkpoint_location(s3) -> None:
     fault = CrashDuringCommit(enrich, checkpoint_id=1)
     asyncio.run(fault.open())
     try:
-        log = SubtaskLog("s3://bucket/checkpoints/job/op/subtask=0", "job", "op", 0)
+        log = SnapshotStore(f"{s3.bucket()}/checkpoints", s3.options).subtask("job", "op", 0)
         with pytest.raises(
             ConfigurationError,
             match=r"CrashDuringCommit writes its orphan Parquet file on the local file system, "
-            r"but checkpoint run:1 goes to s3://bucket/checkpoints/job/op/subtask=0\. Use a "
-            r"local checkpoint location",
+            r"but checkpoint run:1 goes to s3://bucket\d+/checkpoints/job/op/subtask=0+\. Use "
+            r"a local checkpoint location",
         ):
             commit(log, 1)
     finally:
