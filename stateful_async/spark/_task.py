@@ -1140,7 +1140,11 @@ class _TaskRun:
                 )
             else:
                 advice = (
-                    "Resuming needs the same input in the same order: fix the input, or "
+                    "Resuming needs the same input in the same order, split into the same "
+                    "partitions: each partition resumes the checkpoint of the partition with "
+                    "its number, so a plan that splits the input otherwise (a union or a "
+                    "repartition added before the enrichment, other source files, another "
+                    "spark.sql.files.maxPartitionBytes) is refused alike. Fix the input, or "
                     "start a new run without restore_from (or under a new job_id)."
                 )
             raise InputMismatchError(
