@@ -335,23 +335,12 @@ def delete_removed_files(
     names: what a vacuum would delete of that commit's, without listing the directory or
     logging the vacuum's two commits."""
     fs, root = filesystem(table_uri, storage_options)
-
-    def at(name: str) -> str:
-        return f"{root}/{name}" if root else name
-
-    with fs.open_input_stream(at(f"_delta_log/{version:020d}.json")) as stream:
-        lines = stream.read().decode().splitlines()
-    removed = []
-    for line in lines:
-        action = json.loads(line) if line.strip() else {}
-        if "remove" in action:
-            name = unquote(action["remove"]["path"])
-            try:
-                fs.delete_file(at(name))
-            except FileNotFoundError:
-                continue  # deleted already (a vacuum, an earlier try)
-            removed.append(os.path.basename(name))
-    return removed
+    log = f"_delta_log/{version:020d}.json"
+    with fs.open_input_stream(f"{root}/{log}" if root else log) as stream:
+        actions = [json.loads(line) for line in stream.read().decode().splitlines() if line.strip()]
+    names = [unquote(a["remove"]["path"]) for a in actions if "remove" in a]
+    # a file deleted already (a vacuum, an earlier try) is not counted
+    return [os.path.basename(n) for n in delete_files(table_uri, storage_options, names)]
 
 
 def stale_files(

@@ -414,6 +414,7 @@ class SubtaskLog:
         # scans every row of the table (whose results grow with the input), so it is read
         # once, then kept current by this log's own commits and expiries.
         self._metadata: tuple[int, list[CheckpointMetadata]] | None = None
+        self._actions: tuple[int, pa.Table] | None = None  # get_add_actions, by version
         # run id -> this attempt's claim on the run (see ``claim``); 0 if it never claimed
         self._claims: dict[str, int] = {}
         # run id -> the owner this attempt's claim on it named, if it named one
@@ -490,7 +491,7 @@ class SubtaskLog:
         table = self._open(refresh=True)
         if table is None:
             return {}
-        actions = pa.table(table.get_add_actions(flatten=True))
+        actions = self._add_actions(table)
         sizes: dict[CheckpointRef, int] = {}
         columns = [
             "size_bytes",
@@ -876,6 +877,14 @@ class SubtaskLog:
             )
         return found
 
+    def _add_actions(self, table: DeltaTable) -> pa.Table:
+        """The Delta log's add actions (data files and their statistics) of ``table``'s
+        version, read once per version: a commit's stamp and parent lookup both need them."""
+        version = table.version()
+        if self._actions is None or self._actions[0] != version:
+            self._actions = (version, pa.table(table.get_add_actions(flatten=True)))
+        return self._actions[1]
+
     def _newest_stamp(self, table: DeltaTable) -> datetime | None:
         """The latest created_at of the checkpoints in ``table``, or a bound at most 1 ms
         above it: from the metadata read last if the table has not moved since, else from
@@ -884,7 +893,7 @@ class SubtaskLog:
         cached = self._metadata
         if cached is not None and cached[0] == table.version():
             return max((m.created_at for m in cached[1]), default=None)
-        actions = pa.table(table.get_add_actions(flatten=True))
+        actions = self._add_actions(table)
         if "max.created_at" not in actions.column_names:  # written without statistics
             return max((m.created_at for m in self.checkpoints()), default=None)
         newest = pc.max(actions.column("max.created_at")).as_py()
@@ -896,7 +905,7 @@ class SubtaskLog:
         """One checkpoint's metadata, reading only the files whose statistics (in the Delta
         log) may hold its row: reading every checkpoint's metadata scans the whole table,
         and even building a dataset of all its files costs time in proportion to them."""
-        actions = pa.table(table.get_add_actions(flatten=True))
+        actions = self._add_actions(table)
         bounds = ["min.run_id", "max.run_id", "min.checkpoint_id", "max.checkpoint_id"]
         if set(bounds) <= set(actions.column_names):
             low_run, high_run, low_id, high_id = (actions.column(c) for c in bounds)

@@ -617,8 +617,9 @@ def commit_landed(opts: SinkOptions, files: Sequence[DataFile]) -> bool:
     table = load_table(opts.table_uri, opts.storage_options)
     if table is None or not files:
         return False
-    actions = pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist()
-    current = {unquote(path) for path in actions}
+    from checkpoint._layout import table_files
+
+    current = table_files(table)
     if any(f.path in current for f in files):
         return True
     wanted = commit_id(files)
