@@ -8,7 +8,7 @@ Hierarchy::
 
     StatefulAsyncError
     ├── ConfigurationError        (also ValueError)   a bad argument or option, found up front
-    │   └── FunctionNotSerializableError              Spark cannot ship the function to executors
+    │   └── FunctionNotSerializableError              Spark cannot ship the function or retry
     ├── OperatorStateError        (also RuntimeError) an operator method called out of order
     ├── ElementFailedError                            one element could not be processed
     │   ├── AsyncFunctionError                        the async function failed, no retry left
@@ -50,7 +50,8 @@ class ConfigurationError(StatefulAsyncError, ValueError):
 
 
 class FunctionNotSerializableError(ConfigurationError):
-    """The async function cannot be pickled, so Spark cannot send it to executors."""
+    """The async function, or the retry strategy's predicates, cannot be pickled, so Spark
+    cannot send them to executors."""
 
 
 class OperatorStateError(StatefulAsyncError, RuntimeError):

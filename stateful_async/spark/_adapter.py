@@ -236,7 +236,7 @@ def _async_wait(
         app_start=_app_start(df.sparkSession),
     )
     task = PartitionTask(spec)
-    _check_picklable(task, fn)
+    _check_picklable(task, fn, retry)
     return source.mapInArrow(task, struct)
 
 
@@ -914,12 +914,13 @@ def _exists(store: Any) -> bool:
     return location_exists(store.location, store.storage_options)
 
 
-def _check_picklable(task: PartitionTask, fn: Any) -> None:
+def _check_picklable(task: PartitionTask, fn: Any, retry: RetryStrategy | None) -> None:
     from pyspark import cloudpickle
 
     try:
         cloudpickle.dumps(task)
     except Exception as exc:
+        _check_retry_picklable(fn, retry)
         name = getattr(fn, "__qualname__", type(fn).__name__)
         advice = (
             ""
@@ -931,4 +932,26 @@ def _check_picklable(task: PartitionTask, fn: Any) -> None:
         raise FunctionNotSerializableError(
             f"The async function {name} cannot be pickled, so Spark cannot send it to the "
             f"executors: {type(exc).__name__}: {str(exc).rstrip('.')}.{advice}"
+        ) from exc
+
+
+def _check_retry_picklable(fn: Any, retry: RetryStrategy | None) -> None:
+    """The task did not pickle: if the function does and the retry strategy (its
+    predicates) does not, say so, rather than blame the function."""
+    from pyspark import cloudpickle
+
+    if retry is None:
+        return
+    try:
+        cloudpickle.dumps(fn)
+    except Exception:
+        return  # the function does not pickle: reported as such
+    try:
+        cloudpickle.dumps(retry)
+    except Exception as exc:
+        raise FunctionNotSerializableError(
+            "The retry strategy cannot be pickled, so Spark cannot send it to the executors: "
+            f"{type(exc).__name__}: {str(exc).rstrip('.')}. Give it retry_on_exception and "
+            "retry_on_result predicates that pickle: module-level functions, or lambdas and "
+            "objects that hold only picklable values (no clients, locks or open files)."
         ) from exc

@@ -2242,6 +2242,34 @@ def test_an_unpicklable_function_fails_before_the_job_starts(spark) -> None:
         ordered_wait(spark.range(3), HoldsALock(), SCHEMA)
 
 
+@pytest.mark.parametrize("predicate", ["retry_on_exception", "retry_on_result"])
+def test_an_unpicklable_retry_predicate_is_named_instead_of_the_function(
+    spark, predicate: str
+) -> None:
+    import threading
+
+    class Retryable:  # a predicate that holds a lock, as one holding a client would
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+
+        def __call__(self, outcome: Any) -> bool:
+            return True
+
+    async def enrich(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    retry = RetryStrategy.fixed_delay(3, 0.1, **{predicate: Retryable()})
+    with pytest.raises(FunctionNotSerializableError) as info:
+        ordered_wait(spark.range(3), enrich, "id long", timeout=5, retry=retry)
+    message = str(info.value)
+    assert message.startswith(
+        "The retry strategy cannot be pickled, so Spark cannot send it to the executors: "
+        "TypeError: cannot pickle '_thread.lock' object."
+    )
+    assert "retry_on_exception and retry_on_result" in message
+    assert "async function" not in message
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
