@@ -111,10 +111,19 @@ class RetryStrategy:
                 "RetryStrategy retry_on_exception must be an exception type, a tuple of them, "
                 f"or a predicate over the exception; got {predicate!r}."
             )
-        if not callable(self.retry_on_result):
+        result_predicate = self.retry_on_result
+        if not callable(result_predicate) or _is_exception_type(result_predicate):
+            # An exception class is callable and its instances are true: it would retry every
+            # result.
+            hint = (
+                f", an exception type: retry exceptions with "
+                f"retry_on_exception={result_predicate.__name__}"
+                if _is_exception_type(result_predicate)
+                else ""
+            )
             raise ConfigurationError(
                 "RetryStrategy retry_on_result must be a predicate over the result list; got "
-                f"{self.retry_on_result!r}."
+                f"{result_predicate!r}{hint}."
             )
 
     @classmethod

@@ -582,6 +582,12 @@ async def test_a_late_result_of_a_superseded_attempt_is_dropped() -> None:
             "an exception type, a tuple of them",
         ),
         ({"max_attempts": 2, "initial_delay": 1, "retry_on_exception": int}, "exception type"),
+        (  # an exception class is callable, and every instance is true: every result retried
+            {"max_attempts": 2, "initial_delay": 1, "retry_on_result": TimeoutError},
+            r"retry_on_result must be a predicate over the result list; got <class "
+            r"'TimeoutError'>, an exception type: retry exceptions with "
+            r"retry_on_exception=TimeoutError\.",
+        ),
     ],
 )
 def test_invalid_retry_strategies_fail_at_construction(kwargs: dict, message: str) -> None:
