@@ -25,6 +25,7 @@ from ._exceptions import (
     TimeoutHandlerError,
     as_float,
     as_int,
+    as_seconds,
     element_error,
     error_text,
 )
@@ -911,7 +912,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         schedule the retry; True if the element was dealt with here. A strategy method that
         raises (a subclass's ``can_retry`` or ``backoff``, or a predicate) is a bug in it,
         never retried: the element fails now, rather than waiting for its deadline with the
-        error lost in the attempt's task."""
+        error lost in the attempt's task; so does a ``backoff`` that returns no delay (None,
+        NaN; a ``timedelta`` is taken as its seconds)."""
         retry = self._retry
         assert retry is not None
         step = "can_retry"
@@ -930,6 +932,13 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             self._decide_failure(handler, self._strategy_error(handler, outcome, step, exc))
             return True
         if again:
+            seconds = as_seconds(delay)  # a timedelta too, as the strategy's own delays
+            if seconds is None or math.isnan(seconds):
+                # A subclass's backoff() that returned no delay: failed now, not lost in the
+                # attempt's task (or in the timers) until the deadline decides the element.
+                self._decide_failure(handler, self._bad_backoff(handler, outcome, delay))
+                return True
+            delay = seconds
             timed = cast(_TimedElement, handler)  # retry needs a timeout
             if outcome == "result":
                 timed.last_error, timed.rejected = None, True  # a timeout error reports it
@@ -957,6 +966,18 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         )
         return element_error(
             ElementFailedError, what, handler.element, handler.attempts, advice, cause=error
+        )
+
+    def _bad_backoff(self, handler: _Element, outcome: str, delay: Any) -> ElementFailedError:
+        name = type(self._retry).__name__
+        return element_error(
+            ElementFailedError,
+            f"The retry strategy's backoff() returned {describe(delay)} after the attempt's "
+            f"{outcome}",
+            handler.element,
+            handler.attempts,
+            f"Fix {name}.backoff: it must return a number of seconds (or a timedelta) for every "
+            "attempt count.",
         )
 
     def _schedule_retry(self, handler: _TimedElement, delay: float) -> None:

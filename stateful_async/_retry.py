@@ -173,7 +173,8 @@ class RetryStrategy:
         return attempts < self.max_attempts
 
     def backoff(self, attempts: int) -> float:
-        """Seconds to wait after attempt number ``attempts`` (1-based) before the next."""
+        """Seconds to wait after attempt number ``attempts`` (1-based) before the next (an
+        override may return a ``timedelta``)."""
         try:
             delay = self.initial_delay * self.multiplier ** (attempts - 1)
         except OverflowError:  # many attempts at a large multiplier: the cap (or never)

@@ -678,6 +678,59 @@ async def test_a_retry_strategy_method_that_raises_fails_the_element_at_once(
     await op.close()
 
 
+class BackoffOf(RetryStrategy):
+    """A subclass whose backoff() returns ``delay`` (a class attribute), whatever it is."""
+
+    delay: object = None
+
+    def backoff(self, attempts: int) -> float:
+        return self.delay  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("outcome", ["exception", "result"])
+@pytest.mark.parametrize("delay", [None, float("nan"), "1"])
+async def test_a_backoff_that_returns_no_delay_fails_the_element_at_once(
+    delay: object, outcome: str
+) -> None:
+    # None and "1" raised TypeError in the attempt's task, where it was lost; NaN armed a
+    # timer that never fired: either way the timeout handler's fallback was emitted at the
+    # deadline, and the bug in backoff() was never reported.
+    clock = VirtualClock()
+    fn = ControlledTimeoutFunction()
+    retry = type("Backoff", (BackoffOf,), {"delay": delay})(
+        3, 1.0, retry_on_result=lambda results: True
+    )
+    out, op = make(fn, clock, timeout=10, retry=retry)
+    await first_attempt_ends(op, fn, outcome)
+    assert op.failure is not None  # now, not at the deadline
+    await clock.advance(10)
+    assert fn.timeout_calls == [] and out == [] and fn.calls == ["a"]
+    with pytest.raises(ElementFailedError) as info:
+        await op.finish()
+    assert str(info.value) == (
+        f"The retry strategy's backoff() returned {delay!r} after the attempt's {outcome} for "
+        "element StreamRecord('a') after 1 attempt. Fix Backoff.backoff: it must return a "
+        "number of seconds (or a timedelta) for every attempt count."
+    )
+    await op.close()
+
+
+async def test_a_backoff_may_return_a_timedelta() -> None:
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    retry = type("Backoff", (BackoffOf,), {"delay": timedelta(seconds=2)})(3, 1.0)
+    out, op = make(fn, clock, timeout=10, retry=retry)
+    await first_attempt_ends(op, fn, "exception")
+    await clock.advance(1.999)
+    assert fn.calls == ["a"]
+    await clock.advance(0.001)
+    assert fn.calls == ["a", "a"]
+    fn.complete("a", ["A"])
+    await op.finish()
+    assert [e.value for e in out] == ["A"]
+    await op.close()
+
+
 def test_retry_strategy_docstring_says_max_attempts_counts_total_attempts() -> None:
     doc = RetryStrategy.__doc__ or ""
     assert "counts **total attempts**" in doc
