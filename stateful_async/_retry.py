@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
 
 from ._exceptions import ConfigurationError, as_float, as_int, as_seconds
+from ._function import _is_async
 
 ExceptionPredicate = Union[
     Callable[[BaseException], bool], type[BaseException], tuple[type[BaseException], ...]
@@ -37,6 +38,13 @@ def _check_number(name: str, value: Any, minimum: float, unit: str = "") -> floa
 def _keep_number(strategy: RetryStrategy, name: str, minimum: float, unit: str = "") -> None:
     number = _check_number(name, getattr(strategy, name), minimum, unit)
     object.__setattr__(strategy, name, number)  # frozen: as __init__ would have set it
+
+
+def _is_coroutine_function(value: Any) -> bool:
+    """An ``async def`` (or a callable object whose ``__call__`` is one)."""
+    if isinstance(value, (type, tuple)) or not callable(value):
+        return False
+    return _is_async(value) or _is_async(type(value).__call__)
 
 
 def _is_exception_type(value: Any) -> bool:
@@ -125,6 +133,14 @@ class RetryStrategy:
                 "RetryStrategy retry_on_result must be a predicate over the result list; got "
                 f"{result_predicate!r}{hint}."
             )
+        for outcome, check in (("exception", predicate), ("result", result_predicate)):
+            if _is_coroutine_function(check):
+                raise ConfigurationError(
+                    f"RetryStrategy retry_on_{outcome} is an async function, but a predicate is "
+                    f"called, not awaited: its coroutine would count as True, so every "
+                    f"{outcome} would be retried. Declare it with a plain 'def' that returns "
+                    "True or False."
+                )
 
     @classmethod
     def fixed_delay(

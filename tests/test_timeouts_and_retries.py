@@ -597,6 +597,23 @@ def test_invalid_retry_strategies_fail_at_construction(kwargs: dict, message: st
         RetryStrategy(**kwargs)
 
 
+@pytest.mark.parametrize("outcome", ["exception", "result"])
+def test_an_async_retry_predicate_is_refused_at_construction(outcome: str) -> None:
+    # Called, never awaited: its coroutine is true, so every outcome was retried.
+    from stateful_async import ConfigurationError
+
+    async def predicate(value):  # type: ignore[no-untyped-def]
+        return False
+
+    with pytest.raises(ConfigurationError) as info:
+        RetryStrategy.fixed_delay(3, 1, **{f"retry_on_{outcome}": predicate})
+    assert str(info.value) == (
+        f"RetryStrategy retry_on_{outcome} is an async function, but a predicate is called, "
+        f"not awaited: its coroutine would count as True, so every {outcome} would be "
+        "retried. Declare it with a plain 'def' that returns True or False."
+    )
+
+
 def test_retry_delays_may_be_timedeltas() -> None:
     import datetime
 
