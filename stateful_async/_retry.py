@@ -194,7 +194,7 @@ class RetryStrategy:
         try:
             delay = self.initial_delay * self.multiplier ** (attempts - 1)
         except OverflowError:  # many attempts at a large multiplier: the cap (or never)
-            delay = math.inf
+            delay = math.inf if self.initial_delay else 0.0  # zero stays zero
         if self.max_delay is not None:
             delay = min(delay, self.max_delay)
         if self.jitter:

@@ -785,6 +785,8 @@ def test_backoff_of_many_attempts_is_capped_instead_of_overflowing() -> None:
     retry = RetryStrategy.exponential_backoff(5000, 0.1, 2.0, multiplier=10)
     assert retry.backoff(1100) == 2.0
     assert RetryStrategy(5000, 0.1, multiplier=10).backoff(1100) == float("inf")
+    # No delay at all stays none, however many attempts: not a wait for the deadline.
+    assert RetryStrategy(5000, 0, multiplier=10).backoff(1100) == 0.0
 
 
 class _Unprintable:
