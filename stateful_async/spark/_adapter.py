@@ -477,6 +477,14 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
 
     given = ooo
     if isinstance(ooo, np.timedelta64):  # an Integral to `numbers`, but a duration
+        # months and years have no fixed length, and no unit at all is read as
+        # microseconds by numpy but as nanoseconds by pandas: neither is a duration
+        if not np.isnat(ooo) and np.datetime_data(ooo.dtype)[0] in ("generic", "M", "Y"):
+            raise ConfigurationError(
+                f"max_out_of_orderness {given!r} has no fixed length (a numpy timedelta64 in "
+                "months or years, or without a unit): give it with a unit, such as "
+                "np.timedelta64(5, 's'), or as a timedelta."
+            )
         try:
             ooo = dt.timedelta(microseconds=float(ooo / np.timedelta64(1, "us")))
         except (OverflowError, ValueError):  # NaT, or beyond timedelta's range

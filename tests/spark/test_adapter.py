@@ -2456,6 +2456,23 @@ def test_max_out_of_orderness_in_numpy_and_pandas_durations_is_read_in_its_units
         _event_time(df, "id", np.timedelta64(5, "s"))
 
 
+def test_max_out_of_orderness_in_numpy_without_a_fixed_unit_is_refused(spark) -> None:
+    # Months and years failed with numpy's bare TypeError ("Cannot get a common metadata
+    # divisor ..."); a timedelta64 without a unit was read as microseconds (pandas reads it
+    # as nanoseconds).
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [row]
+
+    df = spark.range(3).select("id", F.current_timestamp().alias("ts"), F.current_date().alias("d"))
+    for column, given in (("ts", np.timedelta64(1, "M")), ("d", np.timedelta64(1, "Y"))):
+        with pytest.raises(
+            ConfigurationError, match=r"has no fixed length.*np.timedelta64\(5, 's'\)"
+        ):
+            unordered_wait(df, f, "id long", event_time=column, max_out_of_orderness=given)
+    with pytest.raises(ConfigurationError, match=r"np.timedelta64\(5\) has no fixed length"):
+        unordered_wait(df, f, "id long", event_time="ts", max_out_of_orderness=np.timedelta64(5))
+
+
 def test_the_timeout_handler_gets_the_argument_its_call_got(spark) -> None:
     # Each call got its own copy of the row, so what async_invoke noted in it for its
     # timeout handler was gone there.
