@@ -536,8 +536,9 @@ def show_checkpoint(
         "Keep the newest N checkpoints of every partition; drop and vacuum the rest, and "
         "delete the files no checkpoint uses once older than --orphans-older-than.\n\n"
         "Run it while the job is not running: against a running job it competes with the "
-        "tasks' commits, and its vacuum can delete files a task is still reading (that task "
-        "fails, and Spark retries it)."
+        "tasks' commits (it retries, then gives up saying so); a task reading files its vacuum "
+        "deletes reads the table's newer version instead, and fails (Spark retries it) only if "
+        "the checkpoint it reads was expired meanwhile."
     ),
 )
 def expire_checkpoints(
