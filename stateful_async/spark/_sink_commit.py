@@ -185,7 +185,12 @@ def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) 
     if problems:
         advice = (
             "Select and cast the columns to match the table"
-            + ("" if merge else ", or set the option mergeSchema=true to add new columns")
+            # mergeSchema adds columns only: advised for new ones, never for a type change.
+            + (
+                ", or set the option mergeSchema=true to add new columns"
+                if extra and not merge
+                else ""
+            )
             + "."
         )
         raise SinkSchemaMismatchError(
