@@ -24,7 +24,8 @@ wait that runs out (``wait_until``, ``DriverProcess.wait``) raises the built-in
 
 See ``docs/chaos.md``.
 
-Needs the ``chaos`` extra: ``pip install 'stateful-async[chaos]'``.
+Needs the ``chaos`` extra (aiohttp, psutil): ``pip install '.[chaos]'`` in a clone of
+stateful-async.
 """
 
 from ._client import ServiceEnrichment, ServiceError

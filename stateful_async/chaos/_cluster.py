@@ -83,8 +83,9 @@ def spark_home() -> str:
         import pyspark
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ClusterError(
-            "PySpark is not installed, so there is no Spark to start: pip install "
-            "'stateful-async[spark,chaos]'."
+            "PySpark is not installed, so there is no Spark to start: install "
+            "pyspark==4.2.* (the spark extra: pip install '.[spark,chaos]' in a clone of "
+            "stateful-async)."
         ) from exc
     return os.path.dirname(os.path.abspath(pyspark.__file__))
 

@@ -31,7 +31,8 @@ def local_session(
         from pyspark.sql import SparkSession
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ConfigurationError(
-            "PySpark is not installed: pip install 'stateful-async[spark]'."
+            "PySpark is not installed: install pyspark==4.2.* (the spark extra: pip install "
+            "'.[spark]' in a clone of stateful-async)."
         ) from exc
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # only loopback, never a public address
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)

@@ -89,7 +89,8 @@ def register_delta_sink(spark: Any) -> None:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ConfigurationError(
             "The delta_rs sink needs PySpark 4.1 or later with the Python Data Source API: "
-            f"{exc}. Install it with pip install 'stateful-async[spark]'."
+            f"{exc}. Install pyspark==4.2.* (the spark extra: pip install '.[spark]' in a "
+            "clone of stateful-async)."
         ) from exc
     if not hasattr(spark, "dataSource"):
         raise ConfigurationError(
