@@ -65,7 +65,7 @@ _OUTPUT_ROWS = 1024  # rows per output Arrow batch
 # an idle task still hands its results over this often (with checkpoints: to the next
 # checkpoint, which hands them to Spark once committed)
 _FLUSH_SECONDS = 0.2
-_MAX_QUEUED_BATCHES = 16  # output backpressure: stop reading input past this
+_MAX_QUEUED_BATCHES = 16  # output backpressure: stop feeding input past this
 _PROGRESS_SECONDS = 60.0  # a task logs its progress this often (STATEFUL_ASYNC_PROGRESS_SECONDS)
 _EXPIRE_EVERY = 20  # a long task expires old checkpoints every this many checkpoints
 _WATERMARK = "watermark"  # checkpoint property: the last watermark the task generated
@@ -711,6 +711,7 @@ class _TaskRun:
         seconds = spec.checkpoint._seconds if spec.checkpoint else None
         event_time = spec.event_time
         argument = self.argument
+        out = self.out
         self.last_checkpoint = time.monotonic()  # the interval runs from here, not from restore
         while True:
             batch = await self._next_batch()
@@ -731,6 +732,10 @@ class _TaskRun:
                 # take far longer than it); when it is due, the chunk ends there.
                 due = None if seconds is None else self.last_checkpoint + seconds
                 for row, stamp in zip(rows, stamps or itertools.repeat(None), strict=False):
+                    # output backpressure per record, not per input batch: the results of
+                    # one batch's rows would fill the queue past the bound while Spark waits
+                    if out.qsize() > _MAX_QUEUED_BATCHES:
+                        await self._wait_for_room()
                     await process(_record(seq, row, stamp, argument))
                     seq += 1
                     if due is not None and time.monotonic() >= due:

@@ -321,6 +321,29 @@ def test_each_task_opens_and_closes_its_function_once(spark, service, wait) -> N
     assert all(counts[str(i)] == 1 for i in range(rows)) and len(counts) == rows + 6
 
 
+def test_a_task_reads_no_further_while_spark_does_not_take_its_results() -> None:
+    # The task itself, in this process: one input batch of 10,000 rows (Spark's default
+    # batch size), 20 results per row, and a consumer that takes one output batch and
+    # pauses. The task must stop invoking the function once the output queue is full, not
+    # queue every row's results of the batch (200,000 rows) while Spark is busy.
+    from stateful_async.spark._task import _MAX_QUEUED_BATCHES, TaskIdentity, _TaskRun
+
+    async def twenty(row):  # type: ignore[no-untyped-def]
+        return [row] * 20
+
+    batches = iter([pa.record_batch([pa.array(range(10_000), pa.int64())], schema=ID_SCHEMA)])
+    task = _TaskRun(id_task(twenty, capacity=10), batches, TaskIdentity(0, 0, "app.stage1", {}))
+    out = task.run()
+    taken = next(out).num_rows
+    time.sleep(1.5)  # the task runs on while the consumer pauses
+    queued, invoked = task.out.qsize(), task.op.metrics.records_in
+    taken += sum(batch.num_rows for batch in out)
+    assert taken == 200_000
+    # room for what was in flight when the queue filled up: capacity * 20 rows, < 1 batch
+    assert queued <= _MAX_QUEUED_BATCHES + 2, queued
+    assert invoked < 2_000, invoked
+
+
 # -- crash resume --------------------------------------------------------------------------
 
 
