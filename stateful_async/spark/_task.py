@@ -803,7 +803,9 @@ class _TaskRun:
             # makes again, so its own checkpoints' input check holds.
             self.uncommitted.append(batch)
             return
-        self.out.put(("batch", batch))
+        # one call may return many results, and more pile up until a flush runs
+        for start in range(0, batch.num_rows, _OUTPUT_ROWS):
+            self.out.put(("batch", batch.slice(start, _OUTPUT_ROWS)))
 
     def _described(self, record: tuple[int, dict[str, Any], dict[str, Any]]) -> str:
         return _row_text(record, self.argument, self.identity.partition)

@@ -34,6 +34,7 @@ from stateful_async import (
     AsyncFunction,
     ConfigurationError,
     FunctionNotSerializableError,
+    OutputMode,
     ResultSchemaError,
     RetryStrategy,
     Watermark,
@@ -342,6 +343,23 @@ def test_a_task_reads_no_further_while_spark_does_not_take_its_results() -> None
     # room for what was in flight when the queue filled up: capacity * 20 rows, < 1 batch
     assert queued <= _MAX_QUEUED_BATCHES + 2, queued
     assert invoked < 2_000, invoked
+
+
+def test_results_leave_a_task_in_arrow_batches_of_bounded_size() -> None:
+    # A call with many results (and results piling up between two flushes) still leaves
+    # in batches of at most _OUTPUT_ROWS rows, as a checkpoint's results do.
+    from stateful_async.spark._task import _OUTPUT_ROWS, PartitionTask
+
+    async def many(row):  # type: ignore[no-untyped-def]
+        return [row] * 3_000
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        yield pa.record_batch([pa.array(range(4), pa.int64())], schema=ID_SCHEMA)
+
+    for wait in (OutputMode.ORDERED, OutputMode.UNORDERED):
+        sizes = [batch.num_rows for batch in PartitionTask(id_task(many, wait))(batches())]
+        assert sum(sizes) == 12_000
+        assert max(sizes) <= _OUTPUT_ROWS, sizes
 
 
 # -- crash resume --------------------------------------------------------------------------
