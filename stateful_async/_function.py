@@ -244,8 +244,15 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
 
 def not_a_result_list(results: Any) -> bool:
     """Whether a function's return value is one that ``list()`` would take but that is not
-    a collection of results (None, a str split into characters, a dict into its keys)."""
-    return results is None or isinstance(results, (str, bytes, dict))
+    a collection of results (None, a str split into characters, a dict into its keys, a
+    pandas or polars DataFrame into its column labels)."""
+    return results is None or isinstance(results, (str, bytes, dict)) or is_data_frame(results)
+
+
+def is_data_frame(value: Any) -> bool:
+    """Whether ``value`` is a pandas or polars DataFrame (without importing either)."""
+    module = type(value).__module__
+    return type(value).__name__ == "DataFrame" and module.split(".")[0] in ("pandas", "polars")
 
 
 def _listed(results: Any) -> Any:

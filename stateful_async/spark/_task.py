@@ -53,6 +53,7 @@ from .._function import (
     AsyncFunction,
     CoroutineFunction,
     has_timeout_handler,
+    is_data_frame,
     not_a_result_list,
 )
 from .._operator import AsyncWaitOperator, OutputMode
@@ -270,10 +271,15 @@ def _pair(
     row = record[1]
     if type(results) is not list:
         if not_a_result_list(results):
+            hint = (
+                " (of a DataFrame df: df.to_dict('records') in pandas, df.to_dicts() in polars)"
+                if is_data_frame(results)
+                else ""
+            )
             raise InvalidResultError(
                 f"{source} returned {type(results).__name__} for input row "
                 f"{_row_text(record, shown, partition)}; it must return a list of result rows "
-                "(dicts): [row] for one result, [] for none.",
+                f"(dicts){hint}: [row] for one result, [] for none.",
                 element=row,
             )
         if inspect.isawaitable(results):

@@ -1640,6 +1640,32 @@ def test_an_error_shows_the_input_row_as_the_function_got_it(fails: str) -> None
     assert f"input row {shown}" in str(info.value), str(info.value)
 
 
+def test_a_dataframe_returned_as_results_is_refused_naming_the_input_row() -> None:
+    # Iterated, a DataFrame gives its column labels: the error said "returned a str result",
+    # which the function never did. An async def and a wrapped blocking function alike.
+    import pandas as pd
+
+    from stateful_async import InvalidResultError, ThreadPoolAsyncFunction
+    from stateful_async.spark._task import PartitionTask
+
+    async def frame(row):  # type: ignore[no-untyped-def]
+        return pd.DataFrame([row])
+
+    def blocking_frame(row):  # type: ignore[no-untyped-def]
+        return pd.DataFrame([row])
+
+    for fn in (frame, ThreadPoolAsyncFunction(blocking_frame)):
+        batches = iter([pa.record_batch([pa.array([7, 8], pa.int64())], schema=ID_SCHEMA)])
+        with pytest.raises(InvalidResultError) as info:
+            list(PartitionTask(id_task(fn))(batches))
+        assert str(info.value) == (
+            "The async function returned DataFrame for input row {'id': 7} (record 0 of "
+            "partition 0); it must return a list of result rows (dicts) (of a DataFrame df: "
+            "df.to_dict('records') in pandas, df.to_dicts() in polars): [row] for one result, "
+            "[] for none."
+        )
+
+
 class FailsAndFailsToClose(AsyncFunction):
     """Fails on row 3, and its close() fails too (as a client broken by the same cause)."""
 
