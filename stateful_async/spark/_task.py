@@ -1114,9 +1114,14 @@ class _TaskRun:
             if batch is None:
                 break
             take = min(batch.num_rows, position - self.position)
-            self.fingerprint.update(batch.slice(0, take).to_pylist())
-            self.position += take
-            self.stats["skipped"] = self.position  # as it goes: progress lines show it
+            # a chunk of Python rows at a time, as _consume reads them: a large input batch
+            # is not held as Python rows all at once, nor does it hold up the loop's timers
+            for start in range(0, take, _CHUNK_ROWS):
+                size = min(_CHUNK_ROWS, take - start)
+                self.fingerprint.update(batch.slice(start, size).to_pylist())
+                self.position += size
+                self.stats["skipped"] = self.position  # as it goes: progress lines show it
+                await asyncio.sleep(0)
             if take < batch.num_rows:
                 self.leftover = batch.slice(take)
         found = self.fingerprint.hexdigest()

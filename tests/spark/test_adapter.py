@@ -362,6 +362,33 @@ def test_results_leave_a_task_in_arrow_batches_of_bounded_size() -> None:
         assert max(sizes) <= _OUTPUT_ROWS, sizes
 
 
+def test_a_resume_skips_a_large_input_batch_a_chunk_at_a_time(monkeypatch, tmp_path) -> None:
+    # A retry skips the input its checkpoint consumed, fingerprinting it: a 5,000-row
+    # input batch is turned into Python rows a chunk at a time, as reading it is.
+    from checkpoint import InputFingerprint
+    from stateful_async.spark._task import _CHUNK_ROWS, TaskIdentity, _TaskRun
+
+    spec = id_task(_same_id, checkpoint=CheckpointConfig(str(tmp_path), "skip"))
+
+    def run(attempt: int) -> int:
+        batches = iter([pa.record_batch([pa.array(range(5_000), pa.int64())], schema=ID_SCHEMA)])
+        task = _TaskRun(spec, batches, TaskIdentity(0, attempt, "app.stage1", {}))
+        return sum(batch.num_rows for batch in task.run())
+
+    assert run(0) == 5_000
+    converted: list[int] = []
+    update = InputFingerprint.update
+
+    def counted(self, rows):  # type: ignore[no-untyped-def]
+        rows = list(rows)
+        converted.append(len(rows))
+        update(self, rows)
+
+    monkeypatch.setattr(InputFingerprint, "update", counted)
+    assert run(1) == 5_000  # re-emitted from the checkpoint, the input skipped
+    assert sum(converted) == 5_000 and max(converted) <= _CHUNK_ROWS, converted
+
+
 # -- crash resume --------------------------------------------------------------------------
 
 
