@@ -604,15 +604,22 @@ class _TaskRun:
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="stateful-async-input")
         self.io = ThreadPoolExecutor(1, thread_name_prefix="stateful-async-checkpoint")
         self.started = time.monotonic()  # the task's clock: progress lines and summary
+        failed: BaseException | None = None
         try:
             await self._drive()
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
+            failed = self.error or exc
             if self.error is not None:
                 raise self.error from None
+            raise
+        except BaseException as exc:
+            failed = exc
             raise
         finally:
             self.reader.shutdown(wait=False, cancel_futures=True)
             self.io.shutdown(wait=True)
+            if failed is not None:
+                self._log_failure(failed)
         if self.spec.metrics is not None:
             self.spec.metrics.add(self._counters())
         self._log_summary(time.monotonic() - self.started)
@@ -1330,11 +1337,21 @@ class _TaskRun:
             "skipped_inputs": stats["skipped"],
         }
 
-    def _log_summary(self, seconds: float) -> None:
+    def _log_summary(self, seconds: float, ending: str = "") -> None:
         if os.environ.get("STATEFUL_ASYNC_TASK_LOG", "1") == "0":
             return
         parts = self._task_parts(seconds) + self._restored_parts()
-        print("stateful-async: " + ", ".join(parts), file=sys.stderr, flush=True)
+        print("stateful-async: " + ", ".join(parts) + ending, file=sys.stderr, flush=True)
+
+    def _log_failure(self, error: BaseException) -> None:
+        """A failed attempt's line too: what it did before the error (which Spark reports).
+        Nothing when it failed before its operator existed; never masks the error."""
+        if getattr(self, "op", None) is None:
+            return
+        try:
+            self._log_summary(time.monotonic() - self.started, f" (failed: {type(error).__name__})")
+        except Exception:  # the line is a courtesy; the task's own error is what matters
+            pass
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:

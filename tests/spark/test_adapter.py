@@ -1734,6 +1734,13 @@ def test_the_close_error_a_failed_task_logs_has_its_traceback(capsys) -> None:
         r"test_adapter\.py\", line \d+, in close\n",
         logged,
     ), logged
+    # and, as a task that succeeds, one line saying what the attempt did before it failed
+    assert re.search(
+        r"^stateful-async: partition 0 attempt 0, run app\.stage1, [1-5] records? invoked, "
+        r"[0-3] results? emitted, 0 retries, 0 timeouts, [\d.]+ s \(failed: AsyncFunctionError\)$",
+        logged,
+        re.MULTILINE,
+    ), logged
 
 
 async def _same_id(row):  # type: ignore[no-untyped-def]
