@@ -607,13 +607,11 @@ class _TaskRun:
         failed: BaseException | None = None
         try:
             await self._drive()
-        except asyncio.CancelledError as exc:
-            failed = self.error or exc
-            if self.error is not None:
-                raise self.error from None
-            raise
         except BaseException as exc:
             failed = exc
+            if isinstance(exc, asyncio.CancelledError) and self.error is not None:
+                failed = self.error  # the loop was cancelled for this error: raised as it
+                raise self.error from None
             raise
         finally:
             self.reader.shutdown(wait=False, cancel_futures=True)
