@@ -96,7 +96,7 @@ def as_async_function(fn: Any) -> AsyncFunction[Any, Any]:
             "operator awaits one list of results per value: write 'async def' that returns "
             "a list ([] to emit nothing)."
         )
-    if _is_async(fn) or (callable(fn) and _is_async(type(fn).__call__)):
+    if is_coroutine_callable(fn):
         return CoroutineFunction(fn)
     if callable(fn):
         raise ConfigurationError(
@@ -107,6 +107,12 @@ def as_async_function(fn: Any) -> AsyncFunction[Any, Any]:
     raise ConfigurationError(
         f"Expected an AsyncFunction or an async def function; got {type(fn).__name__}."
     )
+
+
+def is_coroutine_callable(fn: Any) -> bool:
+    """Whether calling ``fn`` gives a coroutine: an ``async def``, or an object whose
+    ``__call__`` is one."""
+    return _is_async(fn) or (callable(fn) and _is_async(type(fn).__call__))
 
 
 def _is_async(fn: Any) -> bool:

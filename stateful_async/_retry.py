@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
 
 from ._exceptions import ConfigurationError, as_float, as_int, as_seconds
-from ._function import _is_async
+from ._function import is_coroutine_callable
 
 ExceptionPredicate = Union[
     Callable[[BaseException], bool], type[BaseException], tuple[type[BaseException], ...]
@@ -38,13 +38,6 @@ def _check_number(name: str, value: Any, minimum: float, unit: str = "") -> floa
 def _keep_number(strategy: RetryStrategy, name: str, minimum: float, unit: str = "") -> None:
     number = _check_number(name, getattr(strategy, name), minimum, unit)
     object.__setattr__(strategy, name, number)  # frozen: as __init__ would have set it
-
-
-def _is_coroutine_function(value: Any) -> bool:
-    """An ``async def`` (or a callable object whose ``__call__`` is one)."""
-    if isinstance(value, (type, tuple)) or not callable(value):
-        return False
-    return _is_async(value) or _is_async(type(value).__call__)
 
 
 def _is_exception_type(value: Any) -> bool:
@@ -120,21 +113,17 @@ class RetryStrategy:
                 f"or a predicate over the exception; got {predicate!r}."
             )
         result_predicate = self.retry_on_result
-        if not callable(result_predicate) or _is_exception_type(result_predicate):
-            # An exception class is callable and its instances are true: it would retry every
-            # result.
-            hint = (
-                f", an exception type: retry exceptions with "
-                f"retry_on_exception={result_predicate.__name__}"
-                if _is_exception_type(result_predicate)
-                else ""
-            )
+        expected = "RetryStrategy retry_on_result must be a predicate over the result list"
+        if _is_exception_type(result_predicate):
+            # callable, and every instance is true: it would retry every result
             raise ConfigurationError(
-                "RetryStrategy retry_on_result must be a predicate over the result list; got "
-                f"{result_predicate!r}{hint}."
+                f"{expected}; got {result_predicate!r}, an exception type: retry exceptions "
+                f"with retry_on_exception={result_predicate.__name__}."
             )
+        if not callable(result_predicate):
+            raise ConfigurationError(f"{expected}; got {result_predicate!r}.")
         for outcome, check in (("exception", predicate), ("result", result_predicate)):
-            if _is_coroutine_function(check):
+            if is_coroutine_callable(check):
                 raise ConfigurationError(
                     f"RetryStrategy retry_on_{outcome} is an async function, but a predicate is "
                     f"called, not awaited: its coroutine would count as True, so every "
