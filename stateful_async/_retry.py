@@ -52,8 +52,9 @@ class RetryStrategy:
     means one call and at most two retries. (Flink's ``maxAttempts`` counts retries only, so
     Flink's ``maxAttempts=2`` is ``max_attempts=3`` here.)
 
-    An attempt is retried when its exception matches ``retry_on_exception`` (exception
-    types, or a predicate; default: any ``Exception``) or its result list matches
+    An attempt is retried when its exception matches ``retry_on_exception`` (an exception
+    type, a non-empty tuple of them, or a predicate over the exception; default: any
+    ``Exception``; to retry no exception, pass ``lambda exc: False``) or its result list matches
     ``retry_on_result`` (default: never), while attempts remain. When attempts run out, an
     exception fails the element and a result is emitted as it is (once the operator's
     timeout has passed, such a result, like an exception, is dropped: the timeout handler
@@ -101,6 +102,15 @@ class RetryStrategy:
                 f"RetryStrategy jitter must be between 0 and 1; got {self.jitter!r}."
             )
         predicate = self.retry_on_exception
+        if isinstance(predicate, (tuple, list, set, frozenset)) and not predicate:
+            # isinstance(exc, ()) is False: an empty tuple would retry nothing, silently.
+            raise ConfigurationError(
+                f"RetryStrategy retry_on_exception is an empty {type(predicate).__name__}, "
+                f"{predicate!r}, which matches no exception, so nothing would ever be retried. "
+                "Pass the exception types to retry, e.g. retry_on_exception=(TimeoutError,); "
+                "omit it to retry any Exception; or, to retry no exception (only results, with "
+                "retry_on_result), pass retry_on_exception=lambda exc: False."
+            )
         if isinstance(predicate, tuple):
             valid = all(_is_exception_type(t) for t in predicate)
         elif isinstance(predicate, type):
@@ -108,9 +118,16 @@ class RetryStrategy:
         else:
             valid = callable(predicate)
         if not valid:
+            hint = ""
+            if isinstance(predicate, (list, set, frozenset)) and all(
+                _is_exception_type(t) for t in predicate
+            ):
+                names = ", ".join(t.__name__ for t in predicate)
+                names += "," if len(predicate) == 1 else ""
+                hint = f" Pass them as a tuple: retry_on_exception=({names})."
             raise ConfigurationError(
                 "RetryStrategy retry_on_exception must be an exception type, a tuple of them, "
-                f"or a predicate over the exception; got {predicate!r}."
+                f"or a predicate over the exception; got {predicate!r}.{hint}"
             )
         result_predicate = self.retry_on_result
         expected = "RetryStrategy retry_on_result must be a predicate over the result list"

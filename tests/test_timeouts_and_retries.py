@@ -597,6 +597,51 @@ def test_invalid_retry_strategies_fail_at_construction(kwargs: dict, message: st
         RetryStrategy(**kwargs)
 
 
+@pytest.mark.parametrize("empty", [(), [], set(), frozenset()], ids=type)
+@pytest.mark.parametrize("factory", ["constructor", "fixed_delay", "exponential_backoff"])
+def test_an_empty_retry_on_exception_is_refused_at_construction(empty, factory: str) -> None:
+    # isinstance(exc, ()) is False: an empty tuple was accepted and retried nothing.
+    from stateful_async import ConfigurationError
+
+    make_strategy = {
+        "constructor": lambda: RetryStrategy(3, 1, retry_on_exception=empty),
+        "fixed_delay": lambda: RetryStrategy.fixed_delay(3, 1, retry_on_exception=empty),
+        "exponential_backoff": lambda: RetryStrategy.exponential_backoff(
+            3, 1, 4, retry_on_exception=empty
+        ),
+    }[factory]
+    with pytest.raises(ConfigurationError) as info:
+        make_strategy()
+    assert str(info.value) == (
+        f"RetryStrategy retry_on_exception is an empty {type(empty).__name__}, {empty!r}, which "
+        "matches no exception, so nothing would ever be retried. Pass the exception types to "
+        "retry, e.g. retry_on_exception=(TimeoutError,); omit it to retry any Exception; or, "
+        "to retry no exception (only results, with retry_on_result), pass "
+        "retry_on_exception=lambda exc: False."
+    )
+
+
+def test_the_no_retry_predicate_the_empty_collection_error_advises_retries_no_exception() -> None:
+    retry = RetryStrategy.fixed_delay(
+        3, 1, retry_on_exception=lambda exc: False, retry_on_result=lambda r: r == []
+    )
+    assert retry.should_retry_exception(TimeoutError()) is False
+    assert retry.should_retry_result([]) is True
+
+
+def test_a_list_of_exception_types_is_refused_with_the_tuple_to_pass() -> None:
+    from stateful_async import ConfigurationError
+
+    with pytest.raises(ConfigurationError) as info:
+        RetryStrategy.fixed_delay(3, 1, retry_on_exception=[TimeoutError, ConnectionError])
+    assert str(info.value) == (
+        "RetryStrategy retry_on_exception must be an exception type, a tuple of them, or a "
+        "predicate over the exception; got [<class 'TimeoutError'>, <class "
+        "'ConnectionError'>]. Pass them as a tuple: retry_on_exception=(TimeoutError, "
+        "ConnectionError)."
+    )
+
+
 @pytest.mark.parametrize("outcome", ["exception", "result"])
 def test_an_async_retry_predicate_is_refused_at_construction(outcome: str) -> None:
     # Called, never awaited: its coroutine is true, so every outcome was retried.
