@@ -14,6 +14,9 @@ T = TypeVar("T")
 class StreamRecord(Generic[T]):
     """A record: a value and an optional event-time timestamp.
 
+    ``timestamp`` is None or an integer that fits in 64 bits (the type checkpoints store it
+    in); numpy's integers are taken as plain ints; anything else (a float, a bool, a
+    datetime) raises ``ConfigurationError`` here rather than when a checkpoint is written.
     Results emitted for a record carry the record's timestamp.
     """
 
@@ -21,6 +24,8 @@ class StreamRecord(Generic[T]):
 
     def __init__(self, value: T, timestamp: int | None = None) -> None:
         self.value = value
+        if timestamp is not None and (type(timestamp) is not int or not _MIN <= timestamp <= _MAX):
+            timestamp = _checked_timestamp(timestamp, "StreamRecord", "a record's timestamp")
         self.timestamp = timestamp
 
     def __eq__(self, other: object) -> bool:
@@ -41,11 +46,17 @@ class StreamRecord(Generic[T]):
 
 
 class Watermark:
-    """An event-time watermark: no record with a timestamp <= ``timestamp`` follows it."""
+    """An event-time watermark: no record with a timestamp <= ``timestamp`` follows it.
+
+    ``timestamp`` is an integer that fits in 64 bits, as a record's; numpy's integers are
+    taken as plain ints; anything else raises ``ConfigurationError`` here.
+    """
 
     __slots__ = ("timestamp",)
 
     def __init__(self, timestamp: int) -> None:
+        if type(timestamp) is not int or not _MIN <= timestamp <= _MAX:
+            timestamp = _checked_timestamp(timestamp, "Watermark", "a watermark's timestamp")
         self.timestamp = timestamp
 
     def __eq__(self, other: object) -> bool:
@@ -59,6 +70,34 @@ class Watermark:
 
 
 StreamElement = Union[StreamRecord[Any], Watermark]
+
+# Checkpoints store timestamps as int64 (as Flink's are Java longs).
+_MIN = -(2**63)
+_MAX = 2**63 - 1
+
+
+def _checked_timestamp(timestamp: Any, cls: str, what: str) -> int:
+    """``timestamp`` as a plain int (numpy's integers too), or a ``ConfigurationError``
+    that says what to pass. Off the hot path: a plain int in range never gets here."""
+    from ._exceptions import ConfigurationError, as_int  # _exceptions imports this module
+
+    number = as_int(timestamp)  # None for bools, floats, strings, datetimes
+    if number is None:
+        raise ConfigurationError(
+            f"{cls} timestamp must be an integer (event time in your own unit, such as "
+            f"milliseconds since the epoch); got {_safe_repr(timestamp)} of type "
+            f"{type(timestamp).__name__}. Convert it to an int first, e.g. "
+            "int(moment.timestamp() * 1000) for a datetime"
+            + ("" if cls == "Watermark" else ", or pass None for no timestamp")
+            + "."
+        )
+    if not _MIN <= number <= _MAX:
+        raise ConfigurationError(
+            f"{cls} timestamp must fit in a 64-bit signed integer, the type checkpoints store "
+            f"{what} in; got {number}. Event times in milliseconds, microseconds or even "
+            "nanoseconds since 1970 fit: check how this one was computed."
+        )
+    return number
 
 
 def _hashable(value: Any) -> Any:

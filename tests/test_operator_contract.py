@@ -745,6 +745,85 @@ def test_numpy_numbers_are_taken_as_plain_ones() -> None:
     assert ThreadPoolAsyncFunction(lambda v: [v], max_workers=np.int64(3)).max_workers == 3
 
 
+def _not_integers() -> list:
+    import datetime
+
+    import numpy as np
+
+    return [1.5, 2.0, True, "3", datetime.datetime(2024, 1, 1), np.float64(2.0), np.bool_(1)]
+
+
+@pytest.mark.parametrize("timestamp", _not_integers(), ids=lambda t: type(t).__name__)
+def test_a_watermark_timestamp_that_is_not_an_integer_is_refused_at_construction(
+    timestamp,
+) -> None:
+    # It was accepted and flowed through the operator into snapshots, until writing the
+    # checkpoint (an int64 column) failed, far from the mistake.
+    with pytest.raises(ConfigurationError) as info:
+        Watermark(timestamp)
+    assert str(info.value) == (
+        "Watermark timestamp must be an integer (event time in your own unit, such as "
+        f"milliseconds since the epoch); got {timestamp!r} of type {type(timestamp).__name__}. "
+        "Convert it to an int first, e.g. int(moment.timestamp() * 1000) for a datetime."
+    )
+
+
+@pytest.mark.parametrize("timestamp", _not_integers(), ids=lambda t: type(t).__name__)
+def test_a_record_timestamp_that_is_not_an_integer_or_none_is_refused_at_construction(
+    timestamp,
+) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        StreamRecord("a", timestamp)
+    assert str(info.value) == (
+        "StreamRecord timestamp must be an integer (event time in your own unit, such as "
+        f"milliseconds since the epoch); got {timestamp!r} of type {type(timestamp).__name__}. "
+        "Convert it to an int first, e.g. int(moment.timestamp() * 1000) for a datetime, or "
+        "pass None for no timestamp."
+    )
+    assert StreamRecord("a").timestamp is None
+
+
+@pytest.mark.parametrize("timestamp", [2**63, -(2**63) - 1])
+def test_a_timestamp_beyond_64_bits_is_refused_at_construction(timestamp: int) -> None:
+    # Checkpoints store timestamps as int64: the write failed with an OverflowError.
+    for make_element, cls, what in (
+        (Watermark, "Watermark", "a watermark's"),
+        (functools.partial(StreamRecord, "a"), "StreamRecord", "a record's"),
+    ):
+        with pytest.raises(ConfigurationError) as info:
+            make_element(timestamp)
+        assert str(info.value) == (
+            f"{cls} timestamp must fit in a 64-bit signed integer, the type checkpoints store "
+            f"{what} timestamp in; got {timestamp}. Event times in milliseconds, microseconds "
+            "or even nanoseconds since 1970 fit: check how this one was computed."
+        )
+    assert Watermark(2**63 - 1).timestamp == 2**63 - 1
+    assert StreamRecord("a", -(2**63)).timestamp == -(2**63)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_numpy_integer_timestamps_are_taken_as_plain_ints(mode: OutputMode) -> None:
+    # Timestamps computed with numpy or pandas: kept as plain ints, so that snapshots,
+    # results and JSON (the CLI's) hold the same values as for Python ints.
+    import numpy as np
+
+    fn, out, op = make(mode)
+    await op.open()
+    await op.process_element(StreamRecord("a", np.int64(7)))
+    await op.process_watermark(Watermark(np.int32(6)))
+    snapshot = op.snapshot_state(1)
+    assert snapshot == [StreamRecord("a", 7), Watermark(6)]
+    assert [type(element.timestamp) for element in snapshot] == [int, int]
+    assert json.dumps([element.timestamp for element in snapshot]) == "[7, 6]"
+    await settle()
+    fn.complete("a", ["A"])
+    await settle()
+    await op.finish()
+    assert out == [StreamRecord("A", 7), Watermark(6)]
+    assert type(out[0].timestamp) is int
+    await op.close()
+
+
 def test_a_regular_function_is_refused_with_advice() -> None:
     def sync(value):
         return [value]
