@@ -2,9 +2,11 @@
 
 Random records and watermarks, completions in random order, retryable failures, time
 advancing (timeouts fall back to the same results), checkpoints, and crashes that restore a
-fresh operator from the last checkpoint. The output follows the checkpoint protocol the Spark
-adapter uses: output since the last checkpoint is uncommitted and a crash discards it; inputs
-consumed after the checkpoint are fed again after the restore.
+fresh operator from the last checkpoint, with the same or another capacity and
+``max_in_flight`` (so a restore may hold more elements than the new queue). The output
+follows the checkpoint protocol the Spark adapter uses: output since the last checkpoint is
+uncommitted and a crash discards it; inputs consumed after the checkpoint are fed again
+after the restore.
 
 Half the runs have no timeout and no retries (the fast path, which reuses the entries of
 emitted elements); the other half have both. Half the runs bound the calls in flight
@@ -13,8 +15,10 @@ below capacity (``max_in_flight``), so elements also wait in the queue for a cal
 Invariants: never more than ``capacity`` queue entries (in flight and kept for reuse), nor
 more than ``max_in_flight`` calls, and no call slot idle while an element waits for one;
 ordered output is a prefix of the input-order output; in unordered mode no record crosses a
-watermark either way; and in the end the committed output equals a failure-free run exactly
-once (as a sequence when ordered, as a multiset per watermark segment when unordered).
+watermark either way; a snapshot taken at any step holds exactly the consumed inputs whose
+output has not left, in input order (watermarks included); and in the end the committed
+output equals a failure-free run exactly once (as a sequence when ordered, as a multiset per
+watermark segment when unordered).
 
 ``FailureMachine`` adds what this one never does: operator failures (an attempt or a timeout
 handler failing for good) followed by the restore a job's retry makes, timeout handlers that
@@ -203,6 +207,14 @@ class OperatorMachine(RuleBasedStateMachine):
         self.new_operator()
         self.start_feeder(restored=list(snapshot))
 
+    @rule(capacity=st.integers(1, 6), max_calls=st.integers(0, 3))
+    def crash_and_restore_resized(self, capacity: int, max_calls: int) -> None:
+        """A job resumed with another ``capacity`` (and ``max_in_flight``): the snapshot may
+        hold more elements than the new queue, which the restore must not deadlock on."""
+        self.capacity = capacity
+        self.max_calls = min(max_calls, capacity) or None
+        self.crash_and_restore()
+
     # -- invariants ------------------------------------------------------------------------
 
     @invariant()
@@ -235,6 +247,36 @@ class OperatorMachine(RuleBasedStateMachine):
             assert output == expected[: len(output)]
         else:
             check_unordered_prefix(output, inputs)
+
+    @invariant()
+    def snapshot_holds_exactly_what_is_not_yet_out(self) -> None:
+        """A snapshot taken now holds every consumed input whose output has not left, in
+        input order, and nothing else: the output so far plus the snapshot's results is
+        every consumed input's results (in order when ordered; per watermark segment when
+        unordered). The end-to-end check only sees the snapshots that a crash restored."""
+        op = self.op
+        if self.restoring() or op.failure is not None or op._state.value == "closed":
+            return
+        snapshot = op.snapshot_state(0)
+        output = self.committed + self.uncommitted
+        consumed = self.consumed
+        if self.mode is OutputMode.ORDERED:
+            assert snapshot == consumed[len(consumed) - len(snapshot) :], "not the unemitted tail"
+            assert output + expected_sequence(snapshot) == expected_sequence(consumed)
+            return
+        position = {element: index for index, element in enumerate(consumed)}
+        indices = [position[element] for element in snapshot]
+        assert indices == sorted(set(indices)), "not a subsequence of the input, in order"
+        watermarks = [element for element in consumed if isinstance(element, Watermark)]
+        emitted = [element for element in output if isinstance(element, Watermark)]
+        assert [e for e in snapshot if isinstance(e, Watermark)] == watermarks[len(emitted) :]
+        actual = [counter for counter, _ in segments(output)]
+        actual += [Counter() for _ in range(len(watermarks) + 1 - len(actual))]
+        for element, index in zip(snapshot, indices, strict=True):
+            if isinstance(element, StreamRecord):
+                segment = sum(isinstance(e, Watermark) for e in consumed[:index])
+                actual[segment].update(results_of(element.value))
+        assert actual == [Counter(seg) for seg, _ in expected_segments(consumed)]
 
     def teardown(self) -> None:
         try:
