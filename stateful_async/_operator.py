@@ -1203,9 +1203,15 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         except BaseException as exc:
             # Any exception, CancelledError included: the entry is already polled, so an
             # operator left running would wait forever for it in finish().
+            emitting = (
+                describe(element)
+                if type(element) is Watermark
+                else f"a result of element {describe(element)}"
+            )
             error = OperatorStateError(
                 f"The operator's output raised {type(exc).__name__}: {error_text(exc)} while "
-                "emitting the results of an element; the operator has failed."
+                f"emitting {emitting}; the operator has failed. Fix the output callable: it "
+                "must accept every emitted StreamRecord and Watermark without raising."
             )
             error.__cause__ = exc
             self._fail(error)
