@@ -4,10 +4,12 @@ driver-process bookkeeping on real child processes."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -188,6 +190,58 @@ def test_a_cluster_whose_start_failed_leaves_no_directory_or_exit_hook(
     assert cluster.base_dir is not None and not cluster.base_dir.exists()  # its temp dir
     assert hooks == []
     assert cluster.stop() == []  # and stopping again does nothing
+
+
+def test_a_second_start_in_the_same_directory_while_one_is_starting_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, both starts found no state file and both launched a cluster; the second's
+    # state file replaced the first's, so `cluster stop` never stopped the first's daemons.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    starting = threading.Event()
+    release = threading.Event()
+    masters: list[str] = []
+
+    def fake_start_master(self: LocalCluster, deadline: float) -> None:
+        # stands for launching the master (no Spark here): the first start stays in it
+        # until the test lets it go, then fails as a master that exits would
+        masters.append(threading.current_thread().name)
+        if len(masters) == 1:
+            starting.set()
+            release.wait(timeout=60)
+        raise ClusterError("no master in this test")
+
+    monkeypatch.setattr(LocalCluster, "_start_master", fake_start_master)
+    state = tmp_path / "cluster"
+    first_error: list[BaseException] = []
+
+    def first_start() -> None:
+        try:
+            LocalCluster(1, base_dir=state, stop_at_exit=False).start()
+        except BaseException as exc:
+            first_error.append(exc)
+
+    first = threading.Thread(target=first_start, name="first")
+    first.start()
+    try:
+        assert starting.wait(timeout=60)
+        with pytest.raises(
+            ClusterError,
+            match=rf"Another process \(pid {os.getpid()}\) is starting a cluster in "
+            rf"{re.escape(str(state))} right now .*Use another directory, or wait until it has "
+            "started",
+        ):
+            LocalCluster(1, base_dir=state, stop_at_exit=False).start()
+        assert masters == ["first"]  # the second launched nothing
+    finally:
+        release.set()
+        first.join(timeout=60)
+    assert [str(e) for e in first_error] == ["no master in this test"]
+    # the lock went with the first start: a start now gets as far as its master
+    with pytest.raises(ClusterError, match="no master in this test"):
+        LocalCluster(1, base_dir=state, stop_at_exit=False).start()
+    assert masters == ["first", "MainThread"]
+    assert not (state / "cluster.json").exists()
 
 
 # -- the reference job's options and checks ------------------------------------------------

@@ -36,13 +36,14 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 from .._exceptions import StatefulAsyncError
 
 T = TypeVar("T")
 
 _STATE_FILE = "cluster.json"
+_LOCK_FILE = "cluster.lock"  # held by a start() in progress
 _EXECUTOR_CLASS = "org.apache.spark.executor.CoarseGrainedExecutorBackend"
 _MASTER_CLASS = "org.apache.spark.deploy.master.Master"
 _WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
@@ -321,6 +322,43 @@ class LocalCluster:
         if self.base_dir is None:
             self.base_dir = Path(tempfile.mkdtemp(prefix="stateful-async-cluster-"))
         self.base_dir.mkdir(parents=True, exist_ok=True)
+        # Held until start() returns: two starts in one directory would both find no state
+        # file, and the second's would overwrite the first's, whose processes nothing
+        # would then stop. (A lock the system drops when its holder dies: none goes stale.)
+        lock = self._lock_start()
+        try:
+            return self._start_locked()
+        finally:
+            lock.close()
+
+    def _lock_start(self) -> IO[str]:
+        """Take ``<base_dir>/cluster.lock`` for this start, or raise ``ClusterError`` if
+        another start (in any process) holds it."""
+        import fcntl
+
+        assert self.base_dir is not None
+        path = self.base_dir / _LOCK_FILE
+        lock = open(path, "a+")  # noqa: SIM115 - closed by start(), which releases it
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip()
+            lock.close()
+            raise ClusterError(
+                f"Another process{f' (pid {holder})' if holder.isdigit() else ''} is starting "
+                f"a cluster in {self.base_dir} right now ({path} is locked). Use another "
+                f"directory, or wait until it has started and use that cluster (python -m "
+                f"stateful_async.chaos.cluster status --dir {self.base_dir})."
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        return lock
+
+    def _start_locked(self) -> LocalCluster:
+        assert self.base_dir is not None
         existing = self.base_dir / _STATE_FILE
         if existing.exists():
             raise ClusterError(

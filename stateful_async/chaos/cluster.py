@@ -10,7 +10,8 @@
 ``start`` launches a master and workers on free 127.0.0.1 ports, waits until they are
 alive, prints the master URL and returns; the daemons keep running. Their pids, ports and
 logs live in DIR (default: ``<tmp>/stateful-async-cluster-<uid>``; ``--dir`` may also come
-before the command), where the other commands find them. ``stop`` ends exactly the
+before the command), where the other commands find them; a second ``start`` in the same
+DIR is refused, also while the first is still starting. ``stop`` ends exactly the
 processes the cluster started, by pid.
 """
 
