@@ -244,6 +244,31 @@ def test_a_second_start_in_the_same_directory_while_one_is_starting_is_refused(
     assert not (state / "cluster.json").exists()
 
 
+def test_a_cluster_in_a_relative_directory_gives_its_daemons_its_own_configuration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, `cluster start --dir mycluster` handed the daemons, which run in that
+    # directory, relative paths: they read mycluster/mycluster/conf (so not the cluster's
+    # log4j2.properties), and workers ran executors in mycluster/mycluster/work, where
+    # executor_log() and stop()'s search for a dead worker's executors never looked.
+    spark = tmp_path / "spark"
+    (spark / "bin").mkdir(parents=True)
+    record = tmp_path / "record"
+    fake = spark / "bin" / "spark-class"  # says where it runs and its conf dir, and exits
+    fake.write_text(f'#!/bin/sh\n{{ pwd; echo "$SPARK_CONF_DIR"; }} > {record}\nexit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(spark))
+    monkeypatch.chdir(tmp_path)
+    cluster = LocalCluster(1, base_dir="mycluster", stop_at_exit=False)
+    with pytest.raises(ClusterError, match=r"The Spark master .*exit"):
+        cluster.start()
+    cwd, conf = record.read_text().splitlines()
+    assert Path(cwd) == tmp_path / "mycluster"
+    assert Path(cwd, conf) == tmp_path / "mycluster" / "conf"  # as the daemon resolves it
+    assert (Path(cwd, conf) / "log4j2.properties").is_file()
+    assert cluster.base_dir == tmp_path / "mycluster"  # state named absolutely
+
+
 # -- the reference job's options and checks ------------------------------------------------
 
 

@@ -276,7 +276,8 @@ class LocalCluster:
         self.startup_timeout = startup_timeout
         self.stop_at_exit = stop_at_exit
         self._owns_dir = base_dir is None
-        self.base_dir = Path(base_dir) if base_dir is not None else None
+        # absolute: the daemons run in it, and take its paths (conf, work dirs) from here
+        self.base_dir = Path(os.path.abspath(base_dir)) if base_dir is not None else None
         self.master: ProcessRecord | None = None
         self.master_port = 0
         self.webui_port = 0
