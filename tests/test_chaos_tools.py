@@ -289,6 +289,30 @@ def test_a_fault_that_would_misfire_or_never_fire_is_refused(fault: str, message
         FaultSpec.parse(fault)
 
 
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("crash-at=5,attempt=1,attempt=2", "'crash-at=5,attempt=1,attempt=2': attempt is given"),
+        ("zombie-commit=2,wait=5,wait=60", "wait is given twice"),
+        ("crash-commit=3,wait=5", "unknown setting 'wait'; crash-commit takes attempt, partition"),
+        ("crash-at=5,atempt=1", "unknown setting 'atempt'; crash-at takes attempt, partition."),
+    ],
+)
+def test_a_fault_setting_given_twice_or_unknown_is_refused(fault: str, message: str) -> None:
+    # Before, the last of two attempts (or waits) silently won: the fault hit another
+    # attempt than one of them said.
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        FaultSpec.parse(fault)
+
+
+def test_a_fault_takes_spaces_around_its_settings() -> None:
+    # before, "attempt = 1" was an "unknown setting 'attempt '"
+    assert FaultSpec.parse("crash-at = 5, attempt = 1, partition = 0") == FaultSpec(
+        "crash-at", 5, attempt=1, partitions=(0,)
+    )
+    assert FaultSpec.parse("crash-at=5,partition=0,partition=1").partitions == (0, 1)
+
+
 def test_the_fault_wrappers_refuse_the_same_settings() -> None:
     with pytest.raises(ConfigurationError, match="DelayCommit's seconds"):
         DelayCommit(enrich, 2, -1.0)

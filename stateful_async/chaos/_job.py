@@ -97,13 +97,15 @@ class FaultSpec:
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
         head, *extras = [part.strip() for part in text.split(",")]
-        kind, sep, value = head.partition("=")
+        kind, sep, value = (part.strip() for part in head.partition("="))
         if not sep or kind not in FAULT_KINDS:
             raise ConfigurationError(
                 f"Unknown fault {text!r}: use one of {', '.join(k + '=...' for k in FAULT_KINDS)}"
                 ", optionally followed by ,attempt=A and ,partition=P."
             )
         attempt, partitions, wait = 0, [], 300.0
+        settings = ["attempt", "partition", *(["wait"] if kind == "zombie-commit" else [])]
+        given: set[str] = set()
         try:
             seconds = 0.0
             if kind == "delay-commit":
@@ -112,15 +114,20 @@ class FaultSpec:
                     raise ValueError("delay-commit needs ID:SECONDS")
                 value, seconds = number, float(delay)
             for extra in extras:
-                name, _, setting = extra.partition("=")
+                name, _, setting = (part.strip() for part in extra.partition("="))
+                if name not in settings:
+                    raise ValueError(
+                        f"unknown setting {name!r}; {kind} takes {', '.join(settings)}"
+                    )
+                if name in given and name != "partition":  # one would silently win
+                    raise ValueError(f"{name} is given twice")
+                given.add(name)
                 if name == "attempt":
                     attempt = int(setting)
                 elif name == "partition":
                     partitions.append(int(setting))
-                elif name == "wait" and kind == "zombie-commit":
-                    wait = float(setting)
                 else:
-                    raise ValueError(f"unknown setting {name!r}")
+                    wait = float(setting)
             spec = cls(kind, int(value), seconds, attempt, tuple(partitions) or None, wait)
         except ValueError as exc:
             raise ConfigurationError(
