@@ -83,6 +83,23 @@ def test_the_command_line_help_lists_every_setting_and_refuses_an_unknown_one(
     assert "latency_ms must be a finite number; got inf." in refused.stderr
 
 
+@pytest.mark.parametrize("port", ["70000", "-1", "http"])
+def test_a_port_that_cannot_be_is_refused_by_the_command_line(port: str) -> None:
+    # Before, 70000 and -1 ended in an OverflowError traceback from bind() (exit 1).
+    refused = subprocess.run(
+        [sys.executable, "-m", "stateful_async.chaos.service", "--port", port],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert refused.returncode == 2
+    assert "Traceback" not in refused.stderr
+    assert (
+        f"argument --port: a TCP port is a number from 0 to 65535 (0 picks a free one); "
+        f"got {port!r}" in refused.stderr
+    )
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [

@@ -338,13 +338,26 @@ def _config_help() -> str:
     return "--config settings:\n" + "\n".join(lines) + "\n\n" + description
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"a TCP port is a number from 0 to 65535 (0 picks a free one); got {text!r}"
+        )
+    return port
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
+        prog="python -m stateful_async.chaos.service",
         description="The stateful-async mock enrichment service.",
         epilog=_config_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")
+    parser.add_argument("--port", type=_port, default=0, help="0 picks a free port (printed)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument(
         "--config",
