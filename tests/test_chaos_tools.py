@@ -4,6 +4,7 @@ driver-process bookkeeping on real child processes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -227,9 +228,8 @@ def test_a_second_start_in_the_same_directory_while_one_is_starting_is_refused(
         assert starting.wait(timeout=60)
         with pytest.raises(
             ClusterError,
-            match=rf"Another process \(pid {os.getpid()}\) is starting a cluster in "
-            rf"{re.escape(str(state))} right now .*Use another directory, or wait until it has "
-            "started",
+            match=rf"Another process \(pid {os.getpid()}\) is starting a cluster or a worker "
+            rf"in {re.escape(str(state))} right now .*Wait until it is done and see what runs",
         ):
             LocalCluster(1, base_dir=state, stop_at_exit=False).start()
         assert masters == ["first"]  # the second launched nothing
@@ -242,6 +242,52 @@ def test_a_second_start_in_the_same_directory_while_one_is_starting_is_refused(
         LocalCluster(1, base_dir=state, stop_at_exit=False).start()
     assert masters == ["first", "MainThread"]
     assert not (state / "cluster.json").exists()
+
+
+def test_a_worker_is_not_started_again_while_another_start_holds_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, two `start-worker 1` at once both found worker 1 dead and both launched one;
+    # the state file kept the second, and `cluster stop` left the first running.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))  # no spark-class
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait(timeout=60)
+    dead = {"pid": exited.pid, "create_time": 0.0}  # names no live process
+    state = tmp_path / "cluster"
+    (state / "logs").mkdir(parents=True)
+    worker = {"index": 0, "host": "127.0.0.1", "port": 1, "webui_port": 2, "work_dir": "w"}
+    (state / "cluster.json").write_text(
+        json.dumps(
+            {
+                "master": dead,
+                "master_port": 3,
+                "webui_port": 4,
+                "workers": {"0": {**worker, "record": dead}},
+                "settings": {
+                    "workers": 1,
+                    "cores": 1,
+                    "memory": "1g",
+                    "hosts": ["127.0.0.1"],
+                    "python": sys.executable,
+                    "daemon_memory": "512m",
+                },
+            }
+        )
+    )
+    cluster = LocalCluster.attach(state)
+    holder = LocalCluster.attach(state)._lock_start()  # another start-worker, mid-way
+    try:
+        with pytest.raises(
+            ClusterError,
+            match=rf"Another process \(pid {os.getpid()}\) is starting a cluster or a "
+            rf"worker in {re.escape(str(state))} right now",
+        ):
+            cluster.start_worker(0)
+    finally:
+        holder.close()
+    # once it is done, the worker is launched (and here fails: there is no spark-class)
+    with pytest.raises(ClusterError, match="Cannot start the Spark worker-0 with"):
+        cluster.start_worker(0)
 
 
 def test_a_cluster_in_a_relative_directory_gives_its_daemons_its_own_configuration(

@@ -333,8 +333,8 @@ class LocalCluster:
             lock.close()
 
     def _lock_start(self) -> IO[str]:
-        """Take ``<base_dir>/cluster.lock`` for this start, or raise ``ClusterError`` if
-        another start (in any process) holds it."""
+        """Take ``<base_dir>/cluster.lock`` for this start (of the cluster or of a worker),
+        or raise ``ClusterError`` if another one (in any process) holds it."""
         import fcntl
 
         assert self.base_dir is not None
@@ -348,9 +348,9 @@ class LocalCluster:
             lock.close()
             raise ClusterError(
                 f"Another process{f' (pid {holder})' if holder.isdigit() else ''} is starting "
-                f"a cluster in {self.base_dir} right now ({path} is locked). Use another "
-                f"directory, or wait until it has started and use that cluster (python -m "
-                f"stateful_async.chaos.cluster status --dir {self.base_dir})."
+                f"a cluster or a worker in {self.base_dir} right now ({path} is locked). Wait "
+                f"until it is done and see what runs (python -m stateful_async.chaos.cluster "
+                f"status --dir {self.base_dir}), or use another directory."
             ) from None
         lock.seek(0)
         lock.truncate()
@@ -441,6 +441,15 @@ class LocalCluster:
         """Start worker ``index`` again (after ``kill_worker``), on new ports, and wait until
         the master counts it alive."""
         self._require_started()
+        # Held until the worker runs: two at once would both find it dead and both launch
+        # one, and the state file would keep only the second (the first never stopped).
+        lock = self._lock_start()
+        try:
+            return self._start_worker_locked(index, timeout)
+        finally:
+            lock.close()
+
+    def _start_worker_locked(self, index: int, timeout: float | None) -> WorkerInfo:
         if index not in self.workers:
             raise ClusterError(
                 f"The cluster has no worker {index}: its workers are "

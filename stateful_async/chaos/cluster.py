@@ -11,7 +11,8 @@
 alive, prints the master URL and returns; the daemons keep running. Their pids, ports and
 logs live in DIR (default: ``<tmp>/stateful-async-cluster-<uid>``; ``--dir`` may also come
 before the command), where the other commands find them; a second ``start`` in the same
-DIR is refused, also while the first is still starting. ``stop`` ends exactly the
+DIR is refused, also while the first is still starting, and so is a ``start-worker``
+while another ``start`` or ``start-worker`` runs there. ``stop`` ends exactly the
 processes the cluster started, by pid.
 """
 
