@@ -18,6 +18,7 @@ from .._exceptions import ConfigurationError, FunctionNotSerializableError, id_r
 from .._function import as_async_function
 from .._operator import OutputMode, check_capacity_and_timeout
 from .._retry import RetryStrategy
+from ._columns import nested_field_advice
 from ._config import CheckpointConfig, restore_from_in_streaming
 from ._metrics import DriverOnlyError, EnrichmentMetrics
 from ._session import is_connect, task_attempts
@@ -110,7 +111,8 @@ def unordered_wait(
     """Like ``ordered_wait``, but results leave each task as soon as they are ready
     (Flink's ``AsyncDataStream.unorderedWait``).
 
-    With ``event_time`` (a timestamp, date or integer column of any width) each task generates
+    With ``event_time`` (a top-level timestamp, date or integer column of any width; select a
+    struct's field up first: ``df.withColumn('ts', F.col('s.ts'))``) each task generates
     watermarks from it with ``max_out_of_orderness`` (a timedelta or seconds for timestamp
     columns; a timedelta of whole days or days for date columns; the column's own units for
     integer columns; default 0, for input in event-time order); results are then
@@ -455,8 +457,15 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
         )
     fields = {f.name: f.dataType for f in df.schema.fields}
     if column not in fields:
+        sensitive = str(df.sparkSession.conf.get("spark.sql.caseSensitive", "false")).lower()
+        schema = _arrow_schema(df.schema, "input")
+        nested = nested_field_advice(
+            schema, column, "event_time", "event_time={}", sensitive == "true"
+        )
         raise ConfigurationError(
-            f"event_time column {column!r} is not in the DataFrame; its columns are "
+            f"event_time {column!r} {nested}"
+            if nested is not None
+            else f"event_time column {column!r} is not in the DataFrame; its columns are "
             f"{sorted(fields)}."
         )
     kind = fields[column]

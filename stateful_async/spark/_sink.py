@@ -25,8 +25,8 @@ Options (names are case-insensitive):
 ==========================  ===================================================================
 ``path``                    the table: an absolute local path or a URI (``s3://``,
                             ``abfss://``, ``gs://``, ``file://``). Given by ``save``/``start``.
-``partitionBy``             comma-separated partition columns (string, integer, boolean or
-                            date) for a new table; must match an existing table's
+``partitionBy``             comma-separated partition columns (top-level; string, integer,
+                            boolean or date) for a new table; must match an existing table's
                             partitioning if given, which is followed if not.
                             (``DataFrameWriter.partitionBy`` does not reach Python sinks:
                             Spark refuses it in batch writes, ignores it in streaming.)

@@ -32,6 +32,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from .._exceptions import ConfigurationError, DeltaSinkError, SinkSchemaMismatchError
+from ._columns import nested_field_advice
 from ._results import first_forbidden_null, requires
 from ._sink_options import CODECS, is_uri
 
@@ -632,9 +633,12 @@ def check_partition_columns(schema: pa.Schema, partition_by: tuple[str, ...]) ->
     """Partition columns must exist, have a supported type, and leave a data column."""
     for column in partition_by:
         if column not in schema.names:
+            nested = nested_field_advice(schema, column, "partitionBy", "the option partitionBy={}")
             raise ConfigurationError(
-                f"The partition column {column!r} (option partitionBy) is not a column of "
-                f"the data, whose columns are {', '.join(schema.names)}."
+                f"The partition column {column!r} (option partitionBy) {nested}"
+                if nested is not None
+                else f"The partition column {column!r} (option partitionBy) is not a column "
+                f"of the data, whose columns are {', '.join(schema.names)}."
             )
         arrow_type = schema.field(column).type
         if not is_partition_type(arrow_type):

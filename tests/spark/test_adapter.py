@@ -2529,6 +2529,29 @@ def test_year_to_month_intervals_are_refused_with_an_expression_to_use(spark) ->
     assert [r.iv for r in out.collect()] == ["INTERVAL '3-1' YEAR TO MONTH"] * 3
 
 
+def test_an_event_time_inside_a_struct_is_refused_saying_how_to_select_it_up(spark) -> None:
+    # It was refused as "not in the DataFrame", listing the columns, the struct among them.
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    df = spark.range(3).selectExpr("id", "named_struct('ts', id, 'n', named_struct('t', id)) AS s")
+    for name, field, column in (("s.ts", "ts", "s.ts"), ("S.N.T", "t", "s.n.t")):  # any case
+        with pytest.raises(ConfigurationError) as refused:
+            unordered_wait(df, f, "id long", event_time=name)
+        assert str(refused.value) == (
+            f"event_time {name!r} is the field {field!r} inside the struct column 's': nested "
+            "fields are not supported directly, event_time takes top-level columns. Select it "
+            f"up as a column first, e.g. df.withColumn({field!r}, F.col({column!r})), then "
+            f"event_time={field!r}."
+        )
+    with pytest.raises(ConfigurationError, match=r"event_time column 's\.x' is not in the"):
+        unordered_wait(df, f, "id long", event_time="s.x")  # no such field: as before
+    # the advice, followed
+    selected = df.withColumn("ts", F.col("s.ts"))
+    out = unordered_wait(selected, f, "id long", event_time="ts", max_out_of_orderness=1)
+    assert sorted(r.id for r in out.collect()) == [0, 1, 2]
+
+
 def test_an_event_time_given_as_a_column_is_refused_naming_the_name_to_give(spark) -> None:
     # It failed with a bare "TypeError: unhashable type: 'Column'".
     async def f(row):  # type: ignore[no-untyped-def]

@@ -31,6 +31,7 @@ import sink_stream_driver as DRIVER  # a driver script: tests/spark is on python
 from deltalake import DeltaTable, write_deltalake
 from pyspark import TaskContext
 from pyspark.errors import AnalysisException, StreamingQueryException
+from pyspark.sql import functions as F
 
 from checkpoint import delta_dataset
 from checkpoint._layout import filesystem
@@ -952,6 +953,36 @@ def test_partitioned_table_and_file_uri(sink: Any, tmp_path: Path) -> None:
         wrong.value
     )
     assert clean_orphan_files(table.as_uri(), older_than=dt.timedelta(0)) == []
+
+
+@pytest.mark.spark
+def test_a_partition_column_inside_a_struct_is_refused_saying_how_to_select_it_up(
+    sink: Any, tmp_path: Path
+) -> None:
+    # It was refused as "not a column of the data", which lists the struct itself.
+    df = sink.createDataFrame([(1, ("de",))], "id long, s struct<country: string>")
+    table = tmp_path / "table"
+    with pytest.raises(AnalysisException) as refused:
+        df.write.format("delta_rs").option("partitionBy", "s.country").mode("append").save(
+            str(table)
+        )
+    assert (
+        "The partition column 's.country' (option partitionBy) is the field 'country' inside "
+        "the struct column 's': nested fields are not supported directly, partitionBy takes "
+        "top-level columns. Select it up as a column first, e.g. df.withColumn('country', "
+        "F.col('s.country')), then the option partitionBy='country'."
+    ) in str(refused.value)
+    assert not table.exists()
+    # the advice, followed
+    df.withColumn("country", F.col("s.country")).write.format("delta_rs").option(
+        "partitionBy", "country"
+    ).mode("append").save(str(table))
+    assert DeltaTable(str(table)).metadata().partition_columns == ["country"]
+    # a name that is no field at all is refused as before
+    with pytest.raises(AnalysisException, match=r"'s\.city' \(option partitionBy\) is not a "):
+        df.write.format("delta_rs").option("partitionBy", "s.city").mode("append").save(
+            str(tmp_path / "other")
+        )
 
 
 # -- 5. statistics and file skipping -------------------------------------------------------

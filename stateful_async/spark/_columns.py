@@ -1,0 +1,64 @@
+"""What to say when an argument that names a column names a field inside a struct."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+
+def nested_field_advice(
+    schema: pa.Schema, name: str, argument: str, usage: str, case_sensitive: bool = True
+) -> str | None:
+    """If ``name`` (given as ``argument``, which takes top-level columns only) is the path
+    of a field inside a struct column of ``schema`` (``s.ts``), what it is and how to
+    select it up as a column of its own, to follow the name in an error message: "is the
+    field ... then ``usage``" (``usage`` formatted with the new column's name); None
+    otherwise. ``case_sensitive``: whether names match only in the same case (Spark's
+    ``spark.sql.caseSensitive``)."""
+    parts = name.split(".")
+    for split in range(1, len(parts)):  # a top-level name may hold dots itself
+        path = _resolve(schema, ".".join(parts[:split]), parts[split:], case_sensitive)
+        if path is None:
+            continue
+        taken = {n if case_sensitive else n.lower() for n in schema.names}
+        alias = path[-1]
+        if (alias if case_sensitive else alias.lower()) in taken:
+            alias = "_".join(path)
+        column = ".".join(_quoted(p) for p in path)
+        return (
+            f"is the field {path[-1]!r} inside the struct column {path[0]!r}: nested fields "
+            f"are not supported directly, {argument} takes top-level columns. Select it up as "
+            f"a column first, e.g. df.withColumn({alias!r}, F.col({column!r})), then "
+            f"{usage.format(repr(alias))}."
+        )
+    return None
+
+
+def _resolve(
+    schema: pa.Schema, top: str, rest: list[str], case_sensitive: bool
+) -> list[str] | None:
+    """The field names along ``top`` then ``rest`` through structs, as the schema spells
+    them, or None if the path is not a field inside a struct column."""
+    fields: list[pa.Field] = list(schema)
+    path: list[str] = []
+    for part in [top, *rest]:
+        found = [f for f in fields if _same(f.name, part, case_sensitive)]
+        if len(found) != 1:
+            return None
+        path.append(found[0].name)
+        if len(path) == len(rest) + 1:
+            return path
+        if not pa.types.is_struct(found[0].type):
+            return None
+        fields = list(found[0].type)
+    return None
+
+
+def _same(a: str, b: str, case_sensitive: bool) -> bool:
+    return a == b if case_sensitive else a.lower() == b.lower()
+
+
+def _quoted(name: str) -> str:
+    """A name as ``F.col`` reads it: in backticks if it holds a dot or a backtick."""
+    if "." in name or "`" in name:
+        return "`" + name.replace("`", "``") + "`"
+    return name
