@@ -271,15 +271,16 @@ def _pair(
     row = record[1]
     if type(results) is not list:
         if not_a_result_list(results):
-            hint = (
-                " (of a DataFrame df: df.to_dict('records') in pandas, df.to_dicts() in polars)"
-                if is_data_frame(results)
-                else ""
-            )
+            returned, hint = type(results).__name__, ""
+            if is_data_frame(results):
+                library = type(results).__module__.split(".")[0]
+                rows = "df.to_dict('records')" if library == "pandas" else "df.to_dicts()"
+                returned = f"a {library} DataFrame"
+                hint = f", and {rows} for the rows of a {library} DataFrame df"
             raise InvalidResultError(
-                f"{source} returned {type(results).__name__} for input row "
+                f"{source} returned {returned} for input row "
                 f"{_row_text(record, shown, partition)}; it must return a list of result rows "
-                f"(dicts){hint}: [row] for one result, [] for none.",
+                f"(dicts): [row] for one result, [] for none{hint}.",
                 element=row,
             )
         if inspect.isawaitable(results):

@@ -1669,28 +1669,36 @@ def test_an_error_shows_the_input_row_as_the_function_got_it(fails: str) -> None
 
 def test_a_dataframe_returned_as_results_is_refused_naming_the_input_row() -> None:
     # Iterated, a DataFrame gives its column labels: the error said "returned a str result",
-    # which the function never did. An async def and a wrapped blocking function alike.
+    # which the function never did. An async def and a wrapped blocking function alike, a
+    # pandas and a polars DataFrame. (The message had two parentheticals in a row, and
+    # "returned DataFrame", which reads as a Spark one.)
     import pandas as pd
+    import polars as pl
 
     from stateful_async import InvalidResultError, ThreadPoolAsyncFunction
     from stateful_async.spark._task import PartitionTask
 
-    async def frame(row):  # type: ignore[no-untyped-def]
-        return pd.DataFrame([row])
+    for make, library, rows in (
+        (pd.DataFrame, "pandas", "df.to_dict('records')"),
+        (pl.DataFrame, "polars", "df.to_dicts()"),
+    ):
 
-    def blocking_frame(row):  # type: ignore[no-untyped-def]
-        return pd.DataFrame([row])
+        async def frame(row, make=make):  # type: ignore[no-untyped-def]
+            return make([row])
 
-    for fn in (frame, ThreadPoolAsyncFunction(blocking_frame)):
-        batches = iter([pa.record_batch([pa.array([7, 8], pa.int64())], schema=ID_SCHEMA)])
-        with pytest.raises(InvalidResultError) as info:
-            list(PartitionTask(id_task(fn))(batches))
-        assert str(info.value) == (
-            "The async function returned DataFrame for input row {'id': 7} (record 0 of "
-            "partition 0); it must return a list of result rows (dicts) (of a DataFrame df: "
-            "df.to_dict('records') in pandas, df.to_dicts() in polars): [row] for one result, "
-            "[] for none."
-        )
+        def blocking_frame(row, make=make):  # type: ignore[no-untyped-def]
+            return make([row])
+
+        for fn in (frame, ThreadPoolAsyncFunction(blocking_frame)):
+            batches = iter([pa.record_batch([pa.array([7, 8], pa.int64())], schema=ID_SCHEMA)])
+            with pytest.raises(InvalidResultError) as info:
+                list(PartitionTask(id_task(fn))(batches))
+            assert str(info.value) == (
+                f"The async function returned a {library} DataFrame for input row {{'id': 7}} "
+                "(record 0 of partition 0); it must return a list of result rows (dicts): "
+                f"[row] for one result, [] for none, and {rows} for the rows of a {library} "
+                "DataFrame df."
+            )
 
 
 class FailsAndFailsToClose(AsyncFunction):
