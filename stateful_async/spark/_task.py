@@ -684,14 +684,12 @@ class _TaskRun:
         try:
             await self.op.close()
         except Exception as error:
-            print(
+            _write_line(
                 f"stateful-async: partition {self.identity.partition} attempt "
                 f"{self.identity.attempt}: the function's close() raised "
                 f"{type(error).__name__}: {error_text(error)}, after the task had failed with "
                 f"{type(failure).__name__}, which the task reports. close()'s traceback:\n"
-                + "".join(traceback.format_exception(error)),
-                file=sys.stderr,
-                flush=True,
+                + "".join(traceback.format_exception(error))
             )
 
     # -- input ------------------------------------------------------------------------------
@@ -1279,7 +1277,7 @@ class _TaskRun:
         if self.checkpointing and self.stats["checkpoints"]:
             parts[-1] += f", the last {now - self.last_checkpoint:.0f} s ago"
         parts.extend(self._restored_parts())
-        print("stateful-async: " + ", ".join(parts) + " (in progress)", file=sys.stderr, flush=True)
+        _write_line("stateful-async: " + ", ".join(parts) + " (in progress)")
         self.progress_timer = self.loop.call_later(  # type: ignore[union-attr]
             self.progress, self._log_progress
         )
@@ -1340,7 +1338,7 @@ class _TaskRun:
         if os.environ.get("STATEFUL_ASYNC_TASK_LOG", "1") == "0":
             return
         parts = self._task_parts(seconds) + self._restored_parts()
-        print("stateful-async: " + ", ".join(parts) + ending, file=sys.stderr, flush=True)
+        _write_line("stateful-async: " + ", ".join(parts) + ending)
 
     def _log_failure(self, error: BaseException) -> None:
         """A failed attempt's line too: what it did before the error (which Spark reports).
@@ -1351,6 +1349,16 @@ class _TaskRun:
             self._log_summary(time.monotonic() - self.started, f" (failed: {type(error).__name__})")
         except Exception:  # the line is a courtesy; the task's own error is what matters
             pass
+
+
+def _write_line(text: str) -> None:
+    """One line of the task's log, to its executor's stderr. The log is a courtesy: a
+    stream that cannot take a line (closed: ValueError; a broken pipe or a full disk behind
+    it: OSError) loses that line, not the later ones, nor the task."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import errno
+import io
 import json
 import os
 import re
@@ -1820,6 +1822,56 @@ def test_a_long_task_logs_its_progress(spark, capsys, monkeypatch, tmp_path) -> 
     # the tasks' environment is its own): each task attempt failed on it
     with pytest.raises(ConfigurationError, match="the driver's environment has 'soon'"):
         ordered_wait(spark.range(3), _same_id, "id long")
+
+
+class _StderrThatFails(io.StringIO):
+    """An executor's stderr that refuses the task's first ``failures`` lines (OSError: a
+    broken pipe or a full disk behind it), and takes the rest."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def write(self, text: str) -> int:
+        if text.startswith("stateful-async:") and self.failures > 0:
+            self.failures -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        return super().write(text)
+
+
+def test_a_progress_line_that_fails_to_print_stops_neither_later_lines_nor_the_task(
+    monkeypatch,
+) -> None:
+    # The task itself, in this process. A progress line that raised ended the progress
+    # timer's callback before it set the next one: no progress line after it. And a
+    # summary line that raised failed the task, whose every result was computed.
+    from stateful_async.spark._task import TaskIdentity, _TaskRun
+
+    async def slow(row):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.005)
+        return [row]
+
+    spec = id_task(slow, capacity=2)
+
+    def run(identity: TaskIdentity) -> int:
+        batches = iter([pa.record_batch([pa.array(range(60), pa.int64())], schema=ID_SCHEMA)])
+        return sum(b.num_rows for b in _TaskRun(spec, batches, identity).run())
+
+    monkeypatch.setenv("STATEFUL_ASYNC_PROGRESS_SECONDS", "0.02")
+    stderr = _StderrThatFails(failures=1)  # the first progress line
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert run(TaskIdentity(0, 0, "app.stage1", {})) == 60
+    assert stderr.failures == 0  # it did refuse one
+    lines = stderr.getvalue().splitlines()
+    assert [line for line in lines if line.endswith("(in progress)")], lines  # after it
+    assert re.search(
+        r"^stateful-async: partition 0 attempt 0, .* 60 records invoked, .* s$", lines[-1]
+    )
+
+    closed = io.StringIO()  # a stderr that takes no line at all: each write a ValueError
+    closed.close()
+    monkeypatch.setattr(sys, "stderr", closed)
+    assert run(TaskIdentity(1, 0, "app.stage1", {})) == 60
 
 
 def test_a_result_missing_a_field_names_it_and_the_input_row(spark) -> None:
