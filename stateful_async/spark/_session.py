@@ -26,6 +26,10 @@ def local_session(
     the same ``master``, and with each setting in ``conf`` applied to it, or a
     ``ConfigurationError`` if it runs another master or a setting cannot change while it
     runs. Its other settings (its time zone, for one) are left alone.
+
+    Spark Connect sessions are not made here: where one runs, or where ``SPARK_REMOTE``,
+    ``spark.remote`` or ``spark.api.mode=connect`` (in ``conf`` or the environment) asks
+    for one, this raises a ``ConfigurationError`` before starting anything.
     """
     try:
         from pyspark.sql import SparkSession
@@ -40,6 +44,9 @@ def local_session(
     running = _running_session(SparkSession)
     if running is not None:
         return _reuse(running, master, conf or {})
+    asking = _connect_asked(conf or {})
+    if asking is not None:  # PySpark would refuse the master, or start a Connect server
+        raise _refuse_connect(asking)
     settings: dict[str, Any] = {
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
@@ -66,12 +73,36 @@ def is_connect(session: Any) -> bool:
     return type(session).__module__.startswith("pyspark.sql.connect")
 
 
-def _refuse_connect() -> ConfigurationError:
+def _refuse_connect(asking: str | None = None) -> ConfigurationError:
+    """Why ``local_session`` makes no session: one runs on Spark Connect, or ``asking``
+    (a setting, as the user gave it) asks for one."""
+    if asking is None:
+        return ConfigurationError(
+            "local_session() makes classic SparkSessions, and this process runs a Spark "
+            "Connect session (or SPARK_REMOTE / spark.api.mode asks for one): use that "
+            "session itself; ordered_wait, unordered_wait and the delta_rs sink run on it."
+        )
     return ConfigurationError(
-        "local_session() makes classic SparkSessions, and this process runs a Spark "
-        "Connect session (or SPARK_REMOTE / spark.api.mode asks for one): use that session "
-        "itself; ordered_wait, unordered_wait and the delta_rs sink run on it."
+        f"local_session() makes classic SparkSessions, and {asking} asks for a Spark Connect "
+        "session. For that one, use SparkSession.builder.getOrCreate() (ordered_wait, "
+        "unordered_wait and the delta_rs sink run on it); for a local classic one, drop "
+        "that setting."
     )
+
+
+def _connect_asked(conf: dict[str, Any]) -> str | None:
+    """The setting that asks SparkSession.builder for a Spark Connect session (``conf``,
+    then the environment, as PySpark reads them), or None."""
+    if "spark.remote" in conf:
+        return f"conf spark.remote={conf['spark.remote']!r}"
+    if "SPARK_REMOTE" in os.environ:
+        return f"the environment's SPARK_REMOTE={os.environ['SPARK_REMOTE']!r}"
+    mode = conf.get("spark.api.mode")
+    if mode is not None:
+        return f"conf spark.api.mode={mode!r}" if str(mode).lower() == "connect" else None
+    if os.environ.get("SPARK_API_MODE", "").lower() == "connect":
+        return f"the environment's SPARK_API_MODE={os.environ['SPARK_API_MODE']!r}"
+    return None
 
 
 def _running_session(session_class: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
@@ -94,3 +95,57 @@ for w in caught:
     assert len(lines) == 1, done.stdout
     assert lines[0].startswith("UserWarning True This SparkSession (master 'local[1]') runs each")
     assert "restore_from='latest'" in lines[0] and "local[N,F]" in lines[0]
+
+
+def test_a_connect_session_asked_for_is_refused_before_anything_starts() -> None:
+    # With SPARK_REMOTE set, PySpark refused the master local_session gives, with its own
+    # PySparkRuntimeError (CANNOT_CONFIGURE_SPARK_CONNECT_MASTER); with spark.api.mode=connect
+    # it started a local Spark Connect server first. A child process: this one runs the
+    # tests' classic session, which local_session returns whatever the environment says.
+    script = """
+import os
+from pyspark import SparkContext
+from stateful_async.spark import local_session
+cases = [
+    ({"SPARK_REMOTE": "sc://127.0.0.1:9"}, None),
+    ({}, {"spark.remote": "sc://127.0.0.1:9"}),
+    ({"SPARK_API_MODE": "Connect"}, None),
+    ({}, {"spark.api.mode": "connect"}),
+    ({"SPARK_API_MODE": "connect"}, {"spark.api.mode": "classic", "spark.remote": "sc://h"}),
+]
+for env, conf in cases:
+    os.environ.update(env)
+    try:
+        local_session(conf=conf)
+        print("made a session")
+    except Exception as exc:
+        print(type(exc).__name__, exc)
+    for name in env:
+        del os.environ[name]
+print("jvm", SparkContext._gateway is not None)
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("SPARK_REMOTE", "SPARK_API_MODE")}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    advice = (
+        "asks for a Spark Connect session. For that one, use SparkSession.builder.getOrCreate() "
+        "(ordered_wait, unordered_wait and the delta_rs sink run on it); for a local classic "
+        "one, drop that setting."
+    )
+    start = "ConfigurationError local_session() makes classic SparkSessions, and "
+    assert lines == [
+        f"{start}the environment's SPARK_REMOTE='sc://127.0.0.1:9' {advice}",
+        f"{start}conf spark.remote='sc://127.0.0.1:9' {advice}",
+        f"{start}the environment's SPARK_API_MODE='Connect' {advice}",
+        f"{start}conf spark.api.mode='connect' {advice}",
+        f"{start}conf spark.remote='sc://h' {advice}",
+        "jvm False",  # no Spark started
+    ], done.stdout
