@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -47,7 +48,17 @@ def main(workdir: str) -> None:
     schema = "id long, twice long"
     config = CheckpointConfig(f"{workdir}/chk", "connect", interval_records=20, retain=100)
     crashing = CrashOnElement(double, at=[150])  # the worker dies once, in partition 1
-    ordered = ordered_wait(df, crashing, schema, capacity=8, checkpoint=config).collect()
+    with warnings.catch_warnings(record=True) as caught:  # the master, read from the conf
+        warnings.simplefilter("always")
+        enriched = ordered_wait(df, crashing, schema, capacity=8, checkpoint=config)
+    ordered = enriched.collect()
+    os.environ["STATEFUL_ASYNC_PROGRESS_SECONDS"] = "soon"  # the tasks' too, in local mode
+    try:
+        ordered_wait(df, double, schema)
+        progress = ""
+    except Exception as exc:
+        progress = f"{type(exc).__name__}: {exc}"
+    del os.environ["STATEFUL_ASYNC_PROGRESS_SECONDS"]
     unordered = unordered_wait(
         df, double, schema, capacity=8, event_time="id", max_out_of_orderness=5
     ).collect()
@@ -83,6 +94,8 @@ def main(workdir: str) -> None:
                 "local_session": refused,
                 "stream": stream,
                 "metrics": no_metrics,
+                "warnings": [str(w.message) for w in caught],
+                "progress": progress,
             }
         ),
         flush=True,

@@ -3006,3 +3006,11 @@ def test_the_adapter_and_the_sink_run_on_spark_connect_batch_and_streaming(tmp_p
         "ConfigurationError: EnrichmentMetrics needs a classic SparkSession: it is a Spark "
         "accumulator, and Spark Connect has none."
     )
+    # The driver's checks read the master and spark.executorEnv from the session's conf
+    # (no SparkContext): local[2,3] retries, so no warning that tasks never do; a bad
+    # progress interval in the environment local-mode tasks inherit is refused up front.
+    assert result["warnings"] == []
+    assert result["progress"].startswith(
+        "ConfigurationError: STATEFUL_ASYNC_PROGRESS_SECONDS must be a number of seconds >= 0 "
+        "(0: no progress lines); the driver's environment has 'soon'."
+    )
