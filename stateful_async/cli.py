@@ -21,6 +21,7 @@ import importlib
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -37,6 +38,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperCommand
 
 from ._exceptions import StatefulAsyncError, id_ranges
 
@@ -71,6 +73,81 @@ def _user_errors() -> Iterator[None]:
         text = str(exc).replace(CREDENTIALS, "--storage-option / -o KEY=VALUE")
         err.print(f"[bold red]Error:[/] {escape(text)}", highlight=False, soft_wrap=True)
         raise typer.Exit(USER_ERROR) from None
+
+
+class _Command(TyperCommand):
+    """A command that reads its arguments once before Click does, to refuse with a clear
+    message what Click would refuse with a puzzling one: a negative checkpoint id, which
+    Click takes for an unknown option ("No such option: -1")."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if not ctx.resilient_parsing:  # (shell completion parses leniently)
+            options, positional = _scan(self.get_params(ctx), args)
+            if "help" not in {param.name for param, _, _ in options}:
+                with _user_errors():
+                    _check_arguments(self, positional)
+        result: list[str] = super().parse_args(ctx, args)
+        return result
+
+
+_NEGATIVE = re.compile(r"-\d+")
+
+
+def _scan(params: list[Any], args: list[str]) -> tuple[list[tuple[Any, str, str]], list[str]]:
+    """``args`` as Click's parser reads them: the options given, as (parameter, name as
+    typed, value: '' for a flag), and the positional arguments, where a negative number
+    that is not an option's value is one (Click would take it for an unknown option).
+    Unknown options are left out (Click refuses them)."""
+    names: dict[str, Any] = {}
+    for param in params:
+        if param.param_type_name == "option":
+            for name in (*param.opts, *param.secondary_opts):
+                names[name] = param
+    options: list[tuple[Any, str, str]] = []
+    positional: list[str] = []
+    tokens = iter(args)
+    for token in tokens:
+        if token == "--":
+            positional.extend(tokens)
+            break
+        if not token.startswith("-") or token == "-" or _NEGATIVE.fullmatch(token):
+            positional.append(token)
+            continue
+        if token.startswith("--"):
+            name, inline, value = token.partition("=")
+        else:  # -oVALUE, or -o VALUE
+            name, value = token[:2], token[2:]
+            inline = "=" if value else ""
+        param = names.get(name)
+        if param is None:
+            continue
+        if param.is_flag or param.count:
+            options.append((param, name, ""))
+            continue
+        if not inline:
+            value = next(tokens, "")
+        options.append((param, name, value))
+    return options, positional
+
+
+def _check_arguments(command: Any, positional: list[str]) -> None:
+    if any(p.name == "checkpoint_id" for p in command.params):
+        for token in positional:
+            if _NEGATIVE.fullmatch(token):
+                _check_checkpoint_id(int(token))
+
+
+def _check_checkpoint_id(checkpoint_id: int) -> None:
+    if checkpoint_id < 1:
+        raise Fail(
+            f"A checkpoint id is a whole number from 1 up; got {checkpoint_id}. "
+            "`checkpoints list LOCATION` shows the ids there."
+        )
+
+
+def _check_at_least(option: str, value: int, lowest: int, meaning: str) -> None:
+    if value < lowest:
+        raise Fail(f"{option} must be {lowest} or more ({meaning}); got {value}.")
 
 
 class Mode(str, Enum):
@@ -112,11 +189,11 @@ StorageOpt = Annotated[
 
 @app.command()
 def demo(
-    rows: Annotated[int, typer.Option(help="Records to enrich.", min=100)] = 50_000,
+    rows: Annotated[int, typer.Option(help="Records to enrich (100 or more).")] = 50_000,
     latency_ms: Annotated[float, typer.Option(help="Mock service latency per request.")] = 20.0,
     mode: Annotated[Mode, typer.Option(help="Output order.")] = Mode.ordered,
-    capacity: Annotated[int, typer.Option(help="Requests in flight per task.", min=1)] = 100,
-    partitions: Annotated[int, typer.Option(help="Spark partitions (tasks).", min=1)] = 2,
+    capacity: Annotated[int, typer.Option(help="Requests in flight per task (1 or more).")] = 100,
+    partitions: Annotated[int, typer.Option(help="Spark partitions (tasks), 1 or more.")] = 2,
     crash: Annotated[bool, typer.Option(help="Crash one task mid-way and recover.")] = True,
     workdir: Annotated[
         Path | None,
@@ -127,11 +204,14 @@ def demo(
     with checkpoints; crash one task mid-way, recover, and check the output is exactly once."""
     from ._demo import DemoSettings, run_demo
 
-    if not 0 < latency_ms < math.inf:
-        with _user_errors():
+    with _user_errors():
+        _check_at_least("--rows", rows, 100, "the records to enrich")
+        if not 0 < latency_ms < math.inf:
             raise Fail(
                 f"--latency-ms must be a finite number of milliseconds > 0; got {latency_ms}."
             )
+        _check_at_least("--capacity", capacity, 1, "the requests in flight per task")
+        _check_at_least("--partitions", partitions, 1, "the Spark partitions, one task each")
     settings = DemoSettings(
         rows=rows,
         partitions=partitions,
@@ -453,7 +533,7 @@ def list_checkpoints(
             _print_table(table)
 
 
-@checkpoints_app.command("show")
+@checkpoints_app.command("show", cls=_Command)
 def show_checkpoint(
     location: LocationArg,
     checkpoint_id: CheckpointIdArg,
@@ -466,6 +546,7 @@ def show_checkpoint(
 ) -> None:
     """The in-flight records and watermarks of one snapshot."""
     with _user_errors():
+        _check_checkpoint_id(checkpoint_id)
         store = _store(location, storage_option)
         snapshots = _snapshots(store, _job(store, job), checkpoint_id, operator, partition, run)
         if format is Format.json:
@@ -543,14 +624,16 @@ def show_checkpoint(
 )
 def expire_checkpoints(
     location: LocationArg,
-    retain: Annotated[int, typer.Option(help="Checkpoints to keep per partition.", min=0)],
+    retain: Annotated[
+        int,
+        typer.Option(help="Checkpoints to keep per partition: 0 or more (0 deletes them all)."),
+    ],
     job: JobOpt = None,
     storage_option: StorageOpt = None,
     orphans_older_than: Annotated[
         float,
         typer.Option(
             metavar="HOURS",
-            min=0,
             help="Also delete the files no checkpoint uses (left by commits that never "
             "completed: a task killed mid-commit) once they are this many hours old (rounded "
             "up to whole hours); newer ones may belong to a commit still running, so 0 is "
@@ -560,8 +643,7 @@ def expire_checkpoints(
 ) -> None:
     """Keep the newest N checkpoints of every partition; drop and vacuum the rest."""
     with _user_errors():
-        store = _store(location, storage_option)
-        name = _job(store, job)
+        _check_at_least("--retain", retain, 0, "the checkpoints to keep per partition")
         from checkpoint import CheckpointError
         from checkpoint._store import _MAX_GRACE_HOURS, grace_hours
 
@@ -569,9 +651,11 @@ def expire_checkpoints(
             hours = grace_hours(orphans_older_than * 3600)
         except CheckpointError:
             raise Fail(
-                f"--orphans-older-than must be a number of hours up to {_MAX_GRACE_HOURS:,}; "
-                f"got {orphans_older_than}."
+                f"--orphans-older-than must be a number of hours from 0 up to "
+                f"{_MAX_GRACE_HOURS:,}; got {orphans_older_than}."
             ) from None
+        store = _store(location, storage_option)
+        name = _job(store, job)
         orphans = store.remove_orphans(name, hours * 3600)
         # per operator, so checkpoints are counted as `list` shows them: one per run and id
         reports = [store.expire(name, retain, operator_id=op) for op in store.operators(name)]
@@ -593,7 +677,7 @@ def expire_checkpoints(
 # -- replay ------------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=_Command)
 def replay(
     location: LocationArg,
     checkpoint_id: CheckpointIdArg,
@@ -609,7 +693,7 @@ def replay(
     partition: PartitionOpt = None,
     run: RunOpt = None,
     operator: OperatorOpt = None,
-    capacity: Annotated[int, typer.Option(min=1, help="Calls in flight.")] = 100,
+    capacity: Annotated[int, typer.Option(help="Calls in flight (1 or more).")] = 100,
     timeout: Annotated[
         float | None,
         typer.Option(help="Per-element timeout, seconds > 0 (default: none)."),
@@ -620,6 +704,8 @@ def replay(
     """Restore the operator from a snapshot and invoke the function again on the elements
     it had in flight; print or write the results."""
     with _user_errors():
+        _check_checkpoint_id(checkpoint_id)
+        _check_at_least("--capacity", capacity, 1, "the calls in flight at once")
         if timeout is not None and not 0 < timeout < math.inf:
             raise Fail(
                 f"--timeout must be a finite number of seconds > 0; got {timeout}. Omit it "

@@ -301,17 +301,15 @@ def test_expire_deletes_files_no_checkpoint_uses_once_older_than_the_grace_perio
     assert (
         SnapshotStore(location).subtask("job", "enrich", 1).restore(2).metadata.checkpoint_id == 2
     )
-    refused = invoke(
-        "checkpoints", "expire", str(location), "--retain", "5", "--orphans-older-than", "-1"
-    )
-    assert refused.exit_code == 2 and "'--orphans-older-than'" in refused.output
-    for hours in ("inf", "3e12"):  # 3e12: delta-rs's vacuum panicked (a BaseException)
+    for hours in ("-1", "nan", "inf", "3e12"):  # 3e12: delta-rs's vacuum panicked
         refused = invoke(
             "checkpoints", "expire", str(location), "--retain", "0", "--orphans-older-than", hours
         )
         said = " ".join(refused.output.split())
         assert refused.exit_code == 2, refused.output
-        assert "--orphans-older-than must be a number of hours up to 1,000,000; got" in said
+        assert "--orphans-older-than must be a number of hours from 0 up to 1,000,000; got" in (
+            said
+        )
     assert (
         SnapshotStore(location).subtask("job", "enrich", 1).restore(2).metadata.checkpoint_id == 2
     )
@@ -836,6 +834,66 @@ def test_an_unknown_run_or_an_id_missing_from_a_run_says_which(checkpoints) -> N
     result = invoke("checkpoints", "show", str(location), "2", "--partition", "7")
     assert result.exit_code == 2
     assert "Job job has no partition 7; it has partitions 0-1." in result.output
+
+
+@pytest.mark.parametrize("command", ["show", "replay"])
+@pytest.mark.parametrize("given", [["-1"], ["0"], ["--", "-12"]])
+def test_a_checkpoint_id_below_1_is_refused_saying_what_ids_are(
+    checkpoints, functions, command, given
+) -> None:
+    # A negative id was taken by Click for an unknown option: "No such option: -1".
+    location, _ = checkpoints
+    args = ["checkpoints", "show"] if command == "show" else ["replay"]
+    extra = ["--function", "replay_functions:greet"] if command == "replay" else []
+    result = invoke(*args, str(location), *extra, *given)
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert f"A checkpoint id is a whole number from 1 up; got {int(given[-1])}." in said
+    assert "`checkpoints list LOCATION` shows the ids there." in said
+    assert "No such option" not in said
+    # a negative number that is an option's value is that option's (and its own error)
+    result = invoke("checkpoints", "show", str(location), "2", "--partition", "-1")
+    assert result.exit_code == 2
+    assert "Job job has no partition -1; it has partitions 0-1." in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["checkpoints", "expire", "{}", "--retain", "-1"],
+            "--retain must be 0 or more (the checkpoints to keep per partition); got -1.",
+        ),
+        (
+            ["checkpoints", "expire", "{}", "--retain", "1", "--orphans-older-than", "-1"],
+            "--orphans-older-than must be a number of hours from 0 up to 1,000,000; got -1.0.",
+        ),
+        (
+            ["replay", "{}", "2", "--function", "replay_functions:greet", "--capacity", "0"],
+            "--capacity must be 1 or more (the calls in flight at once); got 0.",
+        ),
+        (
+            ["demo", "--capacity", "-3"],
+            "--capacity must be 1 or more (the requests in flight per task); got -3.",
+        ),
+        (
+            ["demo", "--partitions", "0"],
+            "--partitions must be 1 or more (the Spark partitions, one task each); got 0.",
+        ),
+        (["demo", "--rows", "-5"], "--rows must be 100 or more (the records to enrich); got -5."),
+    ],
+)
+def test_a_count_below_its_least_is_refused_saying_what_to_pass(
+    checkpoints, functions, args, message
+) -> None:
+    # Click's message was "Invalid value for '--retain': Input should be greater than or
+    # equal to 0", in a box under the usage line.
+    location, _ = checkpoints
+    result = invoke(*[str(location) if a == "{}" else a for a in args])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("Error: "), result.output
+    assert message in " ".join(result.output.split()), result.output
+    assert invoke("checkpoints", "show", str(location), "1").exit_code == 0  # nothing expired
 
 
 def test_an_unknown_job_lists_the_jobs(checkpoints) -> None:
