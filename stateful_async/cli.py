@@ -77,8 +77,9 @@ def _user_errors() -> Iterator[None]:
 
 class _Command(TyperCommand):
     """A command that reads its arguments once before Click does, to refuse with a clear
-    message what Click would refuse with a puzzling one: a negative checkpoint id, which
-    Click takes for an unknown option ("No such option: -1")."""
+    message what Click would refuse with a puzzling one (a negative checkpoint id, which
+    Click takes for an unknown option: "No such option: -1") or take without a word (an
+    option that selects one thing given twice, of which Click keeps the last)."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         if not ctx.resilient_parsing:  # (shell completion parses leniently)
@@ -86,6 +87,7 @@ class _Command(TyperCommand):
             if "help" not in {param.name for param, _, _ in options}:
                 with _user_errors():
                     _check_arguments(self, positional)
+                    _check_given_once(options)
         result: list[str] = super().parse_args(ctx, args)
         return result
 
@@ -135,6 +137,34 @@ def _check_arguments(command: Any, positional: list[str]) -> None:
         for token in positional:
             if _NEGATIVE.fullmatch(token):
                 _check_checkpoint_id(int(token))
+
+
+# Options that select one thing, or name one output: given twice, the second would not add
+# to the first (Click keeps the last), which a user may well expect. Others (--capacity,
+# --format, ...) keep the last, as command lines do, so that a wrapper can override them.
+_ONE_ONLY = {
+    "job": "one job: run the command once per job",
+    "partition": "one partition: run the command once per partition, or leave --partition "
+    "out for all of them",
+    "run": "one run: run the command once per run",
+    "operator": "one operator: run the command once per operator",
+    "output": "one output file: replay again for another",
+    "function": "one function: replay again for another",
+}
+
+
+def _check_given_once(options: list[tuple[Any, str, str]]) -> None:
+    given: dict[Any, list[str]] = {}
+    for param, _, value in options:
+        if param.name in _ONE_ONLY:
+            given.setdefault(param, []).append(value)
+    for param, values in given.items():
+        if len(set(values)) > 1:
+            times = "twice" if len(values) == 2 else f"{len(values)} times"
+            raise Fail(
+                f"{param.opts[0]} was given {times} ({', '.join(values)}), and it takes "
+                f"{_ONE_ONLY[param.name]}."
+            )
 
 
 def _check_checkpoint_id(checkpoint_id: int) -> None:
@@ -322,12 +352,17 @@ def _store(location: str, storage_option: list[str] | None = None) -> Any:
     from checkpoint import SnapshotStore
     from checkpoint._layout import location_exists, missing_location
 
-    options = {}
+    options: dict[str, str] = {}
     for setting in storage_option or []:
         key, equals, value = setting.partition("=")
         if not equals or not key.strip():
             raise Fail(
                 f"--storage-option {setting!r} is not KEY=VALUE (e.g. AWS_REGION=eu-west-1)."
+            )
+        if options.get(key.strip(), value) != value:  # (values unsaid: secrets, maybe)
+            raise Fail(
+                f"--storage-option {key.strip()} was given twice, with different values; "
+                "give each key once."
             )
         options[key.strip()] = value
     store = SnapshotStore(location, options or None)
@@ -434,7 +469,7 @@ def _size(n: int) -> str:
     return str(n)
 
 
-@checkpoints_app.command("list")
+@checkpoints_app.command("list", cls=_Command)
 def list_checkpoints(
     location: LocationArg,
     job: Annotated[str | None, typer.Option(help="Only this job.")] = None,
@@ -613,6 +648,7 @@ def show_checkpoint(
 
 @checkpoints_app.command(
     "expire",
+    cls=_Command,
     help=(
         "Keep the newest N checkpoints of every partition; drop and vacuum the rest, and "
         "delete the files no checkpoint uses once older than --orphans-older-than.\n\n"

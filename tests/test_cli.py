@@ -896,6 +896,64 @@ def test_a_count_below_its_least_is_refused_saying_what_to_pass(
     assert invoke("checkpoints", "show", str(location), "1").exit_code == 0  # nothing expired
 
 
+def test_an_option_that_selects_one_thing_given_twice_is_refused(
+    checkpoints, functions, tmp_path
+) -> None:
+    # Click kept the last: `--partition 0 --partition 1` showed partition 1 alone, and
+    # `--output a.jsonl --output b.parquet` wrote b.parquet alone, without a word.
+    location, _ = checkpoints
+    result = invoke("checkpoints", "show", str(location), "2", "--partition", "0", "--partition=1")
+    assert result.exit_code == 2, result.output
+    assert (
+        "--partition was given twice (0, 1), and it takes one partition: run the command once "
+        "per partition, or leave --partition out for all of them."
+    ) in " ".join(result.output.split())
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.parquet"
+    calls = tmp_path / "calls"
+    functions.write_text(
+        functions.read_text()
+        + f"\nasync def counted(row):\n    open({str(calls)!r}, 'a').write('x')\n"
+        "    return [row]\n"
+    )
+    result = replay(
+        location, "replay_functions:counted", "--output", str(first), "--output", str(second)
+    )
+    assert result.exit_code == 2, result.output
+    assert (
+        f"--output was given twice ({first}, {second}), and it takes one output file: replay "
+        "again for another."
+    ) in " ".join(result.output.split())
+    assert not first.exists() and not second.exists() and not calls.exists()
+    result = invoke("checkpoints", "expire", str(location), "--retain", "0", "--job", "job",
+                    "--job", "other")  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "--job was given twice (job, other), and it takes one job" in result.output
+    assert invoke("checkpoints", "show", str(location), "1").exit_code == 0  # nothing expired
+    # the same value twice is no ambiguity; a setting that tunes (--format) keeps the last
+    result = invoke(
+        "checkpoints", "show", str(location), "2", "--partition", "0", "--partition", "0",
+        "--format", "table", "--format", "json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert [s["partition"] for s in json.loads(result.stdout)] == [0]
+
+
+def test_a_storage_option_given_twice_with_different_values_is_refused(checkpoints) -> None:
+    location, _ = checkpoints
+    result = invoke(
+        "checkpoints", "list", str(location), "-o", "AWS_SECRET_ACCESS_KEY=s3cr3t-1",
+        "-oAWS_SECRET_ACCESS_KEY=s3cr3t-2",
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert (
+        "--storage-option AWS_SECRET_ACCESS_KEY was given twice, with different values; give "
+        "each key once."
+    ) in " ".join(result.output.split())
+    assert "s3cr3t" not in result.output  # values may be secrets
+    same = ["-o", "AWS_REGION=eu-west-1", "-o", "AWS_REGION=eu-west-1"]
+    assert invoke("checkpoints", "list", str(location), *same).exit_code == 0
+
+
 def test_an_unknown_job_lists_the_jobs(checkpoints) -> None:
     location, _ = checkpoints
     result = invoke("checkpoints", "list", str(location), "--job", "other")
