@@ -7,8 +7,8 @@
     stateful-async replay LOCATION ID --function module:attr [--output PATH]
 
 Errors in what the user asked for (a missing location, an unknown id, a function that
-cannot be imported, an output path that exists) print one clear message and exit with
-status 2; the demo exits with status 1 if its exactly-once check fails.
+cannot be imported, an output path that exists or cannot be written) print one clear message
+and exit with status 2; the demo exits with status 1 if its exactly-once check fails.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -747,15 +747,8 @@ def replay(
                 f"--timeout must be a finite number of seconds > 0; got {timeout}. Omit it "
                 "for no timeout."
             )
-        if output is not None and output.exists():
-            raise Fail(f"The output path {output} already exists; choose a new one.")
-        if output is not None and output.suffix not in (".jsonl", ".json", ".parquet"):
-            raise Fail(f"The output path {output} must end in .jsonl, .json or .parquet.")
-        if output is not None and not output.absolute().parent.is_dir():
-            raise Fail(
-                f"The output path {output} is in a directory that does not exist: create "
-                f"{output.absolute().parent} first, or choose another path."
-            )
+        if output is not None:
+            _check_output(output)
         fn = _import_function(function)
         store = _store(location, storage_option)
         snapshots = _snapshots(store, _job(store, job), checkpoint_id, operator, partition, run)
@@ -780,14 +773,14 @@ def replay(
                     f"The results do not fit one Parquet schema ({exc}); write them as JSON "
                     "lines instead (--output with .jsonl)."
                 ) from exc
-            pq.write_table(table, output)
+            _write(output, "xb", lambda handle: pq.write_table(table, handle))
         else:
             lines = [_to_json(row) for row in results]  # first: a failure leaves no file
-            with open(output, "x") as handle:
-                if output.suffix == ".json":  # one document: an array, an object a line
-                    handle.write("[\n" + ",\n".join(lines) + "\n]\n")
-                else:
-                    handle.writelines(line + "\n" for line in lines)
+            if output.suffix == ".json":  # one document: an array, an object a line
+                text = "[\n" + ",\n".join(lines) + "\n]\n"
+            else:
+                text = "".join(line + "\n" for line in lines)
+            _write(output, "x", lambda handle: handle.write(text))
         records = sum(1 for s in snapshots for e in s.elements if not _is_watermark(e))
         err.print(
             f"Replayed checkpoint {checkpoint_id} {_of_runs(snapshots)}: {records} in-flight "
@@ -795,6 +788,48 @@ def replay(
             f"{len(snapshots)} partition(s) gave {len(results)} result(s)"
             + (f", written to {escape(str(output))}." if output and results else ".")
         )
+
+
+def _check_output(output: Path) -> None:
+    """Refuse, before the function is called, an output path replay cannot write to."""
+    if output.suffix not in (".jsonl", ".json", ".parquet"):
+        raise Fail(f"The output path {output} must end in .jsonl, .json or .parquet.")
+    try:
+        if output.exists() or output.is_symlink():
+            raise Fail(f"The output path {output} already exists; choose a new one.")
+        if not output.absolute().parent.is_dir():
+            raise Fail(
+                f"The output path {output} is in a directory that does not exist: create "
+                f"{output.absolute().parent} first, or choose another path."
+            )
+        output.open("x").close()  # e.g. a read-only directory, a name too long
+        output.unlink()
+    except OSError as exc:
+        raise Fail(
+            f"Cannot write to the output path {output}: {_os_reason(exc)}. Choose another path."
+        ) from None
+
+
+def _write(output: Path, mode: str, write: Callable[[Any], object]) -> None:
+    """``write`` the results to a new file at ``output``; an error leaves no file there."""
+    try:
+        with open(output, mode) as handle:
+            try:
+                write(handle)
+            except BaseException:
+                handle.close()
+                with suppress(OSError):
+                    output.unlink(missing_ok=True)
+                raise
+    except OSError as exc:
+        raise Fail(
+            f"Cannot write the results to {output}: {_os_reason(exc)}. They were not kept; "
+            "replay again with another --output."
+        ) from None
+
+
+def _os_reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
 
 
 def _as_the_function_sees_them(store: Any, snapshot: Any) -> list[Any]:

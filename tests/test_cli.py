@@ -703,6 +703,54 @@ def test_replay_refuses_an_output_directory_that_does_not_exist_before_calling(
     assert not calls.exists()  # refused before any call to the function
 
 
+def test_replay_refuses_an_output_path_it_cannot_create_before_calling(
+    checkpoints, functions, tmp_path
+) -> None:
+    # A name longer than the filesystem takes ended in a traceback (OSError: [Errno 36]).
+    location, _ = checkpoints
+    calls = tmp_path / "calls"
+    functions.write_text(
+        functions.read_text()
+        + f"\nasync def counted(row):\n    open({str(calls)!r}, 'a').write('x')\n"
+        "    return [row]\n"
+    )
+    target = tmp_path / ("x" * 300 + ".jsonl")
+    result = replay(location, "replay_functions:counted", "--output", str(target))
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # no traceback
+    said = " ".join(result.output.split())
+    assert f"Cannot write to the output path {target}: File name too long. Choose another" in said
+    assert not calls.exists()  # refused before any call to the function
+    assert list(tmp_path.glob("x*")) == []
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_replay_that_cannot_write_its_results_says_where_and_why_in_one_line(
+    checkpoints, functions, tmp_path, suffix
+) -> None:
+    # The output's directory is deleted while the function runs: writing raised
+    # FileNotFoundError, a traceback.
+    location, _ = checkpoints
+    directory = tmp_path / "out"
+    directory.mkdir()
+    target = directory / f"replayed{suffix}"
+    module = f"remover_{suffix[1:]}"  # a module of its own: imported modules are cached
+    (functions.parent / f"{module}.py").write_text(
+        "import shutil\n\n"
+        f"async def remove(row):\n    shutil.rmtree({str(directory)!r}, ignore_errors=True)\n"
+        "    return [row]\n"
+    )
+    result = replay(location, f"{module}:remove", "--output", str(target))
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # no traceback
+    error = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert error == [
+        f"Error: Cannot write the results to {target}: No such file or directory. They were "
+        "not kept; replay again with another --output."
+    ], result.output
+    assert not target.exists()
+
+
 def test_replay_to_parquet_of_results_with_mixed_types_says_to_use_json_lines(
     checkpoints, functions, tmp_path
 ) -> None:
