@@ -692,22 +692,91 @@ def expire_checkpoints(
             ) from None
         store = _store(location, storage_option)
         name = _job(store, job)
-        orphans = store.remove_orphans(name, hours * 3600)
+        # Each partition's table on its own, so that what was done before an error is said
+        orphans, failed = _each_table(store, name, lambda log: log.remove_orphans(hours * 3600))
+        orphan_line = (
+            f"{sum(map(len, orphans.values()))} file(s) no checkpoint used (left by commits "
+            f"that never completed), older than {hours} hour(s), deleted."
+        )
+        if failed:
+            out.print(orphan_line)
+            _fail_in_tables(
+                failed,
+                len(orphans) + len(failed),
+                "Deleting the files no checkpoint uses",
+                "No checkpoint was expired",
+            )
+        done, failed = _each_table(store, name, lambda log: log.expire(retain))
         # per operator, so checkpoints are counted as `list` shows them: one per run and id
-        reports = [store.expire(name, retain, operator_id=op) for op in store.operators(name)]
-        expired = [r.expired for r in reports]
-        deleted = [r.deleted for r in reports]
-        out.print(
-            f"Job {escape(name)}: {sum(len(set(e)) for e in expired)} checkpoint(s) expired "
-            f"({sum(map(len, expired))} partition snapshot(s); state dropped, results kept for "
-            f"later checkpoints), {sum(len(set(d)) for d in deleted)} deleted "
-            f"({sum(map(len, deleted))} partition snapshot(s)), "
-            f"{sum(r.files_removed for r in reports)} file(s) removed from storage."
+        expired: dict[str, list[Any]] = {}
+        deleted: dict[str, list[Any]] = {}
+        for log, report in done.items():
+            expired.setdefault(log.operator_id, []).extend(report.expired)
+            deleted.setdefault(log.operator_id, []).extend(report.deleted)
+        whose = f"Job {name}" + (
+            f", {len(done)} of {len(done) + len(failed)} partition(s)" if failed else ""
         )
         out.print(
-            f"{len(orphans)} file(s) no checkpoint used (left by commits that never "
-            f"completed), older than {hours} hour(s), deleted."
+            f"{escape(whose)}: {sum(len(set(e)) for e in expired.values())} checkpoint(s) "
+            f"expired ({sum(map(len, expired.values()))} partition snapshot(s); state dropped, "
+            f"results kept for later checkpoints), {sum(len(set(d)) for d in deleted.values())} "
+            f"deleted ({sum(map(len, deleted.values()))} partition snapshot(s)), "
+            f"{sum(r.files_removed for r in done.values())} file(s) removed from storage."
         )
+        out.print(orphan_line)
+        if failed:
+            _fail_in_tables(
+                failed,
+                len(done) + len(failed),
+                "Expiring the checkpoints",
+                "The other partitions' checkpoints were expired, as said above",
+            )
+
+
+def _each_table(
+    store: Any, job: str, work: Callable[[Any], Any]
+) -> tuple[dict[Any, Any], dict[Any, BaseException]]:
+    """``work`` on each partition's table of the job: what it returned, per table (in
+    operator and partition order), and the error of each table where it failed (the
+    others are done all the same)."""
+
+    def attempt(log: Any) -> tuple[Any, Any, BaseException | None]:
+        try:
+            return log, work(log), None
+        except BaseException as exc:  # (a delta-rs panic is one): said after what was done
+            return log, None, exc
+
+    done: dict[Any, Any] = {}
+    failed: dict[Any, BaseException] = {}
+    for log, result, error in store.map_subtasks(job, None, attempt):
+        if error is None:
+            done[log] = result
+        else:
+            failed[log] = error
+    return done, failed
+
+
+def _fail_in_tables(
+    failed: dict[Any, BaseException], tables: int, doing: str, meanwhile: str
+) -> None:
+    """Raise the error of the first table that failed: as it is if it is no user error,
+    else as a Fail that says which partitions failed and what to do."""
+    for error in failed.values():
+        if not isinstance(error, StatefulAsyncError):
+            raise error
+    by_operator: dict[str, list[int]] = {}
+    for log in failed:
+        by_operator.setdefault(log.operator_id, []).append(log.subtask)
+    where = "; ".join(
+        f"operator {op}, partition{'s' if len(parts) > 1 else ''} {id_ranges(parts)}"
+        for op, parts in by_operator.items()
+    )
+    first = str(next(iter(failed.values())))
+    raise Fail(
+        f"{doing} failed in {len(failed)} of {tables} partition(s) ({where}): {first}"
+        f"{'' if first.endswith('.') else '.'} {meanwhile}; run the command again once the "
+        "cause is fixed."
+    )
 
 
 # -- replay ------------------------------------------------------------------------------------

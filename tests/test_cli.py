@@ -315,6 +315,64 @@ def test_expire_deletes_files_no_checkpoint_uses_once_older_than_the_grace_perio
     )
 
 
+def _first_file(table: Path) -> Path:
+    """The data file of a checkpoint table's first commit (its first checkpoint's)."""
+    from deltalake import DeltaTable
+
+    (uri,) = DeltaTable(str(table), version=0).file_uris()
+    return Path(uri.removeprefix("file://"))
+
+
+def test_expire_that_fails_in_one_partition_says_what_it_did_before_the_error(
+    checkpoints,
+) -> None:
+    # Partition 0's checkpoint 1 was expired and partition 1's failed: the command printed
+    # the error alone, as if nothing had been done.
+    location, _ = checkpoints
+    _first_file(location / "job" / "enrich" / "subtask=00001").write_bytes(b"garbage")
+    result = invoke("checkpoints", "expire", str(location), "--retain", "1")
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    done = said.index(
+        "Job job, 1 of 2 partition(s): 1 checkpoint(s) expired (1 partition snapshot(s);"
+    )
+    orphans = said.index("0 file(s) no checkpoint used")
+    error = said.index(
+        "Error: Expiring the checkpoints failed in 1 of 2 partition(s) (operator enrich, "
+        "partition 1): Cannot read checkpoint table"
+    )
+    assert done < orphans < error, said
+    assert said.endswith(
+        "The other partitions' checkpoints were expired, as said above; run the command "
+        "again once the cause is fixed."
+    ), said
+    kept = SnapshotStore(location).subtask("job", "enrich", 0).checkpoints(include_expired=False)
+    assert [m.checkpoint_id for m in kept] == [2]  # partition 0's expiry was done
+
+
+def test_expire_whose_orphan_deletion_fails_in_one_partition_says_what_it_deleted(
+    checkpoints,
+) -> None:
+    location, _ = checkpoints
+    stray = location / "job" / "enrich" / "subtask=00000" / "part-00000-old-c000.snappy.parquet"
+    pq.write_table(pa.table({"id": [1]}), stray)
+    os.utime(stray, (time.time() - 25 * 3600,) * 2)
+    for entry in (location / "job" / "enrich" / "subtask=00001" / "_delta_log").glob("*.json"):
+        entry.write_text("not json")
+    result = invoke("checkpoints", "expire", str(location), "--retain", "1")
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert said.startswith(
+        "1 file(s) no checkpoint used (left by commits that never completed), older than 24 "
+        "hour(s), deleted. Error: Deleting the files no checkpoint uses failed in 1 of 2 "
+        "partition(s) (operator enrich, partition 1): Cannot open checkpoint table"
+    ), said
+    assert "No checkpoint was expired; run the command again once the cause is fixed." in said
+    assert not stray.exists()
+    kept = SnapshotStore(location).subtask("job", "enrich", 0).checkpoints(include_expired=False)
+    assert [m.checkpoint_id for m in kept] == [1, 2]  # nothing expired
+
+
 def test_show_of_a_run_whose_checkpoints_all_expired_says_they_expired(tmp_path) -> None:
     # It said the job "has no run 'early'", which `list --all` goes on to show: a run that
     # another resumed from, whose checkpoint retention expired (its results stay).
