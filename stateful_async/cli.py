@@ -1098,13 +1098,15 @@ def _is_watermark(element: Any) -> bool:
 
 def _to_json(value: Any, indent: int | None = None) -> str:
     """``value`` as standard JSON: dates as ISO strings, decimals as strings, bytes as
-    base64, and floats that JSON has no number for (NaN, +-infinity) as the strings
+    base64, numpy values as the Python values they hold (not as their ``str``: "5",
+    "True"), and floats that JSON has no number for (NaN, +-infinity) as the strings
     ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (Python would write bare ``NaN``, which
     strict parsers refuse)."""
     return json.dumps(_finite(value), default=_json_default, indent=indent, allow_nan=False)
 
 
 def _finite(value: Any) -> Any:
+    value = _plain(value)
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, dict):  # keys as JSON writes them (a MAP<DATE, ...>'s dates too)
@@ -1117,11 +1119,20 @@ def _finite(value: Any) -> Any:
 def _json_key(key: Any) -> Any:
     """A dict key as JSON writes it: keys json takes as they are, others as their values
     are written (a date as its ISO string, bytes as base64, ...)."""
+    key = _plain(key)
     if key is None or isinstance(key, (str, int, bool)):
         return key
     if isinstance(key, float):
         return _finite(key)
     return str(_finite(_json_default(key)))
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar or array as the Python value it holds (np.int64 an int, np.bool_ a
+    bool, an array a list), as pyarrow takes it for Parquet; anything else as it is."""
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return value.tolist()
+    return value
 
 
 def _json_default(value: Any) -> Any:

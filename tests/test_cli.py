@@ -664,6 +664,28 @@ def test_replay_writes_json_for_map_values_whose_keys_are_not_strings(tmp_path, 
         assert json.loads(written.read_text()) == ([wanted] if suffix == ".json" else wanted)
 
 
+def test_replay_writes_numpy_values_and_keys_as_the_values_they_hold(tmp_path, functions) -> None:
+    # A function's numpy values were written as their str(): 7 as "7", a bool as "True"
+    # (and as the key "True", where JSON writes a bool key as "true"), an array as "[1 2]".
+    (functions.parent / "with_numpy.py").write_text(
+        "import numpy as np\n\n"
+        "async def scores(row):\n"
+        "    return [{'id': np.int64(row['id']), 'ok': np.bool_(True), 'x': np.float32(1.5),\n"
+        "             'nan': np.float32('nan'), 'tags': np.array([1, 2]),\n"
+        "             'by': {np.bool_(False): 1, np.int64(3): 2}}]\n"
+    )
+    SnapshotStore(tmp_path / "ckpt").subtask("job", "enrich", 0).commit(
+        "run", 2, [StreamRecord({"id": 7})], [],
+        input_schema=pa.schema([("id", pa.int64())]), output_schema=OUTPUT, position=1,
+    )  # fmt: skip
+    result = replay(tmp_path / "ckpt", "with_numpy:scores")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.splitlines()[0]) == {
+        "id": 7, "ok": True, "x": 1.5, "nan": "NaN", "tags": [1, 2],
+        "by": {"false": 1, "3": 2},
+    }  # fmt: skip
+
+
 def test_replay_that_fails_writing_its_output_leaves_no_file(
     tmp_path, functions, monkeypatch
 ) -> None:
