@@ -1110,6 +1110,12 @@ def _finite(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, dict):  # keys as JSON writes them (a MAP<DATE, ...>'s dates too)
+        written: dict[str, Any] = {}  # each key's text in JSON: the key it is from
+        for k in value:
+            text = _key_text(_json_key(k))
+            if text in written:
+                raise Fail(_same_json_key(written[text], k, text))
+            written[text] = k
         return {_json_key(k): _finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
@@ -1125,6 +1131,30 @@ def _json_key(key: Any) -> Any:
     if isinstance(key, float):
         return _finite(key)
     return str(_finite(_json_default(key)))
+
+
+def _key_text(key: Any) -> str:
+    """The text JSON writes for a key _json_key gave."""
+    if isinstance(key, str):
+        return key
+    return json.dumps(key)  # True as true, None as null, 1.5 as 1.5
+
+
+def _same_json_key(first: Any, second: Any, text: str) -> str:
+    def kind(key: Any) -> str:
+        cls = type(key)
+        return (
+            cls.__qualname__
+            if cls.__module__ == "builtins"
+            else f"{cls.__module__}.{cls.__qualname__}"
+        )
+
+    return (
+        f"A dict to write as JSON has the keys {first!r} ({kind(first)}) and {second!r} "
+        f"({kind(second)}), which JSON writes as the same key {json.dumps(text)}: one "
+        "would hide the other. Give that dict's keys one type (in replay, in the "
+        "function's results)."
+    )
 
 
 def _plain(value: Any) -> Any:

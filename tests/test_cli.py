@@ -686,6 +686,38 @@ def test_replay_writes_numpy_values_and_keys_as_the_values_they_hold(tmp_path, f
     }  # fmt: skip
 
 
+@pytest.mark.parametrize("suffix", ["", ".jsonl", ".json"])
+def test_replay_refuses_dict_keys_that_json_writes_as_one(tmp_path, functions, suffix) -> None:
+    # A date key and its ISO string merged into one JSON key, the last value kept; 1 and
+    # "1" were written as two keys "1", which JSON parsers read as one.
+    (functions.parent / "same_keys.py").write_text(
+        "import datetime as dt\n\n"
+        "async def by_day(row):\n"
+        "    return [{'id': row['id'], 'm': {dt.date(2024, 1, 1): 1, '2024-01-01': 2}}]\n\n"
+        "async def by_number(row):\n"
+        "    return [{'id': row['id'], 'm': {1: 'a', '1': 'b'}}]\n"
+    )
+    SnapshotStore(tmp_path / "ckpt").subtask("job", "enrich", 0).commit(
+        "run", 2, [StreamRecord({"id": 7})], [],
+        input_schema=pa.schema([("id", pa.int64())]), output_schema=OUTPUT, position=1,
+    )  # fmt: skip
+    target = tmp_path / f"out{suffix}"
+    output = ["--output", str(target)] if suffix else []
+    for function, keys in (
+        ("by_day", "datetime.date(2024, 1, 1) (datetime.date) and '2024-01-01' (str)"),
+        ("by_number", "1 (int) and '1' (str)"),
+    ):
+        result = replay(tmp_path / "ckpt", f"same_keys:{function}", *output)
+        assert result.exit_code == 2, result.output
+        said = " ".join(result.output.split())
+        assert f"Error: A dict to write as JSON has the keys {keys}, which JSON writes as the " in (
+            said
+        )
+        assert "one would hide the other. Give that dict's keys one type" in said
+        assert not result.stdout.startswith("{")  # nothing printed
+        assert not target.exists()
+
+
 def test_replay_that_fails_writing_its_output_leaves_no_file(
     tmp_path, functions, monkeypatch
 ) -> None:
