@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import math
 import random
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
 
@@ -12,7 +14,10 @@ from ._exceptions import ConfigurationError, as_float, as_int, as_seconds
 from ._function import is_coroutine_callable
 
 ExceptionPredicate = Union[
-    Callable[[BaseException], bool], type[BaseException], tuple[type[BaseException], ...]
+    Callable[[BaseException], bool],
+    type[BaseException],
+    tuple[type[BaseException], ...],
+    types.UnionType,
 ]
 ResultPredicate = Callable[[Sequence[Any]], bool]
 
@@ -44,6 +49,18 @@ def _is_exception_type(value: Any) -> bool:
     return isinstance(value, type) and issubclass(value, BaseException)
 
 
+def _union_members(value: Any) -> tuple[Any, ...] | None:
+    """The members of a union of types (``ValueError | KeyError``, or
+    ``typing.Union[ValueError, KeyError]``), which ``isinstance`` accepts; None otherwise."""
+    if typing.get_origin(value) in (types.UnionType, Union):
+        return typing.get_args(value)
+    return None
+
+
+def _type_name(value: Any) -> str:
+    return value.__name__ if isinstance(value, type) else repr(value)
+
+
 @dataclass(frozen=True)
 class RetryStrategy:
     """When and how soon to try an element's async function again.
@@ -53,12 +70,13 @@ class RetryStrategy:
     Flink's ``maxAttempts=2`` is ``max_attempts=3`` here.)
 
     An attempt is retried when its exception matches ``retry_on_exception`` (an exception
-    type, a non-empty tuple of them, or a predicate over the exception; default: any
-    ``Exception``; to retry no exception, pass ``lambda exc: False``) or its result list matches
-    ``retry_on_result`` (default: never), while attempts remain. When attempts run out, an
-    exception fails the element and a result is emitted as it is (once the operator's
-    timeout has passed, such a result, like an exception, is dropped: the timeout handler
-    decides).
+    type, a non-empty tuple of them, a union of them (``TimeoutError | ConnectionError``,
+    kept as the tuple of its members) or a predicate over the exception; default: any
+    ``Exception``; to retry no exception, pass ``lambda exc: False``) or its result list
+    matches ``retry_on_result`` (default: never), while attempts remain. When attempts run
+    out, an exception fails the element and a result is emitted as it is (once the
+    operator's timeout has passed, such a result, like an exception, is dropped: the timeout
+    handler decides).
 
     Delays are seconds (a number or a ``timedelta``).
 
@@ -102,6 +120,30 @@ class RetryStrategy:
                 f"RetryStrategy jitter must be between 0 and 1; got {self.jitter!r}."
             )
         predicate = self.retry_on_exception
+        members = _union_members(predicate)
+        if members is not None:
+            others = [m for m in members if not _is_exception_type(m)]
+            if others:
+                kept = [_type_name(m) for m in members if _is_exception_type(m)]
+                one = len(others) == 1
+                raise ConfigurationError(
+                    f"RetryStrategy retry_on_exception is a union of types, {predicate!r}, but "
+                    f"{', '.join(_type_name(m) for m in others)} "
+                    f"{'is not an exception type' if one else 'are not exception types'}: "
+                    "every member of the union must be an exception type (a subclass of "
+                    "BaseException). "
+                    + (
+                        f"Leave {'it' if one else 'them'} out: "
+                        f"retry_on_exception={' | '.join(kept)}."
+                        if kept
+                        else "Pass exception types, e.g. "
+                        "retry_on_exception=TimeoutError | ConnectionError."
+                    )
+                )
+            # Kept as the tuple of its members, which isinstance() takes alike and which
+            # pickles on every Python this supports (Spark ships the strategy to executors).
+            predicate = tuple(members)
+            object.__setattr__(self, "retry_on_exception", predicate)  # frozen: as __init__
         if isinstance(predicate, (tuple, list, set, frozenset)) and not predicate:
             # isinstance(exc, ()) is False: an empty tuple would retry nothing, silently.
             raise ConfigurationError(
@@ -209,7 +251,7 @@ class RetryStrategy:
 
     def should_retry_exception(self, exc: BaseException) -> bool:
         predicate = self.retry_on_exception
-        if isinstance(predicate, tuple) or isinstance(predicate, type):
+        if isinstance(predicate, (tuple, type, types.UnionType)):  # a union: kept as a tuple
             return isinstance(exc, predicate)
         return bool(predicate(exc))
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import pickle
 import random
 import time
+import typing
 from datetime import timedelta
 
 import pytest
@@ -640,6 +642,86 @@ def test_a_list_of_exception_types_is_refused_with_the_tuple_to_pass() -> None:
         "'ConnectionError'>]. Pass them as a tuple: retry_on_exception=(TimeoutError, "
         "ConnectionError)."
     )
+
+
+@pytest.mark.parametrize(
+    "union", [Flaky | OSError, typing.Union[Flaky, OSError]], ids=["a | b", "typing.Union"]
+)
+async def test_a_union_of_exception_types_retries_each_member(union) -> None:
+    # isinstance() takes a union, but RetryStrategy refused one: "must be an exception type,
+    # a tuple of them, or a predicate over the exception".
+    retry = RetryStrategy.fixed_delay(5, 1, retry_on_exception=union)
+    assert retry.retry_on_exception == (Flaky, OSError)  # kept as the tuple of its members
+    assert retry == RetryStrategy.fixed_delay(5, 1, retry_on_exception=(Flaky, OSError))
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    out, op = make(fn, clock, timeout=100, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    fn.fail("a", Flaky("retry me"))
+    await clock.advance(1)
+    fn.fail("a", ConnectionError("a subclass of OSError: retry me too"))
+    await clock.advance(1)
+    fn.fail("a", Fatal("do not retry me"))
+    await clock.advance(10)
+    assert fn.calls == ["a", "a", "a"]
+    assert isinstance(op.failure, AsyncFunctionError)
+    assert "after 3 attempts" in str(op.failure)
+    assert "Fatal: do not retry me" in str(op.failure)
+    await op.close()
+
+
+@pytest.mark.parametrize("dumps", ["pickle", "cloudpickle"])
+def test_a_retry_strategy_given_a_union_pickles(dumps: str) -> None:
+    # Spark ships the strategy to its executors with cloudpickle.
+    if dumps == "pickle":
+        loads, dump = pickle.loads, pickle.dumps
+    else:
+        cloudpickle = pytest.importorskip("pyspark.cloudpickle")
+        loads, dump = cloudpickle.loads, cloudpickle.dumps
+    retry = RetryStrategy.fixed_delay(3, 1, retry_on_exception=Flaky | TimeoutError)
+    copy = loads(dump(retry))
+    assert copy == retry
+    assert copy.retry_on_exception == (Flaky, TimeoutError)
+    assert copy.should_retry_exception(TimeoutError()) is True
+    assert copy.should_retry_exception(Flaky()) is True
+    assert copy.should_retry_exception(Fatal()) is False
+
+
+@pytest.mark.parametrize(
+    ("union", "message"),
+    [
+        (
+            TimeoutError | None,
+            "RetryStrategy retry_on_exception is a union of types, TimeoutError | None, but "
+            "NoneType is not an exception type: every member of the union must be an "
+            "exception type (a subclass of BaseException). Leave it out: "
+            "retry_on_exception=TimeoutError.",
+        ),
+        (
+            int | str,
+            "RetryStrategy retry_on_exception is a union of types, int | str, but int, str are "
+            "not exception types: every member of the union must be an exception type (a "
+            "subclass of BaseException). Pass exception types, e.g. "
+            "retry_on_exception=TimeoutError | ConnectionError.",
+        ),
+        (
+            typing.Union[TimeoutError, ConnectionError, int, str],
+            "RetryStrategy retry_on_exception is a union of types, typing.Union[TimeoutError, "
+            "ConnectionError, int, str], but int, str are not exception types: every member of "
+            "the union must be an exception type (a subclass of BaseException). Leave them "
+            "out: retry_on_exception=TimeoutError | ConnectionError.",
+        ),
+    ],
+    ids=["with None", "no exception type", "typing.Union"],
+)
+def test_a_union_with_a_type_that_is_no_exception_is_refused(union, message: str) -> None:
+    from stateful_async import ConfigurationError
+
+    with pytest.raises(ConfigurationError) as info:
+        RetryStrategy(3, 1, retry_on_exception=union)
+    assert str(info.value) == message
 
 
 @pytest.mark.parametrize("outcome", ["exception", "result"])
