@@ -40,6 +40,7 @@ from stateful_async.chaos import (
 )
 from stateful_async.chaos._job import main as job_main
 from stateful_async.chaos._job import parse_args
+from stateful_async.chaos.cluster import main as cluster_main
 
 SCHEMA = pa.schema([("id", pa.int64())])
 
@@ -288,6 +289,139 @@ def test_a_worker_is_not_started_again_while_another_start_holds_the_directory(
     # once it is done, the worker is launched (and here fails: there is no spark-class)
     with pytest.raises(ClusterError, match="Cannot start the Spark worker-0 with"):
         cluster.start_worker(0)
+
+
+def recorded_cluster(master: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
+    """A cluster.json as start() writes it: a master and worker 0 with these records."""
+    return {
+        "master": master,
+        "master_port": 3,
+        "webui_port": 4,
+        "workers": {
+            "0": {
+                "index": 0,
+                "host": "127.0.0.1",
+                "port": 1,
+                "webui_port": 2,
+                "work_dir": "w",
+                "record": worker,
+            }
+        },
+        "settings": {
+            "workers": 1,
+            "cores": 1,
+            "memory": "1g",
+            "hosts": ["127.0.0.1"],
+            "python": sys.executable,
+            "daemon_memory": "512m",
+        },
+    }
+
+
+def exited_pid() -> int:
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait(timeout=60)
+    return exited.pid
+
+
+def test_a_state_file_with_missing_fields_is_refused_naming_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, attach() (so every cluster command but start) failed with a KeyError traceback.
+    state = recorded_cluster({"pid": exited_pid()}, {"pid": exited_pid(), "create_time": 0.0})
+    del state["settings"]["cores"]
+    del state["webui_port"]
+    (tmp_path / "cluster.json").write_text(json.dumps(state))
+    path = tmp_path / "cluster.json"
+    message = (
+        f"The cluster state file {path} cannot be used: it lacks master.create_time, "
+        "webui_port, settings.cores. It was edited by hand or written by another version of "
+        "stateful-async, and the cluster commands need all of it to find and stop the "
+        f"cluster's processes. None of the processes it names is running: remove {path}. "
+        f"Then start a new cluster (python -m stateful_async.chaos.cluster start --dir "
+        f"{tmp_path})."
+    )
+    with pytest.raises(ClusterError) as info:
+        LocalCluster.attach(tmp_path)
+    assert str(info.value) == message
+    for command in ("status", "stop", "kill-worker 0"):
+        assert cluster_main([*command.split(), "--dir", str(tmp_path)]) == 1
+        assert capsys.readouterr().err == f"error: {message}\n"  # no traceback
+    assert path.exists()  # left for the user to look at
+
+
+def test_a_state_file_with_wrong_values_is_refused_naming_them_and_its_running_processes(
+    tmp_path: Path,
+) -> None:
+    daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        record = {"pid": daemon.pid, "create_time": psutil.Process(daemon.pid).create_time()}
+        state = recorded_cluster(record, {"pid": daemon.pid})  # no start time
+        state["settings"]["cores"] = "two"
+        state["workers"]["first"] = {}
+        (tmp_path / "cluster.json").write_text(json.dumps(state))
+        path = tmp_path / "cluster.json"
+        with pytest.raises(ClusterError) as info:
+            LocalCluster.attach(tmp_path)
+        assert str(info.value) == (
+            f"The cluster state file {path} cannot be used: it lacks "
+            "workers.0.record.create_time; it has a wrong value for workers.first (not a "
+            'worker index), settings.cores ("two"). It was edited by hand or written by '
+            "another version of stateful-async, and the cluster commands need all of it to "
+            "find and stop the cluster's processes. Processes it names are running: "
+            f"{daemon.pid} (the master), {daemon.pid} (worker 0, or another process that "
+            "took its pid). Check that each is a Spark daemon of this cluster, stop it by "
+            "hand (kill PID) with the executors it launched (their work directories are "
+            f"under {tmp_path / 'work'}), then remove {path}. Then start a new cluster "
+            f"(python -m stateful_async.chaos.cluster start --dir {tmp_path})."
+        )
+        assert daemon.poll() is None  # attach() stopped nothing
+    finally:
+        daemon.kill()
+        daemon.wait(timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("[]", "it has a wrong value for the file's content (not a JSON object)"),
+        (
+            json.dumps({**recorded_cluster({"pid": 1}, {}), "master": None, "workers": []}),
+            "it has a wrong value for master (not a JSON object), workers (not a JSON object)",
+        ),
+    ],
+    ids=["a list", "null records"],
+)
+def test_a_state_file_of_the_wrong_shape_is_refused(
+    tmp_path: Path, content: str, problem: str
+) -> None:
+    (tmp_path / "cluster.json").write_text(content)
+    with pytest.raises(ClusterError) as info:
+        LocalCluster.attach(tmp_path)
+    assert str(info.value).startswith(
+        f"The cluster state file {tmp_path / 'cluster.json'} cannot be used: {problem}. "
+    )
+    assert str(info.value).endswith(
+        f"None of the processes it names is running: remove {tmp_path / 'cluster.json'}. "
+        f"Then start a new cluster (python -m stateful_async.chaos.cluster start --dir "
+        f"{tmp_path})."
+    )
+
+
+def test_a_state_file_whose_settings_are_refused_says_so_naming_the_file(
+    tmp_path: Path,
+) -> None:
+    state = recorded_cluster(
+        {"pid": exited_pid(), "create_time": 0.0}, {"pid": exited_pid(), "create_time": 0.0}
+    )
+    state["settings"]["workers"] = 0
+    (tmp_path / "cluster.json").write_text(json.dumps(state))
+    with pytest.raises(ClusterError) as info:
+        LocalCluster.attach(tmp_path)
+    assert str(info.value).startswith(
+        f"The cluster state file {tmp_path / 'cluster.json'} cannot be used: its settings "
+        "are refused (A cluster needs at least one worker; got workers=0). It was edited"
+    )
 
 
 def test_a_cluster_in_a_relative_directory_gives_its_daemons_its_own_configuration(

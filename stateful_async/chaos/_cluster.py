@@ -225,6 +225,123 @@ def _arg(cmdline: Sequence[str], name: str) -> str:
     return ""
 
 
+# What attach() reads from the state file: a dict is an object with those fields, a type
+# a value of it; _WORKERS is the workers object, worker index (a string) -> worker.
+class _Workers:
+    pass
+
+
+_WORKERS = _Workers()
+_RECORD_SCHEMA: dict[str, Any] = {"pid": int, "create_time": (int, float)}
+_WORKER_SCHEMA: dict[str, Any] = {
+    "index": int,
+    "host": str,
+    "port": int,
+    "webui_port": int,
+    "work_dir": str,
+    "record": _RECORD_SCHEMA,
+}
+_STATE_SCHEMA: dict[str, Any] = {
+    "master": _RECORD_SCHEMA,
+    "master_port": int,
+    "webui_port": int,
+    "workers": _WORKERS,
+    "settings": {
+        "workers": int,
+        "cores": int,
+        "memory": str,
+        "hosts": list,
+        "python": str,
+        "daemon_memory": str,
+    },
+}
+
+
+def _check_state(
+    value: Any, schema: Any, where: str, missing: list[str], malformed: list[str]
+) -> None:
+    """Add to ``missing`` the fields of ``schema`` that ``value`` lacks, and to ``malformed``
+    those it has with a value of the wrong kind, each named by its path (``settings.cores``)."""
+    name = where.rstrip(".") or "the file's content"
+    if isinstance(schema, (dict, _Workers)):
+        if not isinstance(value, dict):
+            malformed.append(f"{name} (not a JSON object)")
+        elif isinstance(schema, dict):
+            for key, field_schema in schema.items():
+                if key not in value:
+                    missing.append(f"{where}{key}")
+                else:
+                    _check_state(value[key], field_schema, f"{where}{key}.", missing, malformed)
+        else:
+            for key, worker in value.items():
+                if key.isdigit():
+                    _check_state(worker, _WORKER_SCHEMA, f"{where}{key}.", missing, malformed)
+                else:
+                    malformed.append(f"{where}{key} (not a worker index)")
+    elif isinstance(value, bool) or not isinstance(value, schema):
+        malformed.append(f"{name} ({json.dumps(value)})")
+
+
+def _named_pids(state: Any) -> list[tuple[str, int, Any]]:
+    """(role, pid, create_time or None) of each process ``state`` names, as far as it
+    names them."""
+    named: list[tuple[str, int, Any]] = []
+
+    def add(role: str, record: Any) -> None:
+        if isinstance(record, dict) and type(record.get("pid")) is int and record["pid"] > 0:
+            create_time = record.get("create_time")
+            if isinstance(create_time, bool) or not isinstance(create_time, (int, float)):
+                create_time = None
+            named.append((role, record["pid"], create_time))
+
+    if isinstance(state, dict):
+        add("the master", state.get("master"))
+        workers = state.get("workers")
+        if isinstance(workers, dict):
+            for index, worker in workers.items():
+                if isinstance(worker, dict):
+                    add(f"worker {index}", worker.get("record"))
+    return named
+
+
+def _unusable_state_message(
+    path: Path, state: Any, missing: list[str], malformed: list[str], reason: str = ""
+) -> str:
+    """Why the state file ``path`` cannot be used, and what to do about its processes."""
+    import psutil
+
+    problems = []
+    if missing:
+        problems.append(f"it lacks {', '.join(missing)}")
+    if malformed:
+        problems.append(f"it has a wrong value for {', '.join(malformed)}")
+    if reason:
+        problems.append(reason)
+    running = []
+    for role, pid, create_time in _named_pids(state):
+        if create_time is not None:
+            if ProcessRecord(pid, float(create_time)).alive():
+                running.append(f"{pid} ({role})")
+        elif psutil.pid_exists(pid):  # no start time to tell it from a reused pid
+            running.append(f"{pid} ({role}, or another process that took its pid)")
+    if running:
+        advice = (
+            f"Processes it names are running: {', '.join(running)}. Check that each is a "
+            f"Spark daemon of this cluster, stop it by hand (kill PID) with the executors it "
+            f"launched (their work directories are under {path.parent / 'work'}), then "
+            f"remove {path}."
+        )
+    else:
+        advice = f"None of the processes it names is running: remove {path}."
+    return (
+        f"The cluster state file {path} cannot be used: {'; '.join(problems)}. It was "
+        "edited by hand or written by another version of stateful-async, and the cluster "
+        "commands need all of it to find and stop the cluster's processes. "
+        f"{advice} Then start a new cluster (python -m stateful_async.chaos.cluster start "
+        f"--dir {path.parent})."
+    )
+
+
 class LocalCluster:
     """A Spark standalone cluster on 127.0.0.1: one master and ``workers`` workers.
 
@@ -582,17 +699,29 @@ class LocalCluster:
             ) from exc
         except (OSError, ValueError) as exc:
             raise ClusterError(f"Cannot read the cluster state {path}: {exc}") from exc
+        missing: list[str] = []
+        malformed: list[str] = []
+        _check_state(state, _STATE_SCHEMA, "", missing, malformed)
+        if missing or malformed:
+            raise ClusterError(_unusable_state_message(path, state, missing, malformed))
         settings = state["settings"]
-        cluster = cls(
-            settings["workers"],
-            cores=settings["cores"],
-            memory=settings["memory"],
-            base_dir=base_dir,
-            hosts=settings["hosts"],
-            python=settings["python"],
-            daemon_memory=settings["daemon_memory"],
-            stop_at_exit=False,
-        )
+        try:
+            cluster = cls(
+                settings["workers"],
+                cores=settings["cores"],
+                memory=settings["memory"],
+                base_dir=base_dir,
+                hosts=settings["hosts"],
+                python=settings["python"],
+                daemon_memory=settings["daemon_memory"],
+                stop_at_exit=False,
+            )
+        except ClusterError as exc:  # settings edited by hand
+            raise ClusterError(
+                _unusable_state_message(
+                    path, state, [], [], f"its settings are refused ({str(exc).rstrip('.')})"
+                )
+            ) from exc
         cluster._spark_home = spark_home()
         cluster._claimed = True
         cluster.master = ProcessRecord(**state["master"])
