@@ -420,8 +420,103 @@ def test_a_state_file_whose_settings_are_refused_says_so_naming_the_file(
         LocalCluster.attach(tmp_path)
     assert str(info.value).startswith(
         f"The cluster state file {tmp_path / 'cluster.json'} cannot be used: its settings "
-        "are refused (A cluster needs at least one worker; got workers=0). It was edited"
+        "are refused (A cluster needs at least one worker: workers must be a whole number "
+        "of at least 1; got 0). It was edited"
     )
+
+
+MEMORY_FORM = (
+    "must be a whole number with a unit, k, m, g, t or p (or kb .. pb; in any case), as a "
+    "Spark worker reads an amount of memory, such as 512m or 2g; got"
+)
+BAD_CLUSTER_SETTINGS = [
+    (
+        "workers",
+        0,
+        "A cluster needs at least one worker: {name} must be a whole number of at least 1; got 0.",
+    ),
+    (
+        "cores",
+        0,
+        "Each worker needs at least one core to offer executors: {name} must be a whole number "
+        "of at least 1; got 0.",
+    ),
+    (
+        "cores",
+        -2,
+        "Each worker needs at least one core to offer executors: {name} must be a whole number "
+        "of at least 1; got -2.",
+    ),
+    ("memory", "2x", f"{{name}} {MEMORY_FORM} '2x'."),
+    ("memory", "2 g", f"{{name}} {MEMORY_FORM} '2 g'."),
+    ("memory", "-1g", f"{{name}} {MEMORY_FORM} '-1g'."),
+    (
+        "memory",
+        "1.5g",
+        f"{{name}} {MEMORY_FORM} '1.5g'. Spark takes no fractions: use a smaller unit (1536m, "
+        "not 1.5g).",
+    ),
+    (
+        "memory",
+        "1024",
+        "{name} must be at least 1 MiB (1m), the least a Spark worker runs with; got '1024'. "
+        "A number without a unit is bytes to Spark: did you mean 1024m?",
+    ),
+    (
+        "memory",
+        "0g",
+        "{name} must be at least 1 MiB (1m), the least a Spark worker runs with; got '0g'.",
+    ),
+    (
+        "memory",
+        "2048t",
+        "{name} must be below 2 PiB (2048t), the most a Spark worker can count; got '2048t'.",
+    ),
+]
+
+
+@pytest.mark.parametrize(("setting", "value", "message"), BAD_CLUSTER_SETTINGS)
+def test_a_cluster_setting_no_worker_can_run_with_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str, value: Any, message: str
+) -> None:
+    # Before, cores=0 or memory="1.5g" went unchecked onto the worker's command line,
+    # found wrong (if at all) only by a worker already launched.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))  # no spark-class
+    with pytest.raises(ClusterError) as info:
+        LocalCluster(**{setting: value}, base_dir=tmp_path / "cluster", stop_at_exit=False)
+    assert str(info.value) == message.format(name=setting)
+    assert not (tmp_path / "cluster").exists()
+
+
+@pytest.mark.parametrize(("setting", "value", "message"), BAD_CLUSTER_SETTINGS)
+def test_a_cluster_option_no_worker_can_run_with_is_refused_before_anything_starts(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    setting: str,
+    value: Any,
+    message: str,
+) -> None:
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))  # no spark-class
+    state = tmp_path / "cluster"
+    with pytest.raises(SystemExit) as info:
+        cluster_main(["start", "--dir", str(state), f"--{setting}={value}"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        f"python -m stateful_async.chaos.cluster start: error: "
+        f"{message.format(name='--' + setting)}\n"
+    )
+    assert not state.exists()
+
+
+def test_memory_is_taken_in_every_form_a_spark_worker_reads() -> None:
+    # Spark's JavaUtils.byteStringAs: digits, then b, k, m, g, t, p (or kb .. pb) in any
+    # case, blanks around trimmed; no unit is bytes.
+    for memory in ("512m", "2G", "1gb", "1024K", "1048576", "1t", "1Pb", " 2g "):
+        cluster = LocalCluster(1, memory=memory, stop_at_exit=False)
+        assert cluster.memory == memory.strip()
+    with pytest.raises(ClusterError, match=r"Pass it as a string with its unit, such as '2g'\."):
+        LocalCluster(1, memory=2)  # type: ignore[arg-type]
 
 
 def test_a_cluster_in_a_relative_directory_gives_its_daemons_its_own_configuration(

@@ -225,6 +225,80 @@ def _arg(cmdline: Sequence[str], name: str) -> str:
     return ""
 
 
+# The units Spark reads an amount of memory in (JavaUtils.byteStringAs, which
+# Utils.memoryStringToMb, the worker's parser of --memory, calls): case-insensitive; a
+# number without one is bytes.
+_MEMORY_UNITS = {
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "p": 1 << 50,
+    "pb": 1 << 50,
+}
+_MAX_WORKER_MIB = 2**31 - 1  # the worker keeps its memory as an Int of MiB
+
+
+def _check_count(name: str, value: Any, need: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ClusterError(f"{need}: {name} must be a whole number of at least 1; got {value!r}.")
+    return value
+
+
+def check_workers(name: str, value: Any) -> int:
+    """``value`` if it is a number of workers (at least 1); else ``ClusterError`` naming the
+    setting ``name``."""
+    return _check_count(name, value, "A cluster needs at least one worker")
+
+
+def check_cores(name: str, value: Any) -> int:
+    """``value`` if it is a number of cores per worker (at least 1); else ``ClusterError``
+    naming the setting ``name``."""
+    return _check_count(name, value, "Each worker needs at least one core to offer executors")
+
+
+def check_memory(name: str, value: Any) -> str:
+    """``value`` (stripped) if a Spark worker takes it as its memory (``--memory``): a whole
+    number with an optional unit (b, k, m, g, t, p, or kb .. pb; case-insensitive; none is
+    bytes) of at least 1 MiB, as Spark's ``Utils.memoryStringToMb`` reads it; else
+    ``ClusterError`` naming the setting ``name``."""
+    text = value.strip() if isinstance(value, str) else None
+    match = re.fullmatch(r"([0-9]+)([a-z]+)?", text.lower()) if text else None
+    if text is None or match is None or (match[2] or "b") not in _MEMORY_UNITS:
+        if isinstance(value, int) and not isinstance(value, bool):
+            hint = f" Pass it as a string with its unit, such as '{value}g'."
+        elif text is not None and re.fullmatch(r"[0-9]*\.[0-9]+[a-zA-Z]*", text):
+            hint = " Spark takes no fractions: use a smaller unit (1536m, not 1.5g)."
+        else:
+            hint = ""
+        raise ClusterError(
+            f"{name} must be a whole number with a unit, k, m, g, t or p (or kb .. pb; in any "
+            f"case), as a Spark worker reads an amount of memory, such as 512m or 2g; got "
+            f"{value!r}.{hint}"
+        )
+    mib = int(match[1]) * _MEMORY_UNITS[match[2] or "b"] >> 20
+    if mib < 1:
+        hint = (
+            f" A number without a unit is bytes to Spark: did you mean {text}m?"
+            if match[2] is None and int(match[1]) > 0
+            else ""
+        )
+        raise ClusterError(
+            f"{name} must be at least 1 MiB (1m), the least a Spark worker runs with; got "
+            f"{value!r}.{hint}"
+        )
+    if mib > _MAX_WORKER_MIB:
+        raise ClusterError(
+            f"{name} must be below 2 PiB (2048t), the most a Spark worker can count; got {value!r}."
+        )
+    return text
+
+
 # What attach() reads from the state file: a dict is an object with those fields, a type
 # a value of it; _WORKERS is the workers object, worker index (a string) -> worker.
 class _Workers:
@@ -355,7 +429,9 @@ class LocalCluster:
     Each worker offers ``cores`` cores and ``memory`` to executors; the workers' host names
     cycle through ``hosts`` (all loopback names), so Spark sees separate machines. Workers
     run Python tasks with ``python`` (default: this interpreter, so executors import what
-    this environment has installed).
+    this environment has installed). ``workers`` and ``cores`` are at least 1, ``memory`` is
+    an amount as a Spark worker reads it (``512m``, ``2g``) of at least 1 MiB: anything
+    else raises ``ClusterError`` here, before anything starts.
 
     Everything the cluster writes (configuration, daemon logs, executor work directories,
     the state file) goes under ``base_dir``; without one, a temporary directory is created
@@ -377,8 +453,11 @@ class LocalCluster:
         startup_timeout: float = 180.0,
         stop_at_exit: bool = True,
     ) -> None:
-        if workers < 1:
-            raise ClusterError(f"A cluster needs at least one worker; got workers={workers}.")
+        # checked here, before anything starts: on a worker's command line they are found
+        # wrong (if at all) only once it is launched
+        check_workers("workers", workers)
+        check_cores("cores", cores)
+        memory = check_memory("memory", memory)
         if not hosts or any(h not in ("127.0.0.1", "localhost") for h in hosts):
             raise ClusterError(
                 f"Worker host names must be loopback names ('127.0.0.1', 'localhost'); got "

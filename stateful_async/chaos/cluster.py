@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ._cluster import ClusterError, LocalCluster
+from ._cluster import ClusterError, LocalCluster, check_cores, check_memory, check_workers
 
 
 def default_dir() -> Path:
@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         return commands.add_parser(name, help=help, parents=[where])
 
     start = command("start", "start a master and workers, wait until alive")
-    start.add_argument("--workers", type=int, default=2)
-    start.add_argument("--cores", type=int, default=1, help="cores per worker")
-    start.add_argument("--memory", default="2g", help="memory per worker")
+    start.add_argument("--workers", type=int, default=2, help="at least 1")
+    start.add_argument("--cores", type=int, default=1, help="cores per worker, at least 1")
+    start.add_argument("--memory", default="2g", help="memory per worker, such as 512m or 2g")
     start.add_argument("--timeout", type=float, default=180.0)
     command("status", "print the cluster's processes and applications (JSON)")
     command("stop", "stop every process the cluster started")
@@ -89,6 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     start_worker = command("start-worker", "start a killed worker again")
     start_worker.add_argument("index", type=int)
     args = parser.parse_args(argv)
+    if args.command == "start":
+        # LocalCluster's own checks, before anything starts, naming the options (exit 2)
+        try:
+            check_workers("--workers", args.workers)
+            check_cores("--cores", args.cores)
+            args.memory = check_memory("--memory", args.memory)
+        except ClusterError as exc:
+            start.error(str(exc))
 
     try:
         if args.command == "start":
