@@ -292,3 +292,33 @@ def test_the_service_stops_when_the_process_that_started_it_is_killed() -> None:
             starter.kill()
         if service is not None and service.is_running():
             service.kill()  # the test's own grandchild, by pid
+
+
+def statuses(service: MockService, keys: range) -> list[int]:
+    """The status of ``/enrich`` for each key, asked one at a time, in order."""
+    return [status_of(f"{service.url}/enrich?key={k}") for k in keys]
+
+
+def test_only_a_seed_given_restarts_the_random_faults() -> None:
+    # Before, every POST /admin/config restarted the random sequence from the seed, so
+    # configure(latency_ms=...) mid-run replayed the first requests' faults instead of
+    # going on with the run's.
+    config = ServiceConfig(error_rate=0.5, seed=3)
+    with MockService(config) as service:
+        reference = statuses(service, range(60))  # a run that nothing changes
+    assert set(reference) == {200, 503}
+    assert reference[20:40] != reference[:20]  # a restarted sequence would show
+    with MockService(config) as service:
+        run = statuses(service, range(20))
+        assert service.configure(latency_ms=1).seed == 3
+        run += statuses(service, range(20, 40))
+        service.configure(error_rate=0.5)  # the rate it has: nothing changes
+        service.reset()  # zeroes the counters only
+        run += statuses(service, range(40, 60))
+        assert run == reference
+        assert service.stats()["errors"] == reference[40:].count(503)
+        service.configure(seed=3)  # the same seed, given: the sequence starts again
+        assert statuses(service, range(20)) == reference[:20]
+        service.configure(seed=4, latency_ms=0)
+        with MockService(ServiceConfig(error_rate=0.5, seed=4)) as seeded:
+            assert statuses(service, range(20)) == statuses(seeded, range(20))

@@ -15,7 +15,8 @@ Admin API (JSON):
 * ``POST /admin/reset`` — zero every counter (the peak restarts from the requests in flight;
   a request that arrived before the reset is not counted after it, errors included)
 * ``GET|POST /admin/config`` — read / merge the fault configuration (``ServiceConfig``); a
-  setting it cannot honour is refused with 400 and the configuration is left as it was
+  setting it cannot honour is refused with 400 and the configuration is left as it was;
+  the random sequence restarts only when ``seed`` is among the settings posted
 * ``GET /health``
 
 Run it with ``MockService`` (``stateful_async.chaos``), or from a shell:
@@ -67,6 +68,13 @@ class ServiceConfig:
     alone fails the first requests); the first ``fail_first[key]`` requests of a key fail.
     Hangs: with probability ``hang_rate``, or for the first ``hang_first[key]`` requests of
     a key, the service never answers (the client's timeout decides).
+
+    Randomness: the random draws (which requests fail with ``error_rate`` or hang with
+    ``hang_rate``, and the ``uniform``, ``exponential`` and ``lognormal`` latencies) come
+    from one sequence seeded with ``seed`` (a whole number), so the same requests in the
+    same order meet the same faults on every run. The sequence starts from ``seed`` when
+    the service starts, and again whenever the admin API is given ``seed`` (even the same
+    one); changing other settings, and a reset, go on with it where it is.
 
     Numbers must be finite. A setting out of range raises ``ConfigurationError`` (a
     ``ValueError``), here, in ``--config`` and in the admin API (400).
@@ -274,10 +282,14 @@ async def _config(request: web.Request) -> web.Response:
     state: _State = request.app["state"]
     if request.method == "POST":
         try:
-            state.config = state.config.merged(await request.json())
+            changes = await request.json()
+            state.config = state.config.merged(changes)
         except (ValueError, TypeError) as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        state.random = random.Random(state.config.seed)
+        # Only a seed given restarts the random sequence: another setting changed mid-run
+        # (error_rate, say) must not hand the following requests the run's first draws.
+        if "seed" in changes:
+            state.random = random.Random(state.config.seed)
     return web.json_response(asdict(state.config))
 
 
