@@ -276,6 +276,8 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
         def check_time(value: Any) -> _Loss | None:
             if _is_number(value):  # 5 would be 00:00:00.000000005, 5.7 too
                 return _Loss("", arrow_type, value, time_reason)
+            if isinstance(value, dt.time) and value.tzinfo is not None:
+                return _Loss("", arrow_type, value, _AWARE_TIME)
             return None
 
         return check_time
@@ -373,6 +375,11 @@ _TEXT_BYTES = (
     "a BINARY field would store the text's UTF-8 bytes, and Spark refuses a str for one "
     "(in createDataFrame and a UDF's result): return bytes, e.g. value.encode() for its "
     "UTF-8 bytes or base64.b64decode(value) for base64 text, or declare the field STRING"
+)
+_AWARE_TIME = (
+    "a TIME field holds a time of day without a zone, and pyarrow would drop its tzinfo: "
+    "return a naive time (value.replace(tzinfo=None) keeps its wall-clock time; convert it "
+    "to the zone you mean first, through a datetime, if it is another)"
 )
 _BOOLEAN_NUMBER = (
     "a numeric field would take a boolean as 1 or 0: return a number, or declare the field BOOLEAN"

@@ -2228,6 +2228,24 @@ def test_a_time_field_refuses_a_number(value, problem) -> None:
     assert converted == (value if problem is None else None)
 
 
+@pytest.mark.parametrize(
+    "zone", [timezone.utc, timezone(timedelta(hours=5)), ZoneInfo("America/New_York")]
+)
+def test_a_time_field_refuses_an_aware_time(zone) -> None:
+    # pyarrow dropped the tzinfo silently: 12:00+05:00 was stored as 12:00
+    aware = datetime(2024, 1, 1, 12, 0, 1, 5).time().replace(tzinfo=zone)
+    _converted(
+        pa.time64("ns"),
+        aware,
+        r"'r' \(time64\[ns\]\) cannot hold .*pyarrow would drop its tzinfo: return a naive "
+        r"time \(value.replace\(tzinfo=None\) keeps its wall-clock time",
+    )
+    _converted(pa.list_(pa.time64("ns")), [aware], r"'r\[0\]' \(time64\[ns\]\).*tzinfo")
+    # the naive one converts as it is
+    naive = aware.replace(tzinfo=None)
+    assert _converted(pa.time64("ns"), naive, None) == naive
+
+
 def test_numpy_datetime64_in_a_zoned_timestamp_is_refused_as_a_naive_datetime_is() -> None:
     # numpy's datetime64 has no time zone: one from a numpy array in an array<timestamp>
     # was taken as UTC, silently (a single one pyarrow refuses itself), where a naive
