@@ -73,11 +73,12 @@ def to_batch(
             try:
                 pa.array([value], type=field.type)
             except _CONVERSION_ERRORS as exc:
-                advice = (
-                    "Return None for a missing value (NaT is pandas' missing time)"
-                    if type(value).__name__ == "NaTType"
-                    else "Return values of the types the output schema declares"
-                )
+                if type(value).__name__ == "NaTType":
+                    advice = "Return None for a missing value (NaT is pandas' missing time)"
+                elif isinstance(value, frozenset) and is_list_type(field.type):
+                    advice = "Return a list: sorted(value), or list(value) if any order will do"
+                else:
+                    advice = "Return values of the types the output schema declares"
                 raise ResultSchemaError(
                     f"The result field {field.name!r} ({field.type}) cannot hold {describe(value)} "
                     f"({type(value).__name__}), returned for input row {described(source)}: "
@@ -251,11 +252,18 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
         check_element = _check_for(arrow_type.value_type)
 
         def check_list(value: Any) -> _Loss | None:
-            if isinstance(value, (str, bytes, bytearray)):  # pyarrow splits it up
-                reason = (
-                    "an array field would split it into its characters (or bytes): return a "
-                    "list, e.g. [value]"
-                )
+            if isinstance(value, (str, bytes, bytearray, set)):
+                if isinstance(value, set):  # pyarrow takes it in its iteration order
+                    reason = (
+                        "an array field would take a set's elements in an arbitrary order, "
+                        "which can differ from one process (a retried task) to the next: "
+                        "return sorted(value), or list(value) if any order will do"
+                    )
+                else:  # pyarrow splits it up
+                    reason = (
+                        "an array field would split it into its characters (or bytes): "
+                        "return a list, e.g. [value]"
+                    )
                 return _Loss("", arrow_type, value, reason)
             if check_element is not None:
                 for i, element in enumerate(value):

@@ -2228,6 +2228,31 @@ def test_a_time_field_refuses_a_number(value, problem) -> None:
     assert converted == (value if problem is None else None)
 
 
+def test_an_array_field_refuses_a_set_whose_order_is_arbitrary() -> None:
+    # pyarrow took a set in its iteration order, silently: for strings it depends on the
+    # process's hash seed, so a retried task could store the same result in another order
+    words = {"pear", "apple", "fig"}
+    refused = (
+        r"'r' \(list<item: string>\) cannot hold .* \(set\): an array field would take a "
+        r"set's elements in an arbitrary order.*return sorted\(value\), or list\(value\)"
+    )
+    _converted(pa.list_(pa.string()), words, refused)
+    _converted(pa.list_(pa.int64()), {3, 1, 2}, r"'r' \(list<item: int64>\).*arbitrary order")
+    nested = pa.list_(pa.list_(pa.string()))
+    _converted(nested, [["a"], {"b", "c"}], r"'r\[1\]' \(list<item: string>\).*arbitrary order")
+    # pyarrow refuses a frozenset itself (not a sequence): the same advice
+    from stateful_async.spark._results import to_batch
+
+    with pytest.raises(
+        ResultSchemaError,
+        match=r"'r' \(list<item: string>\) cannot hold .*\(frozenset\), returned for input "
+        r"row \{'id': 0\}: .*Return a list: sorted\(value\), or list\(value\)",
+    ):
+        to_batch([{"r": frozenset(words)}], [{"id": 0}], pa.schema([("r", pa.list_(pa.string()))]))
+    # what the advice returns converts as it is
+    assert _converted(pa.list_(pa.string()), sorted(words), None) == ["apple", "fig", "pear"]
+
+
 @pytest.mark.parametrize(
     "zone", [timezone.utc, timezone(timedelta(hours=5)), ZoneInfo("America/New_York")]
 )
