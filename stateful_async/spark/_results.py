@@ -354,6 +354,15 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
                 seen: set[Any] | None = None
             else:
                 seen = set()
+                for entry in value:
+                    if isinstance(entry, dict) and (extra := entry.keys() - _ENTRY_KEYS):
+                        reason = (  # pyarrow would drop them, as a struct's
+                            f"a map entry {entry!r} has unexpected key(s) "
+                            f"{sorted(extra, key=repr)}, which would be dropped (an entry "
+                            "given as a dict has 'key' and 'value'): return a dict of the map, "
+                            "or its entries as (key, value) pairs"
+                        )
+                        return _Loss("", arrow_type, value, reason)
             for k, v in _map_entries(value):
                 if key is not None and k is not None and (loss := key(k)):
                     return loss.under(" key")
@@ -494,6 +503,9 @@ def _numpy_unit(value: np.datetime64 | np.timedelta64, arrow_type: pa.DataType) 
         f"count of {arrow_type.unit} (or refuse it): convert it first, e.g. "
         f"values.astype('{kind}[{arrow_type.unit}]') for a numpy array"
     )
+
+
+_ENTRY_KEYS = frozenset({"key", "value"})
 
 
 def _map_entries(value: Any) -> Iterator[tuple[Any, Any]]:

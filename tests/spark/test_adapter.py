@@ -1974,6 +1974,15 @@ BA = collections.namedtuple("BA", ["b", "a"])
         ({"id": 1, "m": [("k", 1), ("k", 2)]}, r"would hold the key 'k' twice"),
         ({"id": 1, "m": [{"key": "k", "value": 1}, {"key": "k", "value": 1}]}, r"key 'k' twice"),
         ({"id": 1, "m": [{"key": "k", "value": 2.5}]}, r"\"m\['k'\]\" \(int64\) cannot hold 2.5"),
+        ({"id": 1, "m": [{"key": "k"}]}, None),  # a missing "value" is null, as in a struct
+        # before: the extra keys were dropped, silently ({"k": 1})
+        (
+            {"id": 1, "m": [{"key": "k", "value": 1, "Value": 2}]},
+            r"'m' \(map<string, int64>\) cannot hold .*: a map entry \{'key': 'k', 'value': 1, "
+            r"'Value': 2\} has unexpected key\(s\) \['Value'\], which would be dropped.*return "
+            r"a dict of the map, or its entries as \(key, value\) pairs.*input row \{'id': 0\}",
+        ),
+        ({"id": 1, "m": ({"key": "k", "value": 1}, {"key": "j", "value": 2, "n": 3})}, r"\['n'\]"),
         ({"id": float("nan")}, r"'id' \(int64\) cannot hold nan"),
     ],
 )
