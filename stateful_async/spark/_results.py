@@ -295,8 +295,11 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
             if _is_number(value):
                 reason = "an interval field would read a number as microseconds: return a timedelta"
                 return _Loss("", arrow_type, value, reason)
-            if isinstance(value, dt.timedelta) and (dropped := _nanoseconds(value, "nanoseconds")):
-                return _Loss("", arrow_type, value, dropped)
+            if isinstance(value, dt.timedelta):
+                if (unit := getattr(value, "unit", None)) in _ZEROED_UNITS:
+                    return _Loss("", arrow_type, value, _zeroed(unit))
+                if dropped := _nanoseconds(value, "nanoseconds"):
+                    return _Loss("", arrow_type, value, dropped)
             if isinstance(value, np.timedelta64) and (misread := _numpy_unit(value, arrow_type)):
                 return _Loss("", arrow_type, value, misread)
             return None
@@ -486,6 +489,19 @@ def _nanoseconds(value: dt.datetime | dt.timedelta, attribute: str) -> str | Non
     return (
         f"Spark holds microseconds, and pyarrow would drop its {nanoseconds} nanoseconds: "
         "round it to microseconds first, e.g. value.round('us') or value.floor('us')"
+    )
+
+
+# pyarrow reads a timedelta's days, seconds and microseconds as datetime.timedelta holds
+# them, and a pandas Timedelta in seconds or milliseconds leaves those at 0 (its own
+# attributes are right): one of 1 day became 0 in an interval field, silently
+_ZEROED_UNITS = frozenset({"s", "ms"})
+
+
+def _zeroed(unit: str) -> str:
+    return (
+        f"pyarrow would read a pandas Timedelta in {unit} (its unit '{unit}') as 0: convert "
+        "it first, e.g. value.as_unit('us') or value.to_pytimedelta()"
     )
 
 

@@ -2146,6 +2146,29 @@ def test_pandas_nanoseconds_are_refused_where_spark_holds_microseconds(
             to_batch([row], [{"id": 0}], schema)
 
 
+@pytest.mark.parametrize("unit", ["s", "ms"])
+def test_a_pandas_timedelta_in_seconds_or_milliseconds_is_not_taken_as_0(unit) -> None:
+    # pyarrow read one as 0 in an interval field, silently, whatever its value: it takes
+    # the fields datetime.timedelta holds, which pandas leaves at 0 in these units (the
+    # difference of two pandas Timestamps in milliseconds is one)
+    import pandas as pd
+
+    day = pd.Timedelta("1 day 00:00:01").as_unit(unit)
+    refused = (
+        rf"'r' \(duration\[us\]\) cannot hold .*\(Timedelta\): pyarrow would read a pandas "
+        rf"Timedelta in {unit} \(its unit '{unit}'\) as 0: convert it first, e.g. "
+        r"value.as_unit\('us'\) or value.to_pytimedelta\(\)"
+    )
+    _converted(pa.duration("us"), day, refused)
+    spans = pd.Series([day]).astype(f"timedelta64[{unit}]")  # in an array field: its values
+    _converted(pa.list_(pa.duration("us")), spans, r"'r\[0\]' \(duration\[us\]\).*as 0")
+    # what the advice gives converts as it is, as do pandas' units below milliseconds
+    expected = timedelta(days=1, seconds=1)
+    assert _converted(pa.duration("us"), day.as_unit("us"), None) == expected
+    assert _converted(pa.duration("us"), day.to_pytimedelta(), None) == expected
+    assert _converted(pa.duration("us"), day.as_unit("ns"), None) == expected
+
+
 @pytest.mark.parametrize(
     ("value", "problem"),
     [
