@@ -21,6 +21,7 @@ from .._retry import RetryStrategy
 from ._columns import nested_field_advice
 from ._config import CheckpointConfig, restore_from_in_streaming
 from ._metrics import DriverOnlyError, EnrichmentMetrics
+from ._results import IntervalUnit, Units
 from ._session import is_connect, task_attempts
 from ._task import (
     OUTPUT_MODE_PROPERTY,
@@ -236,6 +237,7 @@ def _async_wait(
         metrics=None if metrics is None else metrics.accumulator,
         input_names=input_names,
         app_start=_app_start(df.sparkSession),
+        output_units=interval_units(struct),
     )
     task = PartitionTask(spec)
     _check_picklable(task, fn, retry)
@@ -371,6 +373,35 @@ def _year_month_field(data_type: Any) -> tuple[str, Any] | None:
         ((p, t) for p, t in _nested_types(data_type) if isinstance(t, YearMonthIntervalType)),
         None,
     )
+
+
+_INTERVAL_FIELDS = {
+    0: ("day", 86_400_000_000),
+    1: ("hour", 3_600_000_000),
+    2: ("minute", 60_000_000),
+}
+
+
+def interval_units(data_type: Any) -> Units:
+    """The ``Units`` of ``data_type`` for ``to_batch``: where its DAY-TIME intervals end
+    above seconds, which its Arrow type does not say (each is a duration in microseconds);
+    None if none do."""
+    from pyspark.sql.types import ArrayType, DayTimeIntervalType, MapType, StructType
+
+    if isinstance(data_type, DayTimeIntervalType):
+        if data_type.endField not in _INTERVAL_FIELDS:  # ... TO SECOND
+            return None
+        name, micros = _INTERVAL_FIELDS[data_type.endField]
+        return IntervalUnit(name, micros, data_type.simpleString())
+    if isinstance(data_type, StructType):
+        children = tuple(interval_units(field.dataType) for field in data_type.fields)
+    elif isinstance(data_type, ArrayType):
+        children = (interval_units(data_type.elementType),)
+    elif isinstance(data_type, MapType):
+        children = (interval_units(data_type.keyType), interval_units(data_type.valueType))
+    else:
+        return None
+    return None if all(child is None for child in children) else children
 
 
 def _arrow_schema(struct: Any, what: str) -> pa.Schema:

@@ -42,10 +42,12 @@ def to_batch(
     sources: list[Any],
     schema: pa.Schema,
     described: Callable[[Any], str] = describe,
+    units: Units = None,
 ) -> pa.RecordBatch:
     """``rows`` (results of the input rows ``sources``) as a batch of ``schema``; a result
     that does not fit fails with ``ResultSchemaError`` naming its input row, as
-    ``described`` words it (a task's: the row as the function got it, and its place)."""
+    ``described`` words it (a task's: the row as the function got it, and its place).
+    ``units`` says which of its durations are Spark intervals ending above seconds."""
     try:
         batch = pa.RecordBatch.from_pylist(rows, schema=schema)
     except _CONVERSION_ERRORS:
@@ -53,7 +55,7 @@ def to_batch(
     else:
         # pyarrow converts some values it cannot hold by dropping data (1.5 into a long
         # becomes 1, a struct's unknown keys vanish): refuse those, naming the field.
-        for name, check, plain in _lossy_checks(schema):
+        for name, check, plain in _lossy_checks(schema, units):
             # a column of plain values (floats for a DOUBLE) costs no Python call per row
             if plain.issuperset(map(type, map(operator.itemgetter(name), rows))):
                 continue
@@ -149,15 +151,39 @@ class _Loss:
 _Check = Callable[[Any], "_Loss | None"]  # None: pyarrow converts the value without loss
 
 
+@dataclass(frozen=True)
+class IntervalUnit:
+    """The finest field of a Spark DAY-TIME interval that ends above seconds (``INTERVAL
+    DAY``, ``DAY TO HOUR``, ``HOUR TO MINUTE``, ...): Arrow carries every DAY-TIME interval
+    as a duration in microseconds, and Spark takes a part below this field as it is, but
+    casts and shows the value without it."""
+
+    name: str  # "day", "hour" or "minute"
+    micros: int  # its length
+    type_name: str  # Spark's, e.g. "interval day to hour"
+
+
+# What the output schema's Arrow types do not say of its Spark types: for a type, None (no
+# IntervalUnit inside), its IntervalUnit (a duration), or a tuple of its children's
+# (a struct's fields', a list's element's, a map's key's and value's).
+Units = Any
+
+
 @functools.lru_cache(maxsize=64)
-def _lossy_checks(schema: pa.Schema) -> tuple[tuple[str, _Check, frozenset[type]], ...]:
+def _lossy_checks(
+    schema: pa.Schema, units: Units = None
+) -> tuple[tuple[str, _Check, frozenset[type]], ...]:
     """The top-level fields whose values pyarrow might convert with loss, with their checks
     and the types of value their checks always pass (None's included)."""
     return tuple(
         (field.name, check, frozenset({type(None), *_plain_types(field.type)}))
-        for field in schema
-        if (check := _check_for(field.type)) is not None
+        for i, field in enumerate(schema)
+        if (check := _check_for(field.type, _child(units, i))) is not None
     )
+
+
+def _child(units: Units, i: int) -> Units:
+    return None if units is None else units[i]
 
 
 def _plain_types(arrow_type: pa.DataType) -> tuple[type, ...]:
@@ -189,7 +215,7 @@ def is_list_type(arrow_type: pa.DataType) -> bool:
     )
 
 
-def _check_for(arrow_type: pa.DataType) -> _Check | None:
+def _check_for(arrow_type: pa.DataType, units: Units = None) -> _Check | None:
     if pa.types.is_integer(arrow_type):
 
         def check_integer(value: Any) -> _Loss | None:
@@ -213,7 +239,10 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
         children = [arrow_type.field(i) for i in range(arrow_type.num_fields)]
         order = [child.name for child in children]
         names = frozenset(order)
-        checks = [(child.name, _check_for(child.type)) for child in children]
+        checks = [
+            (child.name, _check_for(child.type, _child(units, i)))
+            for i, child in enumerate(children)
+        ]
 
         def check_struct(value: Any) -> _Loss | None:
             if isinstance(value, dict):
@@ -249,7 +278,7 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
 
         return check_struct
     if is_list_type(arrow_type):
-        check_element = _check_for(arrow_type.value_type)
+        check_element = _check_for(arrow_type.value_type, _child(units, 0))
 
         def check_list(value: Any) -> _Loss | None:
             if isinstance(value, (str, bytes, bytearray, set)):
@@ -290,6 +319,7 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
 
         return check_time
     if pa.types.is_duration(arrow_type):
+        interval = units if isinstance(units, IntervalUnit) else None
 
         def check_duration(value: Any) -> _Loss | None:
             if _is_number(value):
@@ -302,6 +332,8 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
                     return _Loss("", arrow_type, value, dropped)
             if isinstance(value, np.timedelta64) and (misread := _numpy_unit(value, arrow_type)):
                 return _Loss("", arrow_type, value, misread)
+            if interval is not None and (below := _below_unit(value, interval)):
+                return _Loss("", arrow_type, value, below)
             return None
 
         return check_duration
@@ -346,7 +378,8 @@ def _check_for(arrow_type: pa.DataType) -> _Check | None:
 
         return check_binary
     if pa.types.is_map(arrow_type):
-        key, item = _check_for(arrow_type.key_type), _check_for(arrow_type.item_type)
+        key = _check_for(arrow_type.key_type, _child(units, 0))
+        item = _check_for(arrow_type.item_type, _child(units, 1))
 
         def check_map(value: Any) -> _Loss | None:
             # pairs (not a dict) can repeat a key, and Spark's maps cannot: pyarrow would
@@ -502,6 +535,29 @@ def _zeroed(unit: str) -> str:
     return (
         f"pyarrow would read a pandas Timedelta in {unit} (its unit '{unit}') as 0: convert "
         "it first, e.g. value.as_unit('us') or value.to_pytimedelta()"
+    )
+
+
+def _below_unit(value: Any, interval: IntervalUnit) -> str | None:
+    """Why a duration with a part below ``interval``'s finest field cannot go into it
+    (Spark would keep the part, but cast and show the value without it: INTERVAL DAY of 36
+    hours shows as 1 day and casts to 1, yet equals no INTERVAL '1' DAY); None if whole."""
+    if isinstance(value, dt.timedelta):  # a pandas Timedelta's nanoseconds are refused before
+        micros = (value.days * 86_400 + value.seconds) * 1_000_000 + value.microseconds
+    elif isinstance(value, np.timedelta64) and not np.isnat(value):  # in microseconds here
+        micros = int(value.astype(np.int64))
+    else:
+        return None
+    part = micros % interval.micros
+    if not part:
+        return None
+    kind = interval.type_name.upper()
+    return (
+        f"an {kind} field holds whole {interval.name}s, and Spark would keep its "
+        f"{dt.timedelta(microseconds=part)} past them (showing and casting the value without "
+        "it, comparing it with it): round it first, e.g. value - value % "
+        f"timedelta({interval.name}s=1), or declare the field INTERVAL "
+        f"{kind.split()[1]} TO SECOND"
     )
 
 

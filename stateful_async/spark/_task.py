@@ -59,7 +59,7 @@ from .._function import (
 from .._operator import AsyncWaitOperator, OutputMode
 from .._retry import RetryStrategy, _never
 from ._config import CheckpointConfig, restore_from_in_streaming
-from ._results import is_list_type, to_batch
+from ._results import Units, is_list_type, to_batch
 
 _CHUNK_ROWS = 1024  # rows converted to Python and fed per step (bounds loop latency)
 _OUTPUT_ROWS = 1024  # rows per output Arrow batch
@@ -402,6 +402,9 @@ class TaskSpec:
     # When the SparkContext started (_adapter._app_start): with app_id it names one
     # SparkContext, in whose run ids and task attempt owners it goes.
     app_start: str = ""
+    # What output_schema does not say of the output's Spark types: which of its durations
+    # are intervals ending above seconds (INTERVAL DAY, ...), for to_batch's checks.
+    output_units: Units = None
 
 
 def task_name(mode: OutputMode, checkpoint: CheckpointConfig | None = None) -> str:
@@ -804,7 +807,9 @@ class _TaskRun:
             return
         rows, sources = self.rows, self.sources
         self.rows, self.sources = [], []
-        batch = to_batch(rows, sources, self.spec.output_schema, self._described)
+        batch = to_batch(
+            rows, sources, self.spec.output_schema, self._described, self.spec.output_units
+        )
         if self.checkpointing and not self.committed_final:
             # Held until the checkpoint that holds it has committed (_checkpoint): what
             # leaves the task is what a retry re-emits as it is. An enrichment chained after

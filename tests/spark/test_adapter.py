@@ -2627,6 +2627,91 @@ def test_event_time_names_its_column_as_spark_does_ignoring_case(spark, tmp_path
         spark.conf.unset("spark.sql.caseSensitive")
 
 
+def test_a_duration_with_a_part_below_its_intervals_last_field_is_refused() -> None:
+    # Arrow carries every DAY-TIME interval as microseconds, and Spark kept a part below an
+    # INTERVAL DAY's days as it was: 36 hours was shown and cast as 1 day (to 1 as a bigint)
+    # but equalled no INTERVAL '1' DAY and collected as 36 hours, silently
+    from pyspark.sql.types import (
+        ArrayType,
+        DayTimeIntervalType,
+        MapType,
+        StringType,
+        StructField,
+        StructType,
+    )
+
+    from stateful_async.spark._adapter import _arrow_schema, interval_units
+    from stateful_async.spark._results import to_batch
+
+    day, hour, minute, second = (
+        DayTimeIntervalType(DayTimeIntervalType.DAY, DayTimeIntervalType.DAY),
+        DayTimeIntervalType(DayTimeIntervalType.DAY, DayTimeIntervalType.HOUR),
+        DayTimeIntervalType(DayTimeIntervalType.HOUR, DayTimeIntervalType.MINUTE),
+        DayTimeIntervalType(DayTimeIntervalType.DAY, DayTimeIntervalType.SECOND),
+    )
+    struct = StructType(
+        [
+            StructField("d", day),
+            StructField("h", hour),
+            StructField("m", minute),
+            StructField("s", second),
+            StructField("nested", StructType([StructField("l", ArrayType(day))])),
+            StructField("by", MapType(StringType(), hour)),
+        ]
+    )
+    schema, units = _arrow_schema(struct, "output"), interval_units(struct)
+    assert interval_units(StructType([StructField("s", second)])) is None  # nothing to check
+
+    def convert(**values: Any) -> pa.RecordBatch:
+        row = dict.fromkeys(schema.names) | values  # a task's results have every field
+        return to_batch([row], [{"id": 0}], schema, units=units)
+
+    odd = timedelta(hours=36, minutes=30, seconds=15, microseconds=7)
+    for values, refused in [
+        (
+            {"d": odd},
+            r"'d' \(duration\[us\]\) cannot hold datetime.timedelta\(days=1, seconds=45015, "
+            r"microseconds=7\) \(timedelta\): an INTERVAL DAY field holds whole days, and Spark "
+            r"would keep its 12:30:15.000007 past them \(showing and casting the value without "
+            r"it, comparing it with it\): round it first, e.g. value - value % "
+            r"timedelta\(days=1\), or declare the field INTERVAL DAY TO SECOND, returned for "
+            r"input row \{'id': 0\}",
+        ),
+        ({"h": odd}, r"'h' .*INTERVAL DAY TO HOUR field holds whole hours.*its 0:30:15.000007"),
+        ({"m": odd}, r"'m' .*whole minutes.*its 0:00:15.000007.*INTERVAL HOUR TO SECOND"),
+        ({"h": -timedelta(minutes=1)}, r"'h' .*whole hours.*its 0:59:00 past"),  # floored
+        ({"d": np.timedelta64(1, "us")}, r"'d' .*INTERVAL DAY field holds whole days"),
+        ({"nested": {"l": [timedelta(days=1), odd]}}, r"'nested.l\[1\]' .*whole days"),
+        ({"by": {"k": odd}}, r"\"by\['k'\]\" .*whole hours"),
+    ]:
+        with pytest.raises(ResultSchemaError, match=refused):
+            convert(**values)
+    # whole units, and anything in a DAY TO SECOND, convert as they are
+    whole = {"d": timedelta(days=-2), "h": timedelta(hours=36), "m": timedelta(minutes=90)}
+    batch = convert(**whole, s=odd, nested={"l": [timedelta(days=3)]}, by={"k": timedelta()})
+    assert batch.to_pylist()[0] == {
+        **whole,
+        "s": odd,
+        "nested": {"l": [timedelta(days=3)]},
+        "by": [("k", timedelta())],
+    }
+
+
+def test_an_interval_day_result_with_hours_fails_the_job_naming_the_field(spark) -> None:
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"], "d": timedelta(days=row["id"], hours=row["id"] % 2)}]
+
+    df = spark.range(0, 4, numPartitions=1)
+    with pytest.raises(
+        Exception,
+        match=r"'d' \(duration\[us\]\) cannot hold .*: an INTERVAL DAY field holds whole days"
+        r".*input row \{'id': 1\}",
+    ):
+        ordered_wait(df, f, "id long, d interval day").collect()
+    whole = ordered_wait(df.where("id % 2 = 0"), f, "id long, d interval day")
+    assert [r.d for r in whole.orderBy("id").collect()] == [timedelta(days=0), timedelta(days=2)]
+
+
 def test_year_to_month_intervals_are_refused_with_an_expression_to_use(spark) -> None:
     # Spark cannot hand them to Arrow at all; DAY TO SECOND ones go through as durations.
     # The advice was a cast to int, which gives years for an INTERVAL YEAR (3 years became
