@@ -326,7 +326,8 @@ def _check_for(arrow_type: pa.DataType, units: Units = None) -> _Check | None:
                 reason = "an interval field would read a number as microseconds: return a timedelta"
                 return _Loss("", arrow_type, value, reason)
             if isinstance(value, dt.timedelta):
-                if (unit := getattr(value, "unit", None)) in _ZEROED_UNITS:
+                unit = getattr(value, "unit", None)
+                if unit in _ZEROED_UNITS and value != _NO_TIME:  # 0 is read right
                     return _Loss("", arrow_type, value, _zeroed(unit))
                 if dropped := _nanoseconds(value, "nanoseconds"):
                     return _Loss("", arrow_type, value, dropped)
@@ -529,6 +530,7 @@ def _nanoseconds(value: dt.datetime | dt.timedelta, attribute: str) -> str | Non
 # them, and a pandas Timedelta in seconds or milliseconds leaves those at 0 (its own
 # attributes are right): one of 1 day became 0 in an interval field, silently
 _ZEROED_UNITS = frozenset({"s", "ms"})
+_NO_TIME = dt.timedelta(0)  # compared as pandas compares: by its value, not those fields
 
 
 def _zeroed(unit: str) -> str:

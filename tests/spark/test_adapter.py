@@ -2169,6 +2169,22 @@ def test_a_pandas_timedelta_in_seconds_or_milliseconds_is_not_taken_as_0(unit) -
     assert _converted(pa.duration("us"), day.as_unit("ns"), None) == expected
 
 
+@pytest.mark.parametrize("unit", ["s", "ms"])
+def test_a_zero_pandas_timedelta_in_seconds_or_milliseconds_is_taken(unit) -> None:
+    # pyarrow reads a Timedelta in these units as 0, which is right for one that is 0
+    # (end - start of two equal second-resolution Timestamps): nothing to refuse
+    import pandas as pd
+
+    zero = pd.Timedelta(0).as_unit(unit)
+    assert zero.unit == unit
+    assert _converted(pa.duration("us"), zero, None) == timedelta(0)
+    spans = pd.Series([zero, zero]).astype(f"timedelta64[{unit}]")
+    assert _converted(pa.list_(pa.duration("us")), spans, None) == [timedelta(0)] * 2
+    # a non-zero one among them is still refused
+    mixed = pd.Series([zero, pd.Timedelta(seconds=1)]).astype(f"timedelta64[{unit}]")
+    _converted(pa.list_(pa.duration("us")), mixed, r"'r\[1\]' \(duration\[us\]\).*as 0")
+
+
 @pytest.mark.parametrize(
     ("value", "problem"),
     [
