@@ -394,7 +394,7 @@ def _check_for(arrow_type: pa.DataType, units: Units = None) -> _Check | None:
                 for entry in value:
                     if isinstance(entry, dict) and (extra := entry.keys() - _ENTRY_KEYS):
                         reason = (  # pyarrow would drop them, as a struct's
-                            f"a map entry {entry!r} has unexpected key(s) "
+                            f"a map entry {describe(entry)} has unexpected key(s) "
                             f"{sorted(extra, key=repr)}, which would be dropped (an entry "
                             "given as a dict has 'key' and 'value'): return a dict of the map, "
                             "or its entries as (key, value) pairs"

@@ -2004,6 +2004,21 @@ def test_result_conversion_refuses_only_what_would_lose_data(value, problem) -> 
             to_batch([row], [{"id": 0}], schema)
 
 
+def test_a_map_entry_with_unexpected_keys_is_named_within_bounds() -> None:
+    # The entry was written whole into the message: a long value made an error (and a
+    # Spark task failure) of 100 KB, where every other value in these errors is cut short
+    from stateful_async.spark._results import to_batch
+
+    schema = pa.schema([("m", pa.map_(pa.string(), pa.string()))])
+    entry = {"key": "k", "value": "x" * 100_000, "Value": "y"}
+    with pytest.raises(ResultSchemaError) as refused:
+        to_batch([{"m": [entry]}], [{"id": 0}], schema)
+    message = str(refused.value)
+    assert "a map entry {'key': 'k', 'value': 'xxx" in message
+    assert "has unexpected key(s) ['Value'], which would be dropped" in message
+    assert len(message) < 2_000, len(message)
+
+
 UTC_TS = pa.timestamp("us", tz="UTC")
 
 
