@@ -133,10 +133,13 @@ def _scan(params: list[Any], args: list[str]) -> tuple[list[tuple[Any, str, str]
 
 
 def _check_arguments(command: Any, positional: list[str]) -> None:
-    if any(p.name == "checkpoint_id" for p in command.params):
-        for token in positional:
-            if _NEGATIVE.fullmatch(token):
-                _check_checkpoint_id(int(token))
+    # Only the token in the id's place: another negative number (a LOCATION after --, a
+    # directory named -1) is not an id, and is Click's to take or refuse.
+    arguments = [p.name for p in command.params if p.param_type_name == "argument"]
+    if "checkpoint_id" in arguments:
+        index = arguments.index("checkpoint_id")
+        if index < len(positional) and _NEGATIVE.fullmatch(positional[index]):
+            _check_checkpoint_id(int(positional[index]))
 
 
 # Options that select one thing, or name one output: given twice, the second would not add

@@ -1017,6 +1017,22 @@ def test_a_checkpoint_id_below_1_is_refused_saying_what_ids_are(
     assert "Job job has no partition -1; it has partitions 0-1." in result.output
 
 
+def test_a_location_that_looks_like_a_negative_number_is_no_checkpoint_id(functions) -> None:
+    # After --, Click takes a LOCATION named -1 (a relative directory); the pre-scan took
+    # every negative number among the positional arguments for a checkpoint id.
+    import asyncio
+
+    asyncio.run(snapshot_mid_job(functions.parent / "-1"))  # in the working directory
+    result = invoke("checkpoints", "show", "--format", "json", "--partition", "0", "--", "-1", "2")
+    assert result.exit_code == 0, result.output
+    assert [s["partition"] for s in json.loads(result.stdout)] == [0]
+    result = invoke("replay", "--function", "replay_functions:greet", "--", "-1", "2")
+    assert result.exit_code == 0, result.output
+    result = invoke("checkpoints", "show", "--", "-1", "-2")  # the id's place is checked
+    assert result.exit_code == 2
+    assert "A checkpoint id is a whole number from 1 up; got -2." in result.output
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
