@@ -1162,10 +1162,30 @@ def _same_json_key(first: Any, second: Any, text: str) -> str:
 
 def _plain(value: Any) -> Any:
     """A numpy scalar or array as the Python value it holds (np.int64 an int, np.bool_ a
-    bool, an array a list), as pyarrow takes it for Parquet; anything else as it is."""
-    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+    bool, an array a list), as pyarrow takes it for Parquet; anything else as it is. A
+    datetime64 or timedelta64 that no datetime or timedelta holds (nanoseconds, for which
+    numpy's tolist() gives a bare count) as the ISO string, or the seconds, JSON writes of
+    those."""
+    if type(value).__module__ != "numpy" or not hasattr(value, "tolist"):
+        return value
+    kind = getattr(getattr(value, "dtype", None), "kind", "")
+    if kind not in ("M", "m"):
         return value.tolist()
-    return value
+    if getattr(value, "ndim", 0):  # an array of them: each as a scalar
+        return [_plain(item) for item in value]
+    if getattr(value, "shape", None) == ():  # a 0-d array: its scalar
+        value = value[()]
+    plain = value.tolist()  # a date, datetime or timedelta; None for NaT; else an int
+    if not isinstance(plain, int):
+        return plain
+    import numpy as np
+
+    if kind == "M":
+        return str(np.datetime_as_string(value))
+    try:
+        return float(value / np.timedelta64(1, "s"))
+    except TypeError:  # months or years: no fixed number of seconds
+        return str(value)
 
 
 def _json_default(value: Any) -> Any:

@@ -686,6 +686,30 @@ def test_replay_writes_numpy_values_and_keys_as_the_values_they_hold(tmp_path, f
     }  # fmt: skip
 
 
+def test_replay_writes_numpy_nanosecond_times_as_times_not_counts(tmp_path, functions) -> None:
+    # numpy's tolist() gives a datetime64[ns] (what pandas holds) as a bare count of
+    # nanoseconds, and a timedelta64[ns] as one: a time was written as 1704067200000000001,
+    # and 1500 ns as 1500 where 1500 ms was 1.5 (seconds, as a timedelta is written).
+    (functions.parent / "with_times.py").write_text(
+        "import numpy as np\n\n"
+        "async def times(row):\n"
+        "    at = np.datetime64('2024-01-01T00:00:00.000000001', 'ns')\n"
+        "    return [{'id': row['id'], 'at': at, 'ats': np.array([at]), 'by': {at: 1},\n"
+        "             'ns': np.timedelta64(1500, 'ns'), 'ms': np.timedelta64(1500, 'ms'),\n"
+        "             'nat': np.datetime64('NaT', 'ns')}]\n"
+    )
+    SnapshotStore(tmp_path / "ckpt").subtask("job", "enrich", 0).commit(
+        "run", 2, [StreamRecord({"id": 7})], [],
+        input_schema=pa.schema([("id", pa.int64())]), output_schema=OUTPUT, position=1,
+    )  # fmt: skip
+    result = replay(tmp_path / "ckpt", "with_times:times")
+    assert result.exit_code == 0, result.output
+    at = "2024-01-01T00:00:00.000000001"
+    assert json.loads(result.stdout.splitlines()[0]) == {
+        "id": 7, "at": at, "ats": [at], "by": {at: 1}, "ns": 1.5e-06, "ms": 1.5, "nat": None,
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize("suffix", ["", ".jsonl", ".json"])
 def test_replay_refuses_dict_keys_that_json_writes_as_one(tmp_path, functions, suffix) -> None:
     # A date key and its ISO string merged into one JSON key, the last value kept; 1 and
