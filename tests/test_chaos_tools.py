@@ -405,6 +405,28 @@ def test_a_state_file_whose_settings_are_refused_says_so_naming_the_file(
     )
 
 
+def test_a_state_file_whose_records_have_fields_this_version_does_not_know_is_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # attach() checks the fields it needs and ignores others at the top and in settings,
+    # but passed each record whole to ProcessRecord / WorkerInfo: a field of another
+    # version's made every cluster command fail with a TypeError traceback.
+    master, worker = exited_pid(), exited_pid()
+    state = recorded_cluster(
+        {"pid": master, "create_time": 0.0}, {"pid": worker, "create_time": 0.0}
+    )
+    state["master"]["role"] = "master"
+    state["workers"]["0"]["cores"] = 1
+    state["workers"]["0"]["record"]["cmdline"] = ["java"]
+    (tmp_path / "cluster.json").write_text(json.dumps(state))
+    cluster = LocalCluster.attach(tmp_path)
+    assert cluster.master == _cluster.ProcessRecord(master, 0.0)
+    assert cluster.workers[0].record == _cluster.ProcessRecord(worker, 0.0)
+    assert cluster.workers[0].port == 1
+    assert cluster_main(["stop", "--dir", str(tmp_path)]) == 0, capsys.readouterr().err
+    assert not (tmp_path / "cluster.json").exists()
+
+
 MEMORY_FORM = (
     "must be a whole number with a unit, k, m, g, t or p (or kb .. pb; in any case), as a "
     "Spark worker reads an amount of memory, such as 512m or 2g; got"

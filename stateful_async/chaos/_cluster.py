@@ -803,12 +803,15 @@ class LocalCluster:
             ) from exc
         cluster._spark_home = spark_home()
         cluster._claimed = True
-        cluster.master = ProcessRecord(**state["master"])
+        # the fields checked above alone: one this version does not know (a newer one's)
+        # would make the constructors raise TypeError
+        cluster.master = ProcessRecord(**{k: state["master"][k] for k in _RECORD_SCHEMA})
         cluster.master_port = state["master_port"]
         cluster.webui_port = state["webui_port"]
         for index, worker in state["workers"].items():
-            worker["record"] = ProcessRecord(**worker["record"])
-            cluster.workers[int(index)] = WorkerInfo(**worker)
+            fields = {k: worker[k] for k in _WORKER_SCHEMA}
+            fields["record"] = ProcessRecord(**{k: worker["record"][k] for k in _RECORD_SCHEMA})
+            cluster.workers[int(index)] = WorkerInfo(**fields)
         return cluster
 
     # -- status -------------------------------------------------------------------------
