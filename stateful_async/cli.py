@@ -885,19 +885,25 @@ def _check_output(output: Path) -> None:
 def _write(output: Path, mode: str, write: Callable[[Any], object]) -> None:
     """``write`` the results to a new file at ``output``; an error leaves no file there."""
     try:
-        with open(output, mode) as handle:
-            try:
-                write(handle)
-            except BaseException:
-                handle.close()
-                with suppress(OSError):
-                    output.unlink(missing_ok=True)
-                raise
-    except OSError as exc:
-        raise Fail(
-            f"Cannot write the results to {output}: {_os_reason(exc)}. They were not kept; "
-            "replay again with another --output."
-        ) from None
+        handle = open(output, mode)  # noqa: SIM115 - closed below, its failure included
+    except OSError as exc:  # (FileExistsError too: that file is not ours to remove)
+        raise _not_written(output, exc) from None
+    try:
+        with handle:  # closing writes what is buffered: it can fail too (a full disk)
+            write(handle)
+    except BaseException as exc:
+        with suppress(OSError):
+            output.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise _not_written(output, exc) from None
+        raise
+
+
+def _not_written(output: Path, exc: OSError) -> Fail:
+    return Fail(
+        f"Cannot write the results to {output}: {_os_reason(exc)}. They were not kept; "
+        "replay again with another --output."
+    )
 
 
 def _os_reason(exc: OSError) -> str:

@@ -765,6 +765,45 @@ def test_replay_that_fails_writing_its_output_leaves_no_file(
         assert not written.exists(), suffix
 
 
+def test_replay_whose_output_fails_when_closed_leaves_no_file(
+    tmp_path, functions, monkeypatch
+) -> None:
+    # Closing the file writes what is still buffered (all of a small output), and can fail
+    # (a full disk, a quota): the error was said ("They were not kept"), but the partial
+    # file stayed, so replaying again to that path was refused as "already exists".
+    import errno
+    import io
+
+    import stateful_async.cli as cli
+
+    SnapshotStore(tmp_path / "ckpt").subtask("job", "enrich", 0).commit(
+        "run", 2, [StreamRecord({"id": 7})], [],
+        input_schema=pa.schema([("id", pa.int64())]), output_schema=OUTPUT, position=1,
+    )  # fmt: skip
+
+    class FullDisk(io.StringIO):
+        def __init__(self, path: Path, mode: str) -> None:
+            super().__init__()
+            self.path = Path(path)
+            self.path.open(mode).close()  # the file exists from here, as with open()
+
+        def close(self) -> None:
+            if not self.closed:
+                self.path.write_text(self.getvalue()[:3])  # what reached the disk
+                super().close()
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cli, "open", FullDisk, raising=False)
+    written = tmp_path / "replayed.jsonl"
+    result = replay(tmp_path / "ckpt", "replay_functions:echo", "--output", str(written))
+    assert result.exit_code == 2, result.output
+    assert (
+        f"Error: Cannot write the results to {written}: No space left on device. They were "
+        "not kept; replay again with another --output."
+    ) in " ".join(result.output.split())
+    assert not written.exists()
+
+
 def test_replay_writes_parquet_and_instantiates_function_classes(
     checkpoints, functions, tmp_path
 ) -> None:
