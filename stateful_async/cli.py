@@ -87,7 +87,7 @@ class _Command(TyperCommand):
             if "help" not in {param.name for param, _, _ in options}:
                 with _user_errors():
                     _check_arguments(self, positional)
-                    _check_given_once(options)
+                    _check_given_once(ctx, options)
         result: list[str] = super().parse_args(ctx, args)
         return result
 
@@ -156,18 +156,27 @@ _ONE_ONLY = {
 }
 
 
-def _check_given_once(options: list[tuple[Any, str, str]]) -> None:
+def _check_given_once(ctx: Any, options: list[tuple[Any, str, str]]) -> None:
     given: dict[Any, list[str]] = {}
     for param, _, value in options:
         if param.name in _ONE_ONLY:
             given.setdefault(param, []).append(value)
     for param, values in given.items():
-        if len(set(values)) > 1:
+        if len({_as_taken(ctx, param, value) for value in values}) > 1:
             times = "twice" if len(values) == 2 else f"{len(values)} times"
             raise Fail(
                 f"{param.opts[0]} was given {times} ({', '.join(values)}), and it takes "
                 f"{_ONE_ONLY[param.name]}."
             )
+
+
+def _as_taken(ctx: Any, param: Any, value: str) -> Any:
+    """``value`` as the option takes it (so --partition 0 and --partition 00 are one
+    partition), or as typed if it does not take it (Click will say so)."""
+    try:  # (Typer's conversion: its parameters carry no Click type)
+        return param.get_runtime_param().coerce(value, param=param, ctx=ctx)
+    except Exception:
+        return value
 
 
 def _check_checkpoint_id(checkpoint_id: int) -> None:

@@ -1177,6 +1177,24 @@ def test_an_option_that_selects_one_thing_given_twice_is_refused(
     assert [s["partition"] for s in json.loads(result.stdout)] == [0]
 
 
+def test_an_option_given_twice_with_one_value_written_two_ways_is_taken(
+    checkpoints, functions
+) -> None:
+    # The check compared the text typed: --partition 0 --partition 00 (one partition) and
+    # --output out.jsonl --output ./out.jsonl (one file) were refused as "given twice".
+    location, _ = checkpoints
+    result = invoke(
+        "checkpoints", "show", str(location), "2", "--partition", "0", "--partition", "00",
+        "--format", "json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert [s["partition"] for s in json.loads(result.stdout)] == [0]
+    output = ["--output", "out.jsonl", "--output", "./out.jsonl"]  # in the cwd: functions'
+    result = replay(location, "replay_functions:greet", *output)
+    assert result.exit_code == 0, result.output
+    assert (functions.parent / "out.jsonl").exists()
+
+
 def test_a_storage_option_given_twice_with_different_values_is_refused(checkpoints) -> None:
     location, _ = checkpoints
     result = invoke(
