@@ -755,6 +755,8 @@ def _each_table(
     def attempt(log: Any) -> tuple[Any, Any, BaseException | None]:
         try:
             return log, work(log), None
+        except (KeyboardInterrupt, SystemExit):
+            raise  # the user stopping the command: no summary of a half-done expiry first
         except BaseException as exc:  # (a delta-rs panic is one): said after what was done
             return log, None, exc
 

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from checkpoint import ORPHAN_GRACE, SnapshotStore
+from checkpoint import ORPHAN_GRACE, SnapshotStore, SubtaskLog
 from stateful_async import AsyncWaitOperator, OutputMode, StreamRecord, Watermark
 from stateful_async.cli import app
 from stateful_async.testing import ControlledFunction, settle
@@ -348,6 +348,22 @@ def test_expire_that_fails_in_one_partition_says_what_it_did_before_the_error(
     ), said
     kept = SnapshotStore(location).subtask("job", "enrich", 0).checkpoints(include_expired=False)
     assert [m.checkpoint_id for m in kept] == [2]  # partition 0's expiry was done
+
+
+def test_expire_stopped_by_the_user_stops_without_a_summary(
+    checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, Ctrl-C in a partition's expiry was taken as that partition's failure: the
+    # command printed "Job job, 0 of 2 partition(s): ..." before it stopped.
+    location, _ = checkpoints
+
+    def interrupted(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SubtaskLog, "expire", interrupted)
+    result = invoke("checkpoints", "expire", str(location), "--retain", "1")
+    assert result.exit_code == 130, result.output  # 128 + SIGINT, as Typer ends on Ctrl-C
+    assert "partition(s)" not in result.output and "checkpoint(s) expired" not in result.output
 
 
 def test_expire_whose_orphan_deletion_fails_in_one_partition_says_what_it_deleted(
