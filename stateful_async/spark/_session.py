@@ -28,8 +28,9 @@ def local_session(
     runs. Its other settings (its time zone, for one) are left alone.
 
     Spark Connect sessions are not made here: where one runs, or where ``SPARK_REMOTE``,
-    ``spark.remote`` or ``spark.api.mode=connect`` (in ``conf`` or the environment) asks
-    for one, this raises a ``ConfigurationError`` before starting anything.
+    ``spark.remote`` or ``spark.api.mode=connect`` (in ``conf`` or the environment), or
+    PySpark's ``SPARK_CONNECT_MODE_ENABLED``, asks for one, this raises a
+    ``ConfigurationError`` before starting anything.
     """
     try:
         from pyspark.sql import SparkSession
@@ -102,6 +103,11 @@ def _connect_asked(conf: dict[str, Any]) -> str | None:
         return f"conf spark.api.mode={mode!r}" if str(mode).lower() == "connect" else None
     if os.environ.get("SPARK_API_MODE", "").lower() == "connect":
         return f"the environment's SPARK_API_MODE={os.environ['SPARK_API_MODE']!r}"
+    if "SPARK_CONNECT_MODE_ENABLED" in os.environ:  # PySpark's builder goes by it first
+        return (
+            "the environment's SPARK_CONNECT_MODE_ENABLED (which PySpark sets once this "
+            "process has made a Spark Connect session)"
+        )
     return None
 
 

@@ -100,8 +100,10 @@ for w in caught:
 def test_a_connect_session_asked_for_is_refused_before_anything_starts() -> None:
     # With SPARK_REMOTE set, PySpark refused the master local_session gives, with its own
     # PySparkRuntimeError (CANNOT_CONFIGURE_SPARK_CONNECT_MASTER); with spark.api.mode=connect
-    # it started a local Spark Connect server first. A child process: this one runs the
-    # tests' classic session, which local_session returns whatever the environment says.
+    # it started a local Spark Connect server first; with SPARK_CONNECT_MODE_ENABLED (PySpark's
+    # mark of a Connect session made before) it failed with CONNECT_URL_NOT_SET. A child
+    # process: this one runs the tests' classic session, which local_session returns
+    # whatever the environment says.
     script = """
 import os
 from pyspark import SparkContext
@@ -112,6 +114,7 @@ cases = [
     ({"SPARK_API_MODE": "Connect"}, None),
     ({}, {"spark.api.mode": "connect"}),
     ({"SPARK_API_MODE": "connect"}, {"spark.api.mode": "classic", "spark.remote": "sc://h"}),
+    ({"SPARK_CONNECT_MODE_ENABLED": "1"}, None),
 ]
 for env, conf in cases:
     os.environ.update(env)
@@ -124,7 +127,8 @@ for env, conf in cases:
         del os.environ[name]
 print("jvm", SparkContext._gateway is not None)
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("SPARK_REMOTE", "SPARK_API_MODE")}
+    asking = ("SPARK_REMOTE", "SPARK_API_MODE", "SPARK_CONNECT_MODE_ENABLED")
+    env = {k: v for k, v in os.environ.items() if k not in asking}
     done = subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,
@@ -147,5 +151,7 @@ print("jvm", SparkContext._gateway is not None)
         f"{start}the environment's SPARK_API_MODE='Connect' {advice}",
         f"{start}conf spark.api.mode='connect' {advice}",
         f"{start}conf spark.remote='sc://h' {advice}",
+        f"{start}the environment's SPARK_CONNECT_MODE_ENABLED (which PySpark sets once this "
+        f"process has made a Spark Connect session) {advice}",
         "jvm False",  # no Spark started
     ], done.stdout
