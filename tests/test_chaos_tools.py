@@ -517,8 +517,10 @@ def test_memory_is_taken_in_every_form_a_spark_worker_reads() -> None:
     for memory in ("512m", "2G", "1gb", "1024K", "1048576", "1t", "1Pb", " 2g "):
         cluster = LocalCluster(1, memory=memory, stop_at_exit=False)
         assert cluster.memory == memory.strip()
-    with pytest.raises(ClusterError, match=r"Pass it as a string with its unit, such as '2g'\."):
-        LocalCluster(1, memory=2)  # type: ignore[arg-type]
+    # an int has no unit: its likely ones are both offered (before, only '2048g': 2 TiB)
+    unit = r"Pass it as a string with its unit: '2048m' for 2048 MiB, '2048g' for 2048 GiB\."
+    with pytest.raises(ClusterError, match=unit):
+        LocalCluster(1, memory=2048)  # type: ignore[arg-type]
 
 
 def test_a_cluster_in_a_relative_directory_gives_its_daemons_its_own_configuration(

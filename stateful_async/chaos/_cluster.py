@@ -271,7 +271,10 @@ def check_memory(name: str, value: Any) -> str:
     match = re.fullmatch(r"([0-9]+)([a-z]+)?", text.lower()) if text else None
     if text is None or match is None or (match[2] or "b") not in _MEMORY_UNITS:
         if isinstance(value, int) and not isinstance(value, bool):
-            hint = f" Pass it as a string with its unit, such as '{value}g'."
+            hint = (
+                f" Pass it as a string with its unit: '{value}m' for {value} MiB, '{value}g' for "
+                f"{value} GiB."
+            )
         elif text is not None and re.fullmatch(r"[0-9]*\.[0-9]+[a-zA-Z]*", text):
             hint = " Spark takes no fractions: use a smaller unit (1536m, not 1.5g)."
         else:
