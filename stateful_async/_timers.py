@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 from typing import Callable, Hashable, Protocol
+
+from ._exceptions import as_float
 
 
 class Cancellable(Protocol):
@@ -61,7 +64,12 @@ class VirtualClock:
     """
 
     def __init__(self, start: float = 0.0) -> None:
-        self._now = float(start)
+        now = as_float(start)
+        if now is None or not math.isfinite(now):
+            raise ValueError(
+                f"A virtual clock starts at a finite number of seconds; got {start!r}."
+            )
+        self._now = now
         self._heap: list[tuple[float, int, _VirtualHandle]] = []
         self._seq = itertools.count()
 
@@ -79,10 +87,20 @@ class VirtualClock:
         return self._heap[0][0] if self._heap else None
 
     async def advance(self, seconds: float) -> None:
-        """Move time forward by ``seconds``, firing every wake-up that falls due."""
-        if seconds < 0:
+        """Move time forward by ``seconds`` (a finite number >= 0), firing every wake-up
+        that falls due."""
+        step = as_float(seconds)
+        if step is None:
+            raise TypeError(
+                f"advance() takes a number of seconds; got {type(seconds).__name__} {seconds!r}."
+            )
+        if step < 0:
             raise ValueError("A virtual clock cannot go backwards.")
-        target = self._now + seconds
+        if not math.isfinite(step):
+            # NaN would set the clock to NaN and fire every timer; infinity would fire
+            # every timer, and never return while one schedules another.
+            raise ValueError(f"advance() takes a finite number of seconds; got {seconds!r}.")
+        target = self._now + step
         await settle()
         while True:
             self._drop_cancelled()

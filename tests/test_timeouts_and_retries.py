@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import pickle
 import random
 import time
@@ -1162,3 +1163,34 @@ async def test_a_timeout_handler_error_that_loses_the_race_is_dropped_silently()
     finally:
         loop.set_exception_handler(None)
     assert [c.get("message") for c in logged] == []
+
+
+# -- the testing tools: VirtualClock, ControlledFunction -----------------------------------
+
+
+@pytest.mark.parametrize("seconds", [math.nan, math.inf])
+async def test_a_virtual_clock_refuses_to_advance_by_a_non_finite_time(seconds) -> None:
+    # before: NaN set the clock to NaN and fired every timer; infinity fired every timer
+    # and never returned while a timer scheduled another
+    clock = VirtualClock()
+    fired: list = []
+    clock.call_at(5, lambda: fired.append(clock.now()))
+    with pytest.raises(ValueError, match=r"advance\(\) takes a finite number of seconds; got "):
+        await clock.advance(seconds)
+    assert clock.now() == 0.0 and fired == []
+    await clock.advance(5)
+    assert fired == [5]
+
+
+@pytest.mark.parametrize("seconds", ["1", None, True])
+async def test_a_virtual_clock_refuses_to_advance_by_what_is_not_a_number(seconds) -> None:
+    clock = VirtualClock()
+    with pytest.raises(TypeError, match=r"advance\(\) takes a number of seconds; got "):
+        await clock.advance(seconds)
+    assert clock.now() == 0.0
+
+
+@pytest.mark.parametrize("start", [math.nan, math.inf, "0"])
+def test_a_virtual_clock_starts_at_a_finite_time(start) -> None:
+    with pytest.raises(ValueError, match="A virtual clock starts at a finite number of seconds"):
+        VirtualClock(start)
