@@ -24,10 +24,11 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import reprlib
 from collections import deque
 from typing import Any, Iterable
 
-from ._function import AsyncFunction
+from ._function import AsyncFunction, not_a_result_list
 from ._timers import VirtualClock, settle
 
 __all__ = ["ControlledFunction", "ControlledTimeoutFunction", "VirtualClock", "settle"]
@@ -66,7 +67,7 @@ class ControlledFunction(AsyncFunction[Any, Any]):
 
     def complete(self, value: Any, results: Iterable[Any]) -> None:
         """Resolve the oldest unresolved attempt of ``value`` with ``results``."""
-        self._next(value).set_result(list(results))
+        self._next(value).set_result(_result_list("complete", "fail", results))
 
     def fail(self, value: Any, error: BaseException) -> None:
         """Make the oldest unresolved attempt of ``value`` raise ``error``."""
@@ -95,7 +96,9 @@ class ControlledTimeoutFunction(ControlledFunction):
         return await future
 
     def complete_timeout(self, value: Any, results: Iterable[Any]) -> None:
-        self._next_timeout(value).set_result(list(results))
+        self._next_timeout(value).set_result(
+            _result_list("complete_timeout", "fail_timeout", results)
+        )
 
     def fail_timeout(self, value: Any, error: BaseException) -> None:
         self._next_timeout(value).set_exception(error)
@@ -105,3 +108,16 @@ class ControlledTimeoutFunction(ControlledFunction):
             if not future.done():
                 return future
         raise AssertionError(f"No timeout handler for {value!r} is waiting.")
+
+
+def _result_list(method: str, fail: str, results: Iterable[Any]) -> list[Any]:
+    """``results`` as the list the call returns; a str (which ``list`` would split into
+    characters), None, a dict or a number is refused, as the operator refuses it from a
+    function, but here at the test's line."""
+    if not_a_result_list(results) or not isinstance(results, Iterable):
+        raise TypeError(
+            f"{method}() takes an iterable of results ([result] for one, [] for none); got "
+            f"{type(results).__name__} {reprlib.repr(results)}. To make the call raise, use "
+            f"{fail}()."
+        )
+    return list(results)

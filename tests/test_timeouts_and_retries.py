@@ -6,6 +6,7 @@ import asyncio
 import math
 import pickle
 import random
+import re
 import time
 import typing
 from datetime import timedelta
@@ -1194,3 +1195,43 @@ async def test_a_virtual_clock_refuses_to_advance_by_what_is_not_a_number(second
 def test_a_virtual_clock_starts_at_a_finite_time(start) -> None:
     with pytest.raises(ValueError, match="A virtual clock starts at a finite number of seconds"):
         VirtualClock(start)
+
+
+@pytest.mark.parametrize(
+    ("results", "named"), [("AB", "str 'AB'"), (None, "NoneType None"), (3, "int 3")]
+)
+async def test_a_controlled_function_refuses_results_that_are_not_a_list_of_them(
+    results, named
+) -> None:
+    # before: "AB" was split into the results "A" and "B" (an async function returning it
+    # is refused by the operator); None failed with "'NoneType' object is not iterable"
+    fn = ControlledFunction()
+    out, op = make(fn, VirtualClock())
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    with pytest.raises(
+        TypeError,
+        match=rf"^complete\(\) takes an iterable of results \(\[result\] for one, \[\] for "
+        rf"none\); got {re.escape(named)}\. To make the call raise, use fail\(\)\.$",
+    ):
+        fn.complete("a", results)
+    assert fn.pending("a") == 1  # still waiting for the test
+    fn.complete("a", ["AB"])
+    await op.finish()
+    await op.close()
+    assert [e.value for e in out] == ["AB"]
+
+
+async def test_a_controlled_timeout_handler_refuses_results_that_are_not_a_list_of_them() -> None:
+    clock, fn, out, op = await timed_out_a()
+    with pytest.raises(
+        TypeError,
+        match=r"^complete_timeout\(\) takes an iterable of results .*; got str 'fallback'\. To "
+        r"make the call raise, use fail_timeout\(\)\.$",
+    ):
+        fn.complete_timeout("a", "fallback")
+    fn.complete_timeout("a", ["fallback"])
+    await op.finish()
+    await op.close()
+    assert [e.value for e in out] == ["fallback"]
