@@ -74,10 +74,7 @@ class ControlledFunction(AsyncFunction[Any, Any]):
         self._next(value).set_exception(error)
 
     def _next(self, value: Any) -> asyncio.Future[Any]:
-        for future in self._pending.get(value, ()):
-            if not future.done():
-                return future
-        raise AssertionError(f"No call for {value!r} is waiting (calls so far: {self.calls!r}).")
+        return _oldest_waiting(self._pending.get(value, ()), "call", value, self.calls)
 
 
 class ControlledTimeoutFunction(ControlledFunction):
@@ -104,10 +101,9 @@ class ControlledTimeoutFunction(ControlledFunction):
         self._next_timeout(value).set_exception(error)
 
     def _next_timeout(self, value: Any) -> asyncio.Future[Any]:
-        for future in self._timeouts.get(value, ()):
-            if not future.done():
-                return future
-        raise AssertionError(f"No timeout handler for {value!r} is waiting.")
+        return _oldest_waiting(
+            self._timeouts.get(value, ()), "timeout handler", value, self.timeout_calls
+        )
 
 
 def _result_list(method: str, fail: str, results: Iterable[Any]) -> list[Any]:
@@ -121,3 +117,37 @@ def _result_list(method: str, fail: str, results: Iterable[Any]) -> list[Any]:
             f"{fail}()."
         )
     return list(results)
+
+
+def _oldest_waiting(
+    futures: Iterable[asyncio.Future[Any]], what: str, value: Any, calls: list[Any]
+) -> asyncio.Future[Any]:
+    """The oldest unresolved future of ``value``; else an error that says why none is."""
+    futures = list(futures)
+    for future in futures:
+        if not future.done():
+            return future
+    if not futures:
+        raise AssertionError(
+            f"No {what} for {value!r} is waiting: there has been none ({what} values so far: "
+            f"{calls!r})."
+        )
+    cancelled = sum(1 for f in futures if f.cancelled())
+    resolved = len(futures) - cancelled
+    why = []
+    if resolved:
+        why.append(
+            f"{resolved} {'was' if resolved == 1 else 'were'} completed or failed by the test"
+        )
+    if cancelled:
+        why.append(
+            f"{cancelled} {'was' if cancelled == 1 else 'were'} cancelled (the operator cancels "
+            "a call once another outcome, such as its timeout, decides its element, and when "
+            "it closes)"
+        )
+    plural = "s" if len(futures) > 1 else ""
+    raise AssertionError(
+        f"No {what} for {value!r} is waiting: of its {len(futures)} {what}{plural}, "
+        + " and ".join(why)
+        + "."
+    )

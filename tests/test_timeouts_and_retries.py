@@ -1197,6 +1197,35 @@ def test_a_virtual_clock_starts_at_a_finite_time(start) -> None:
         VirtualClock(start)
 
 
+async def test_a_controlled_function_says_why_no_call_of_a_value_is_waiting() -> None:
+    # before: "No call for 'a' is waiting (calls so far: ['a'])", whatever had become of it
+    clock, fn, out, op = await timed_out_a()
+    fn.complete_timeout("a", ["fallback"])  # decides "a": its attempt is cancelled
+    await settle()
+    with pytest.raises(
+        AssertionError,
+        match=r"^No call for 'a' is waiting: of its 1 call, 1 was cancelled \(the operator "
+        r"cancels a call once another outcome, such as its timeout, decides its element, and "
+        r"when it closes\)\.$",
+    ):
+        fn.complete("a", ["A"])
+    with pytest.raises(
+        AssertionError,
+        match=r"^No timeout handler for 'a' is waiting: of its 1 timeout handler, 1 was "
+        r"completed or failed by the test\.$",
+    ):
+        fn.complete_timeout("a", ["again"])
+    with pytest.raises(
+        AssertionError,
+        match=r"^No call for 'b' is waiting: there has been none \(call values so far: "
+        r"\['a'\]\)\.$",
+    ):
+        fn.fail("b", Fatal("never called"))
+    await op.finish()
+    await op.close()
+    assert [e.value for e in out] == ["fallback"]
+
+
 @pytest.mark.parametrize(
     ("results", "named"), [("AB", "str 'AB'"), (None, "NoneType None"), (3, "int 3")]
 )
