@@ -175,14 +175,19 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
             raise ConfigurationError(
                 f"ThreadPoolAsyncFunction needs a callable; got {type(fn).__name__}."
             )
-        if fn is not None and (
-            inspect.iscoroutinefunction(fn)
-            or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
-        ):
+        if fn is not None and is_coroutine_callable(fn):  # decorated (__wrapped__) too
             raise ConfigurationError(
                 f"ThreadPoolAsyncFunction runs blocking functions on threads; "
                 f"{getattr(fn, '__qualname__', type(fn).__name__)} is an async function: pass "
                 "it to the operator (or ordered_wait / unordered_wait) directly."
+            )
+        if fn is not None and (
+            inspect.isasyncgenfunction(fn) or inspect.isasyncgenfunction(type(fn).__call__)
+        ):
+            raise ConfigurationError(
+                f"ThreadPoolAsyncFunction runs blocking functions on threads; "
+                f"{getattr(fn, '__qualname__', type(fn).__name__)} is an async generator (it "
+                "yields): write a plain 'def' that returns a list of results."
             )
         if fn is None and type(self).invoke is ThreadPoolAsyncFunction.invoke:
             raise ConfigurationError(

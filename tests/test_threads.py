@@ -129,6 +129,39 @@ def test_an_async_function_is_refused_and_told_to_go_to_the_operator() -> None:
             ThreadPoolAsyncFunction(fn)
 
 
+def test_a_decorated_async_function_or_an_async_generator_is_refused_too() -> None:
+    # Both were accepted, then every call failed: the decorated one with "returned coroutine
+    # ..., an awaitable ... Did you forget `await`?", the generator with "returned
+    # async_generator, which is not iterable".
+    import functools
+
+    def logged(fn):  # type: ignore[no-untyped-def]
+        @functools.wraps(fn)
+        def wrapper(*args):  # type: ignore[no-untyped-def]
+            return fn(*args)
+
+        return wrapper
+
+    @logged
+    async def lookup(value: int) -> list[int]:
+        return [value]
+
+    async def stream(value: int):  # type: ignore[no-untyped-def]
+        yield value
+
+    with pytest.raises(
+        ConfigurationError,
+        match=r"; .*lookup is an async function: pass it to the operator \(or ordered_wait",
+    ):
+        ThreadPoolAsyncFunction(lookup)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"; .*stream is an async generator \(it yields\): write a plain 'def' that "
+        r"returns a list of results\.$",
+    ):
+        ThreadPoolAsyncFunction(stream)
+
+
 async def test_operator_methods_refuse_foreign_threads() -> None:
     async def identity(value):
         return [value]
