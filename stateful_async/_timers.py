@@ -12,6 +12,7 @@ import asyncio
 import heapq
 import itertools
 import math
+from fractions import Fraction
 from typing import Callable, Hashable, Protocol
 
 from ._exceptions import as_float
@@ -61,6 +62,9 @@ class VirtualClock:
     ``await clock.advance(seconds)`` moves time forward deadline by deadline; before each
     step, and at the end, it lets the event loop run until nothing is ready, so everything
     that would happen "instantly" at a moment in time happens before time moves on.
+
+    The steps are summed exactly (then rounded once), so ten ``advance(0.1)`` reach a
+    deadline at 1.0 as one ``advance(1)`` does (float addition stops at 0.9999999999999999).
     """
 
     def __init__(self, start: float = 0.0) -> None:
@@ -70,6 +74,7 @@ class VirtualClock:
                 f"A virtual clock starts at a finite number of seconds; got {start!r}."
             )
         self._now = now
+        self._elapsed = Fraction(now)  # the exact sum of the steps: ``now`` rounds it
         self._heap: list[tuple[float, int, _VirtualHandle]] = []
         self._seq = itertools.count()
 
@@ -100,7 +105,10 @@ class VirtualClock:
             # NaN would set the clock to NaN and fire every timer; infinity would fire
             # every timer, and never return while one schedules another.
             raise ValueError(f"advance() takes a finite number of seconds; got {seconds!r}.")
-        target = self._now + step
+        if float(self._elapsed) != self._now:  # an advance stopped by a raising callback
+            self._elapsed = Fraction(self._now)
+        elapsed = self._elapsed + Fraction(step)
+        target = float(elapsed)
         await settle()
         while True:
             self._drop_cancelled()
@@ -111,6 +119,7 @@ class VirtualClock:
             handle.callback()
             await settle()
         self._now = target
+        self._elapsed = elapsed
         await settle()
 
     def _drop_cancelled(self) -> None:

@@ -1191,6 +1191,31 @@ async def test_a_virtual_clock_refuses_to_advance_by_what_is_not_a_number(second
     assert clock.now() == 0.0
 
 
+async def test_a_virtual_clock_advanced_in_steps_reaches_the_deadline_of_their_sum() -> None:
+    # before: ten advance(0.1) left the clock at 0.9999999999999999 (float addition), so a
+    # 1 s timeout had not expired
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    out, op = make(fn, clock, timeout=1)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    for _ in range(10):
+        await clock.advance(0.1)
+    assert clock.now() == 1.0
+    assert isinstance(op.failure, AsyncTimeoutError)
+    await op.close()
+
+
+async def test_a_virtual_clock_stopped_by_a_raising_callback_advances_from_there() -> None:
+    clock = VirtualClock()
+    clock.call_at(0.5, lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        await clock.advance(1)
+    assert clock.now() == 0.5  # where the callback raised
+    await clock.advance(0.25)
+    assert clock.now() == 0.75
+
+
 @pytest.mark.parametrize("start", [math.nan, math.inf, "0"])
 def test_a_virtual_clock_starts_at_a_finite_time(start) -> None:
     with pytest.raises(ValueError, match="A virtual clock starts at a finite number of seconds"):
