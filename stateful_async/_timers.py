@@ -82,9 +82,25 @@ class VirtualClock:
         return self._now
 
     def call_at(self, when: float, callback: Callable[[], None]) -> Cancellable:
+        """Run ``callback`` once ``now() >= when``: at the ``advance`` that reaches ``when``,
+        or, if ``now()`` already has (a zero delay), soon, as ``SystemClock`` does: without
+        waiting for an ``advance``."""
         handle = _VirtualHandle(when, callback)
         heapq.heappush(self._heap, (when, next(self._seq), handle))
+        if when <= self._now:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (called outside one): the next advance fires it
+                pass
+            else:
+                loop.call_soon(self._fire_one_due)
         return handle
+
+    def _fire_one_due(self) -> None:
+        """Run the earliest wake-up that is due, if any (``advance`` may have run it)."""
+        self._drop_cancelled()
+        if self._heap and self._heap[0][0] <= self._now:
+            heapq.heappop(self._heap)[2].callback()
 
     def next_deadline(self) -> float | None:
         """The earliest pending wake-up, or None."""

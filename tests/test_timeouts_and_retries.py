@@ -26,7 +26,7 @@ from stateful_async import (
     TimeoutHandlerError,
     VirtualClock,
 )
-from stateful_async._timers import TimerService
+from stateful_async._timers import SystemClock, TimerService
 from stateful_async.testing import ControlledFunction, ControlledTimeoutFunction, settle
 
 
@@ -1214,6 +1214,35 @@ async def test_a_virtual_clock_stopped_by_a_raising_callback_advances_from_there
     assert clock.now() == 0.5  # where the callback raised
     await clock.advance(0.25)
     assert clock.now() == 0.75
+
+
+async def test_a_virtual_clock_runs_a_wake_up_already_due_without_an_advance() -> None:
+    # As SystemClock (asyncio's call_at) does; before, a zero delay waited for the test's
+    # next advance, so a retry with no backoff was not made until then.
+    for clock in (SystemClock(), VirtualClock(7)):
+        fired: list = []
+        clock.call_at(clock.now(), lambda: fired.append("now"))  # noqa: B023
+        clock.call_at(clock.now() - 1, lambda: fired.append("past"))  # noqa: B023
+        clock.call_at(clock.now() - 1, lambda: fired.append("cancelled")).cancel()  # noqa: B023
+        await settle()
+        assert fired == ["past", "now"], clock  # earliest deadline first
+    assert clock.now() == 7
+
+
+async def test_a_retry_without_backoff_is_made_on_a_virtual_clock_without_an_advance() -> None:
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    out, op = make(fn, clock, timeout=10, retry=RetryStrategy.fixed_delay(3, 0))
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    fn.fail("a", Flaky("once"))
+    await settle()
+    assert fn.calls == ["a", "a"]
+    fn.complete("a", ["A"])
+    await op.finish()
+    await op.close()
+    assert [e.value for e in out] == ["A"]
 
 
 @pytest.mark.parametrize("start", [math.nan, math.inf, "0"])
