@@ -680,6 +680,14 @@ def test_replay_writes_json_for_map_values_whose_keys_are_not_strings(tmp_path, 
         assert json.loads(written.read_text()) == ([wanted] if suffix == ".json" else wanted)
 
 
+def one_row_checkpoint(location: Path) -> None:
+    """Checkpoint 2 of job "job", partition 0, holding the input row {"id": 7} in flight."""
+    SnapshotStore(location).subtask("job", "enrich", 0).commit(
+        "run", 2, [StreamRecord({"id": 7})], [],
+        input_schema=pa.schema([("id", pa.int64())]), output_schema=OUTPUT, position=1,
+    )  # fmt: skip
+
+
 def test_replay_writes_numpy_values_and_keys_as_the_values_they_hold(tmp_path, functions) -> None:
     # A function's numpy values were written as their str(): 7 as "7", a bool as "True"
     # (and as the key "True", where JSON writes a bool key as "true"), an array as "[1 2]".
@@ -690,10 +698,7 @@ def test_replay_writes_numpy_values_and_keys_as_the_values_they_hold(tmp_path, f
         "             'nan': np.float32('nan'), 'tags': np.array([1, 2]),\n"
         "             'by': {np.bool_(False): 1, np.int64(3): 2}}]\n"
     )
-    SnapshotStore(tmp_path / "ckpt").subtask("job", "enrich", 0).commit(
-        "run", 2, [StreamRecord({"id": 7})], [],
-        input_schema=pa.schema([("id", pa.int64())]), output_schema=OUTPUT, position=1,
-    )  # fmt: skip
+    one_row_checkpoint(tmp_path / "ckpt")
     result = replay(tmp_path / "ckpt", "with_numpy:scores")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.splitlines()[0]) == {
@@ -714,10 +719,7 @@ def test_replay_writes_numpy_nanosecond_times_as_times_not_counts(tmp_path, func
         "             'ns': np.timedelta64(1500, 'ns'), 'ms': np.timedelta64(1500, 'ms'),\n"
         "             'nat': np.datetime64('NaT', 'ns')}]\n"
     )
-    SnapshotStore(tmp_path / "ckpt").subtask("job", "enrich", 0).commit(
-        "run", 2, [StreamRecord({"id": 7})], [],
-        input_schema=pa.schema([("id", pa.int64())]), output_schema=OUTPUT, position=1,
-    )  # fmt: skip
+    one_row_checkpoint(tmp_path / "ckpt")
     result = replay(tmp_path / "ckpt", "with_times:times")
     assert result.exit_code == 0, result.output
     at = "2024-01-01T00:00:00.000000001"
@@ -737,10 +739,7 @@ def test_replay_refuses_dict_keys_that_json_writes_as_one(tmp_path, functions, s
         "async def by_number(row):\n"
         "    return [{'id': row['id'], 'm': {1: 'a', '1': 'b'}}]\n"
     )
-    SnapshotStore(tmp_path / "ckpt").subtask("job", "enrich", 0).commit(
-        "run", 2, [StreamRecord({"id": 7})], [],
-        input_schema=pa.schema([("id", pa.int64())]), output_schema=OUTPUT, position=1,
-    )  # fmt: skip
+    one_row_checkpoint(tmp_path / "ckpt")
     target = tmp_path / f"out{suffix}"
     output = ["--output", str(target)] if suffix else []
     for function, keys in (
@@ -765,10 +764,7 @@ def test_replay_that_fails_writing_its_output_leaves_no_file(
     # left an empty file, and the next try was refused ("already exists").
     import stateful_async.cli as cli
 
-    SnapshotStore(tmp_path / "ckpt").subtask("job", "enrich", 0).commit(
-        "run", 2, [StreamRecord({"id": 7})], [],
-        input_schema=pa.schema([("id", pa.int64())]), output_schema=OUTPUT, position=1,
-    )  # fmt: skip
+    one_row_checkpoint(tmp_path / "ckpt")
 
     def broken(value: Any, indent: int | None = None) -> str:
         raise ValueError("cannot write this")
@@ -792,10 +788,7 @@ def test_replay_whose_output_fails_when_closed_leaves_no_file(
 
     import stateful_async.cli as cli
 
-    SnapshotStore(tmp_path / "ckpt").subtask("job", "enrich", 0).commit(
-        "run", 2, [StreamRecord({"id": 7})], [],
-        input_schema=pa.schema([("id", pa.int64())]), output_schema=OUTPUT, position=1,
-    )  # fmt: skip
+    one_row_checkpoint(tmp_path / "ckpt")
 
     class FullDisk(io.StringIO):
         def __init__(self, path: Path, mode: str) -> None:
