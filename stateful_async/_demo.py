@@ -43,6 +43,15 @@ def _stderr_to(path: str) -> Iterator[None]:
         os.close(saved)
 
 
+class DemoJobFailed(Exception):
+    """The demo's Spark job failed (the cause: PySpark's error); ``spark_log`` is where
+    Spark, Java and the Python workers wrote about it."""
+
+    def __init__(self, spark_log: str) -> None:
+        super().__init__(f"The demo's Spark job failed: see {spark_log}")
+        self.spark_log = spark_log
+
+
 @dataclass
 class DemoSettings:
     rows: int = 50_000
@@ -74,14 +83,15 @@ class DemoResult:
     duplicated: int
     wrong: int
     checkpoints: int
-    requests: int
-    re_requested: int
+    requests: int | None  # None: the service could not be queried after the job
+    re_requested: int | None
     crash_record: int | None
     crash_partition: int | None
     recovered_from: str | None
     retried_attempts: int
     task_lines: list[str] = field(default_factory=list)
     metrics: dict[str, int] = field(default_factory=dict)  # EnrichmentMetrics's counts
+    service_error: str | None = None  # why the request counts are unknown (requests None)
 
     @property
     def exactly_once(self) -> bool:
@@ -103,7 +113,12 @@ class DemoResult:
             )
         if self.crash_record is not None and not self.crash_recovered:
             found.append("the injected crash left no retried attempt in the checkpoints")
-        if self.re_requested > self.repeat_bound:
+        if self.re_requested is None:
+            found.append(
+                "the re-request bound was not checked: the mock service could not be queried "
+                f"for its request counts after the job ({self.service_error})"
+            )
+        elif self.re_requested > self.repeat_bound:
             found.append(
                 f"{self.re_requested} records re-requested, above the bound {self.repeat_bound}"
             )
@@ -158,6 +173,7 @@ def run_demo(
         )
     # absolute: the Delta sink and the executors do not run in this directory
     workdir = os.path.abspath(settings.workdir or tempfile.mkdtemp(prefix="stateful-async-demo-"))
+    made_workdir = settings.workdir is None or not os.path.exists(workdir)
     try:
         Path(workdir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -178,10 +194,19 @@ def run_demo(
     crash_record = int(part0 * 0.6) if settings.crash else None
 
     on_start("starting the mock enrichment service")
-    with (
-        MockService(ServiceConfig(latency_ms=settings.latency_ms)) as service,
-        _stderr_to(os.path.join(workdir, "spark.log")),
-    ):
+    service = MockService(ServiceConfig(latency_ms=settings.latency_ms))
+    try:
+        service.start()
+    except BaseException:
+        # nothing ran: leave no workdir holding only the log configuration (a Spark that
+        # does not start keeps it, for the spark.log its error points at)
+        if made_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            Path(log4j).unlink(missing_ok=True)
+        raise
+    spark_log = os.path.join(workdir, "spark.log")
+    with service, _stderr_to(spark_log):
         on_start("starting Spark (local, 3 attempts per task)")
         os.environ.setdefault("STATEFUL_ASYNC_TASK_LOG", "0")
         try:
@@ -193,7 +218,7 @@ def run_demo(
         except Exception as exc:  # the cause is in the log the JVM wrote, not in the error
             raise ConfigurationError(
                 f"Spark did not start ({type(exc).__name__}): see "
-                f"{os.path.join(workdir, 'spark.log')}, where Spark and Java wrote why."
+                f"{spark_log}, where Spark and Java wrote why."
             ) from exc
         spark.sparkContext.setLogLevel("OFF")  # the injected crash is expected: keep it quiet
         try:
@@ -233,15 +258,27 @@ def run_demo(
             started = time.monotonic()
             try:
                 enriched.write.format("delta_rs").mode("append").save(output)
+            except Exception as exc:  # PySpark's error; the why is often in Spark's log
+                raise DemoJobFailed(spark_log) from exc
             finally:
                 done.set()
                 watcher.join()
             seconds = time.monotonic() - started
-            on_progress(int(service.stats()["total"]))
+            try:
+                on_progress(int(service.stats()["total"]))
+            except MockServiceError:  # the progress bar's last step only
+                pass
             job_counts = metrics.value
         finally:
             spark.stop()
-        counts = service.counts()
+        # The job is done and its output is checked below whatever the service says; the
+        # counts serve the re-request bound only, reported unchecked if they cannot be had.
+        counts: dict[str, int] | None = None
+        service_error = None
+        try:
+            counts = service.counts()
+        except MockServiceError as exc:
+            service_error = str(exc)
 
     on_start("checking the output")
     table = delta_dataset(DeltaTable(output)).to_table().to_pylist()
@@ -273,18 +310,19 @@ def run_demo(
         workdir=workdir,
         output_path=output,
         checkpoint_location=location,
-        spark_log=os.path.join(workdir, "spark.log"),
+        spark_log=spark_log,
         seconds=seconds,
         output_rows=len(table),
         missing=missing,
         duplicated=duplicated,
         wrong=wrong,
         checkpoints=len(metas),
-        requests=sum(counts.values()),
-        re_requested=sum(1 for n in counts.values() if n > 1),
+        requests=None if counts is None else sum(counts.values()),
+        re_requested=None if counts is None else sum(1 for n in counts.values() if n > 1),
         crash_record=crash_record,
         crash_partition=0 if crash_record is not None else None,
         recovered_from=recovered_from,
         retried_attempts=len({m.subtask for m in retried}),
         metrics=job_counts,
+        service_error=service_error,
     )

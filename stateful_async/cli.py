@@ -8,7 +8,8 @@
 
 Errors in what the user asked for (a missing location, an unknown id, a function that
 cannot be imported, an output path that exists or cannot be written) print one clear message
-and exit with status 2; the demo exits with status 1 if its exactly-once check fails.
+and exit with status 2; the demo exits with status 1 if its Spark job fails (PySpark's error,
+then where Spark's log is) or if a check it promises fails or cannot be made.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import re
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from enum import Enum
@@ -244,7 +246,7 @@ def demo(
 ) -> None:
     """Enrich a generated dataset on local Spark against the mock service (a child process),
     with checkpoints; crash one task mid-way, recover, and check the output is exactly once."""
-    from ._demo import DemoSettings, run_demo
+    from ._demo import DemoJobFailed, DemoSettings, run_demo
 
     with _user_errors():
         _check_at_least("--rows", rows, 100, "the records to enrich")
@@ -278,20 +280,32 @@ def demo(
     )
     # A SIGTERM (timeout, a CI job cancelled, kill) unwinds like Ctrl-C, so that the demo
     # stops the service and Spark it started instead of leaving them running.
-    with _sigterm_unwinds(), _user_errors(), progress:
-        steps = progress.add_task("preparing", total=None)
-        requests = progress.add_task("requests to the service", total=rows, visible=False)
+    try:
+        with _sigterm_unwinds(), _user_errors(), progress:
+            steps = progress.add_task("preparing", total=None)
+            requests = progress.add_task("requests to the service", total=rows, visible=False)
 
-        def on_start(text: str) -> None:
-            progress.update(steps, description=text)
-            if text.startswith("enriching"):
-                progress.reset(requests, visible=True)
+            def on_start(text: str) -> None:
+                progress.update(steps, description=text)
+                if text.startswith("enriching"):
+                    progress.reset(requests, visible=True)
 
-        def on_progress(count: int) -> None:
-            progress.update(requests, completed=count, total=max(rows, count))
+            def on_progress(count: int) -> None:
+                progress.update(requests, completed=count, total=max(rows, count))
 
-        result = run_demo(settings, on_start, on_progress)
-        progress.update(steps, description="done", total=1, completed=1)
+            result = run_demo(settings, on_start, on_progress)
+            progress.update(steps, description="done", total=1, completed=1)
+    except DemoJobFailed as failed:
+        # PySpark's error as it was, then where Spark (and Java, and the Python workers)
+        # wrote what led to it: the demo sends their output to that log, not the terminal
+        traceback.print_exception(failed.__cause__ or failed)
+        sys.stderr.flush()
+        err.print(
+            f"[bold red]The Spark job failed[/] (above); Spark's log: {escape(failed.spark_log)}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(1) from None
 
     table = Table(title="Summary", show_header=False, title_justify="left")
     table.add_column(style="bold")
@@ -313,13 +327,16 @@ def demo(
             f"partition {result.crash_partition} died at record {result.crash_record:,} "
             f"(attempt 0); attempt 1 resumed from {result.recovered_from}",
         )
-    table.add_row(
-        "requests",
-        f"{result.requests:,} in all; {result.re_requested:,} records re-requested after the crash "
-        f"(bound: capacity + interval = {result.repeat_bound:,})"
-        if crash
-        else f"{result.requests:,} in all; {result.re_requested:,} records requested twice",
-    )
+    if result.requests is None or result.re_requested is None:
+        table.add_row("requests", "unknown: the mock service could not be queried after the job")
+    else:
+        table.add_row(
+            "requests",
+            f"{result.requests:,} in all; {result.re_requested:,} records re-requested after "
+            f"the crash (bound: capacity + interval = {result.repeat_bound:,})"
+            if crash
+            else f"{result.requests:,} in all; {result.re_requested:,} records requested twice",
+        )
     counts = result.metrics
     if counts:
         resumed = (

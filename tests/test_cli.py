@@ -9,7 +9,7 @@ import re
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -1266,6 +1266,120 @@ def test_demo_without_java_says_so_before_starting_anything(tmp_path) -> None:
     assert result.exit_code == 2, result.output
     assert "Spark needs Java (17 or 21), and there is no java on the PATH" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_a_demo_whose_service_does_not_start_leaves_no_workdir_it_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: the workdir stayed behind holding only log4j2.properties
+    import tempfile
+
+    from stateful_async.chaos import MockServiceError
+    from stateful_async.chaos._process import MockService
+
+    def no_service(self: MockService, timeout: float = 30.0) -> MockService:
+        raise MockServiceError("The mock service did not start: no port in this test")
+
+    monkeypatch.setattr(MockService, "start", no_service)
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path))  # (not used: Spark is never reached)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    given = tmp_path / "given"
+    given.mkdir()
+    for workdir in ([], ["--workdir", str(tmp_path / "new")], ["--workdir", str(given)]):
+        result = invoke("demo", "--rows", "1000", *workdir)
+        assert result.exit_code == 2, result.output
+        assert "The mock service did not start: no port in this test" in result.output
+    assert list(temp.iterdir()) == []  # the default temporary workdir
+    assert not (tmp_path / "new").exists()  # a --workdir the demo created
+    assert given.is_dir() and list(given.iterdir()) == []  # one that existed: as it was
+
+
+def _demo_without_spark(monkeypatch: pytest.MonkeyPatch, save: Callable[[str], None]) -> None:
+    """The demo's Spark part replaced: its job is ``save(output_path)``."""
+    from types import SimpleNamespace
+
+    import stateful_async.spark as spark_api
+
+    class Writer:
+        def format(self, name: str) -> Writer:
+            return self
+
+        def mode(self, name: str) -> Writer:
+            return self
+
+        def save(self, path: str) -> None:
+            save(path)
+
+    session = SimpleNamespace(
+        sparkContext=SimpleNamespace(setLogLevel=lambda level: None),
+        range=lambda *args, **kwargs: SimpleNamespace(selectExpr=lambda *columns: None),
+        stop=lambda: None,
+    )
+    monkeypatch.setattr(spark_api, "local_session", lambda *args, **kwargs: session)
+    monkeypatch.setattr(spark_api, "register_delta_sink", lambda spark: None)
+    monkeypatch.setattr(spark_api, "EnrichmentMetrics", lambda spark: SimpleNamespace(value={}))
+    enriched = SimpleNamespace(write=Writer())
+    monkeypatch.setattr(spark_api, "ordered_wait", lambda *args, **kwargs: enriched)
+    monkeypatch.setenv("JAVA_HOME", "/nowhere")  # (not used: no JVM starts)
+
+
+def test_a_demo_whose_spark_job_fails_says_where_spark_s_log_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: PySpark's error alone (an uncaught exception), no word of the log
+    def fail(path: str) -> None:
+        raise RuntimeError("Job aborted due to stage failure: Task 0 failed 3 times")
+
+    _demo_without_spark(monkeypatch, fail)
+    result = invoke("demo", "--rows", "1000", "--workdir", str(tmp_path / "run"))
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "RuntimeError: Job aborted due to stage failure: Task 0 failed 3 times" in (
+        result.output
+    )
+    assert f"The Spark job failed (above); Spark's log: {tmp_path}/run/spark.log\n" in (
+        result.output
+    )
+    assert (tmp_path / "run" / "spark.log").exists()
+
+
+def test_a_demo_whose_service_cannot_be_queried_after_the_job_checks_the_output_still(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: the failed counts call ended the run with that error alone, no output check
+    from deltalake import write_deltalake
+
+    import checkpoint
+    from stateful_async.chaos import MockServiceError, expected_enrichment
+    from stateful_async.chaos._process import MockService
+
+    def write(path: str) -> None:  # every record's result, once
+        answers = [expected_enrichment(str(i)) for i in range(1000)]
+        rows = [
+            {"id": i, "name": f"user{i}", "score": a["score"], "label": a["label"]}
+            for i, a in enumerate(answers)
+        ]
+        write_deltalake(path, pa.Table.from_pylist(rows))
+
+    def gone(self: MockService) -> dict[str, Any]:
+        raise MockServiceError("The mock service at x does not answer GET /admin/counts")
+
+    _demo_without_spark(monkeypatch, write)
+    monkeypatch.setattr(MockService, "stats", gone)
+    no_checkpoints = type("Store", (), {"checkpoints": lambda self, *args, **kwargs: []})
+    monkeypatch.setattr(checkpoint, "SnapshotStore", lambda location: no_checkpoints())
+    result = invoke("demo", "--rows", "1000", "--no-crash", "--workdir", str(tmp_path / "run"))
+    output = " ".join(re.sub(r"[│┃┌┐└┘├┤─━┬┴┼┏┓┗┛]", " ", result.output).split())
+    assert "held: every record's result exactly once (1,000 rows in the Delta table)" in output
+    assert "requests unknown: the mock service could not be queried after the job" in output
+    assert (
+        "FAILED: the re-request bound was not checked: the mock service could not be queried "
+        "for its request counts after the job (The mock service at x does not answer GET "
+        "/admin/counts)" in output
+    )
+    assert result.exit_code == 1, result.output
 
 
 def test_a_sigterm_during_the_demo_unwinds_it_like_ctrl_c() -> None:
