@@ -271,6 +271,72 @@ def test_a_worker_is_not_started_again_while_another_start_holds_the_directory(
         cluster.start_worker(0)
 
 
+def test_a_stop_waits_for_a_start_holding_the_directory_then_stops_what_it_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, a stop during a start killed what the state file named and removed it at
+    # once; the start then recorded its cluster again, and nothing stopped its daemons.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    dead = {"pid": exited_pid(), "create_time": 0.0}
+    state = tmp_path / "cluster"
+    state.mkdir()
+    (state / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
+    holder = LocalCluster.attach(state)._lock_start()  # a start, mid-way
+    cluster = LocalCluster.attach(state)  # read before the start is done
+    stopped: list[int] = []
+    waited: list[str] = []
+    stopping = threading.Thread(
+        target=lambda: stopped.extend(cluster.stop(timeout=10, wait=60, on_wait=waited.append))
+    )
+    started = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stopping.start()
+        time.sleep(1.0)
+        assert stopping.is_alive() and (state / "cluster.json").exists()
+        assert waited == [str(os.getpid())]
+        # the start records the worker it launched meanwhile, and is done
+        live = {"pid": started.pid, "create_time": psutil.Process(started.pid).create_time()}
+        (state / "cluster.json").write_text(json.dumps(recorded_cluster(dead, live)))
+        holder.close()
+        stopping.join(timeout=60)
+        assert not stopping.is_alive()
+        assert stopped == [started.pid]  # what the start recorded, not what attach() read
+        assert started.wait(timeout=30) is not None
+        assert not (state / "cluster.json").exists()
+    finally:
+        holder.close()
+        started.kill()
+        started.wait(timeout=30)
+
+
+def test_a_stop_while_a_start_holds_the_directory_too_long_stops_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    dead = {"pid": exited_pid(), "create_time": 0.0}
+    (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
+    holder = LocalCluster.attach(tmp_path)._lock_start()  # a start that goes on
+    try:
+        with pytest.raises(
+            ClusterError,
+            match=rf"A start of a cluster or a worker in {re.escape(str(tmp_path))} is still "
+            rf"running in another process \(pid {os.getpid()}\) after 0.3 s .*so nothing was "
+            r"stopped.*Run stop again once it is done",
+        ):
+            LocalCluster.attach(tmp_path).stop(wait=0.3)
+        assert (tmp_path / "cluster.json").exists()
+        # the command line says it waits, and then the same
+        assert cluster_main(["stop", "--wait", "0.3", "--dir", str(tmp_path)]) == 1
+        err = capsys.readouterr().err
+        assert f"waiting for the start running in {tmp_path} (pid {os.getpid()})" in err
+        assert "is still running in another process" in err
+        assert (tmp_path / "cluster.json").exists()
+    finally:
+        holder.close()
+    assert cluster_main(["stop", "--dir", str(tmp_path)]) == 0, capsys.readouterr().err
+    assert not (tmp_path / "cluster.json").exists()
+
+
 def recorded_cluster(master: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
     """A cluster.json as start() writes it: a master and worker 0 with these records."""
     return {

@@ -43,7 +43,7 @@ from .._exceptions import StatefulAsyncError
 T = TypeVar("T")
 
 _STATE_FILE = "cluster.json"
-_LOCK_FILE = "cluster.lock"  # held by a start() in progress
+_LOCK_FILE = "cluster.lock"  # held by a start() or start_worker() in progress, and by stop()
 _EXECUTOR_CLASS = "org.apache.spark.executor.CoarseGrainedExecutorBackend"
 _MASTER_CLASS = "org.apache.spark.deploy.master.Master"
 _WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
@@ -489,6 +489,8 @@ class LocalCluster:
         # whether base_dir is this object's to clean up: set once start() took it (or
         # attach() found a cluster there), so stop() never touches another cluster's dir
         self._claimed = False
+        self._attached = False  # made by attach(): cluster.json, not this object, knows best
+        self._lock: IO[str] | None = None  # cluster.lock, while this object holds it
 
     # -- addresses ----------------------------------------------------------------------
 
@@ -526,31 +528,56 @@ class LocalCluster:
         # file, and the second's would overwrite the first's, whose processes nothing
         # would then stop. (A lock the system drops when its holder dies: none goes stale.)
         lock = self._lock_start()
+        self._lock = lock
         try:
             return self._start_locked()
         finally:
+            self._lock = None
             lock.close()
 
-    def _lock_start(self) -> IO[str]:
+    def _lock_start(
+        self, wait: float | None = None, on_wait: Callable[[str], None] | None = None
+    ) -> IO[str]:
         """Take ``<base_dir>/cluster.lock`` for this start (of the cluster or of a worker),
-        or raise ``ClusterError`` if another one (in any process) holds it."""
+        or raise ``ClusterError`` if another one (in any process) holds it. With ``wait``
+        (for a stop), wait up to that many seconds for the holder to be done instead, and
+        call ``on_wait(holder's pid)`` once if it has to."""
         import fcntl
 
         assert self.base_dir is not None
         path = self.base_dir / _LOCK_FILE
-        lock = open(path, "a+")  # noqa: SIM115 - closed by start(), which releases it
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip()
-            lock.close()
-            raise ClusterError(
-                f"Another process{f' (pid {holder})' if holder.isdigit() else ''} is starting "
-                f"a cluster or a worker in {self.base_dir} right now ({path} is locked). Wait "
-                f"until it is done and see what runs (python -m stateful_async.chaos.cluster "
-                f"status --dir {self.base_dir}), or use another directory."
-            ) from None
+        lock = open(path, "a+")  # noqa: SIM115 - closed by the caller, which releases it
+        deadline = time.monotonic() + (wait or 0.0)
+        waited = False
+        while True:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                lock.seek(0)
+                holder = lock.read().strip()
+                pid = f" (pid {holder})" if holder.isdigit() else ""
+                if wait is not None and time.monotonic() < deadline:
+                    if not waited and on_wait is not None:
+                        on_wait(holder if holder.isdigit() else "unknown")
+                    waited = True
+                    time.sleep(0.1)
+                    continue
+                lock.close()
+                if wait is not None:
+                    raise ClusterError(
+                        f"A start of a cluster or a worker in {self.base_dir} is still running "
+                        f"in another process{pid} after {wait:g} s ({path} is locked), so "
+                        "nothing was stopped: what it starts would be recorded again after "
+                        "the stop. Run stop again once it is done (python -m "
+                        f"stateful_async.chaos.cluster stop --dir {self.base_dir})."
+                    ) from None
+                raise ClusterError(
+                    f"Another process{pid} is starting a cluster or a worker in "
+                    f"{self.base_dir} right now ({path} is locked). Wait until it is done and "
+                    "see what runs (python -m stateful_async.chaos.cluster status --dir "
+                    f"{self.base_dir}), or use another directory."
+                ) from None
         lock.seek(0)
         lock.truncate()
         lock.write(str(os.getpid()))
@@ -643,9 +670,11 @@ class LocalCluster:
         # Held until the worker runs: two at once would both find it dead and both launch
         # one, and the state file would keep only the second (the first never stopped).
         lock = self._lock_start()
+        self._lock = lock
         try:
             return self._start_worker_locked(index, timeout)
         finally:
+            self._lock = None
             lock.close()
 
     def _start_worker_locked(self, index: int, timeout: float | None) -> WorkerInfo:
@@ -806,6 +835,7 @@ class LocalCluster:
             ) from exc
         cluster._spark_home = spark_home()
         cluster._claimed = True
+        cluster._attached = True
         # the fields checked above alone: one this version does not know (a newer one's)
         # would make the constructors raise TypeError
         cluster.master = ProcessRecord(**{k: state["master"][k] for k in _RECORD_SCHEMA})
@@ -1158,12 +1188,52 @@ class LocalCluster:
         found.pop(os.getpid(), None)
         return list(found.values())
 
-    def stop(self, timeout: float = 15.0) -> list[int]:
+    def stop(
+        self,
+        timeout: float = 15.0,
+        wait: float | None = None,
+        on_wait: Callable[[str], None] | None = None,
+    ) -> list[int]:
         """Stop every process this cluster started (SIGTERM, then SIGKILL after
         ``timeout`` seconds), by pid; remove the state file (and the directory, if the
-        cluster created it). Returns the pids stopped. Safe to call twice."""
+        cluster created it). Returns the pids stopped. Safe to call twice.
+
+        A start (``start()``, ``start_worker()``) running in the directory, in any process,
+        is waited for first, up to ``wait`` seconds (default: ``startup_timeout`` plus
+        ``timeout``), calling ``on_wait(its pid)`` if it has to; a cluster from ``attach()``
+        then stops what ``cluster.json`` records by then. Still running after that:
+        ``ClusterError``, and nothing is stopped."""
         if not self._claimed or self.base_dir is None:
             return []  # never started, or stopped already
+        if self._lock is not None or not self.base_dir.is_dir():
+            # this object's own start failed (it holds the lock); or no directory to lock
+            return self._stop_locked(timeout)
+        # Without the lock, a stop during a start killed what had started and removed
+        # cluster.json, and the start then recorded its cluster again.
+        lock = self._lock_start(self.startup_timeout + timeout if wait is None else wait, on_wait)
+        self._lock = lock
+        try:
+            if self._attached:
+                self._reload()
+            return self._stop_locked(timeout)
+        finally:
+            self._lock = None
+            lock.close()
+
+    def _reload(self) -> None:
+        """Take up what ``cluster.json`` records now: a start that held the directory may
+        have recorded more since ``attach()`` (none recorded: keep what was)."""
+        assert self.base_dir is not None
+        try:
+            now = LocalCluster.attach(self.base_dir)
+        except ClusterError:
+            return
+        self.master, self.workers = now.master, now.workers
+        self.master_port, self.webui_port = now.master_port, now.webui_port
+
+    def _stop_locked(self, timeout: float) -> list[int]:
+        if not self._claimed or self.base_dir is None:
+            return []  # stopped meanwhile
         processes = self.processes()
         stopped = _kill_all(processes, signal.SIGTERM)
         survivors = _wait_gone(processes, timeout)

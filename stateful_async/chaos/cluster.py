@@ -5,7 +5,7 @@
     python -m stateful_async.chaos.cluster kill-executor [--app APP_ID] [--worker N] [--dir DIR]
     python -m stateful_async.chaos.cluster kill-worker N [--dir DIR]
     python -m stateful_async.chaos.cluster start-worker N [--dir DIR]
-    python -m stateful_async.chaos.cluster stop [--dir DIR]
+    python -m stateful_async.chaos.cluster stop [--wait SECONDS] [--dir DIR]
 
 ``start`` launches a master and workers on free 127.0.0.1 ports, waits until they are
 alive, prints the master URL and returns; the daemons keep running. Their pids, ports and
@@ -13,7 +13,10 @@ logs live in DIR (default: ``<tmp>/stateful-async-cluster-<uid>``; ``--dir`` may
 before the command), where the other commands find them; a second ``start`` in the same
 DIR is refused, also while the first is still starting, and so is a ``start-worker``
 while another ``start`` or ``start-worker`` runs there. ``stop`` ends exactly the
-processes the cluster started, by pid.
+processes the cluster started, by pid; it first waits for a ``start`` or ``start-worker``
+running in DIR to be done (up to ``--wait`` seconds, default 195: a start's default
+``--timeout`` plus the stop's own 15 s), then stops what it started. Still starting after
+that: an error, and nothing is stopped.
 """
 
 from __future__ import annotations
@@ -31,6 +34,22 @@ from ._cluster import ClusterError, LocalCluster, check_cores, check_memory, che
 def default_dir() -> Path:
     uid = os.getuid() if hasattr(os, "getuid") else 0
     return Path(tempfile.gettempdir()) / f"stateful-async-cluster-{uid}"
+
+
+_STOP_WAIT = 195.0  # start's default --timeout (180 s) + the 15 s a failed start's stop takes
+
+
+def _waiting(base_dir: Path, pid: str) -> None:
+    print(f"waiting for the start running in {base_dir} (pid {pid}) to be done...", file=sys.stderr)
+
+
+def _wait_for_start(base_dir: Path, wait: float) -> None:
+    """Return once no start holds ``base_dir`` (at once if none does, or there is no such
+    directory); ``ClusterError`` if one still does after ``wait`` seconds."""
+    if not base_dir.is_dir():
+        return
+    probe = LocalCluster(base_dir=base_dir, stop_at_exit=False)
+    probe._lock_start(wait, lambda pid: _waiting(base_dir, pid)).close()
 
 
 def _status(cluster: LocalCluster) -> dict[str, object]:
@@ -80,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--memory", default="2g", help="memory per worker, such as 512m or 2g")
     start.add_argument("--timeout", type=float, default=180.0)
     command("status", "print the cluster's processes and applications (JSON)")
-    command("stop", "stop every process the cluster started")
+    stop = command("stop", "stop every process the cluster started")
+    stop.add_argument(
+        "--wait",
+        type=float,
+        default=_STOP_WAIT,
+        help="seconds to wait for a start running in DIR to be done (default: %(default)g)",
+    )
     kill_executor = command("kill-executor", "SIGKILL one executor JVM")
     kill_executor.add_argument("--app", default=None, help="an application id")
     kill_executor.add_argument("--worker", type=int, default=None, help="a worker index")
@@ -111,11 +136,15 @@ def main(argv: list[str] | None = None) -> int:
             print(cluster.master_url)
             print(f"web UI {cluster.webui_url}; state and logs in {args.dir}", file=sys.stderr)
             return 0
+        if args.command == "stop":
+            # A start still running may not have recorded its cluster yet: wait for it
+            # before reading cluster.json (stop() waits too, for one begun meanwhile).
+            _wait_for_start(args.dir, args.wait)
         cluster = LocalCluster.attach(args.dir)
         if args.command == "status":
             print(json.dumps(_status(cluster), indent=2))
         elif args.command == "stop":
-            pids = cluster.stop()
+            pids = cluster.stop(wait=args.wait, on_wait=lambda pid: _waiting(args.dir, pid))
             print(f"stopped {len(pids)} processes: {' '.join(map(str, sorted(pids)))}")
         elif args.command == "kill-executor":
             executor = cluster.kill_executor(args.app, args.worker)
