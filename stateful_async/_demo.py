@@ -43,6 +43,21 @@ def _stderr_to(path: str) -> Iterator[None]:
         os.close(saved)
 
 
+@contextmanager
+def _task_log_off() -> Iterator[None]:
+    """Tasks write no log lines meanwhile (they would interleave with the progress bar),
+    unless the user set STATEFUL_ASYNC_TASK_LOG; this process's environment is as it was
+    afterwards (a caller's later Spark, or the workers of a cluster it starts, inherit it)."""
+    if "STATEFUL_ASYNC_TASK_LOG" in os.environ:
+        yield
+        return
+    os.environ["STATEFUL_ASYNC_TASK_LOG"] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop("STATEFUL_ASYNC_TASK_LOG", None)
+
+
 class DemoJobFailed(Exception):
     """The demo's Spark job failed (the cause: PySpark's error); ``spark_log`` is where
     Spark, Java and the Python workers wrote about it."""
@@ -206,9 +221,8 @@ def run_demo(
             Path(log4j).unlink(missing_ok=True)
         raise
     spark_log = os.path.join(workdir, "spark.log")
-    with service, _stderr_to(spark_log):
+    with service, _stderr_to(spark_log), _task_log_off():
         on_start("starting Spark (local, 3 attempts per task)")
-        os.environ.setdefault("STATEFUL_ASYNC_TASK_LOG", "0")
         try:
             spark = local_session(
                 f"local[{settings.partitions},3]",

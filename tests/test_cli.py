@@ -1323,6 +1323,7 @@ def _demo_without_spark(monkeypatch: pytest.MonkeyPatch, save: Callable[[str], N
     enriched = SimpleNamespace(write=Writer())
     monkeypatch.setattr(spark_api, "ordered_wait", lambda *args, **kwargs: enriched)
     monkeypatch.setenv("JAVA_HOME", "/nowhere")  # (not used: no JVM starts)
+    monkeypatch.delenv("STATEFUL_ASYNC_TASK_LOG", raising=False)
 
 
 def test_a_demo_whose_spark_job_fails_says_where_spark_s_log_is(
@@ -1343,6 +1344,9 @@ def test_a_demo_whose_spark_job_fails_says_where_spark_s_log_is(
         result.output
     )
     assert (tmp_path / "run" / "spark.log").exists()
+    # The demo turned the task log off in this process's environment for good: a cluster
+    # started later in the process (the chaos suite's) had executors that logged nothing.
+    assert "STATEFUL_ASYNC_TASK_LOG" not in os.environ
 
 
 def test_a_demo_whose_service_cannot_be_queried_after_the_job_checks_the_output_still(
