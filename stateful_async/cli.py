@@ -95,6 +95,7 @@ class _Command(TyperCommand):
 
 
 _NEGATIVE = re.compile(r"-\d+")
+_INTEGER = re.compile(r"[-+]?\d+")  # as Click's INT takes it
 
 
 def _scan(params: list[Any], args: list[str]) -> tuple[list[tuple[Any, str, str]], list[str]]:
@@ -136,11 +137,12 @@ def _scan(params: list[Any], args: list[str]) -> tuple[list[tuple[Any, str, str]
 
 def _check_arguments(command: Any, positional: list[str]) -> None:
     # Only the token in the id's place: another negative number (a LOCATION after --, a
-    # directory named -1) is not an id, and is Click's to take or refuse.
+    # directory named -1) is not an id, and is Click's to take or refuse. Every id below 1
+    # is refused here, 0 too, so the commands need no check of their own.
     arguments = [p.name for p in command.params if p.param_type_name == "argument"]
     if "checkpoint_id" in arguments:
         index = arguments.index("checkpoint_id")
-        if index < len(positional) and _NEGATIVE.fullmatch(positional[index]):
+        if index < len(positional) and _INTEGER.fullmatch(positional[index]):
             _check_checkpoint_id(int(positional[index]))
 
 
@@ -610,7 +612,6 @@ def show_checkpoint(
 ) -> None:
     """The in-flight records and watermarks of one snapshot."""
     with _user_errors():
-        _check_checkpoint_id(checkpoint_id)
         store = _store(location, storage_option)
         snapshots = _snapshots(store, _job(store, job), checkpoint_id, operator, partition, run)
         if format is Format.json:
@@ -840,7 +841,6 @@ def replay(
     """Restore the operator from a snapshot and invoke the function again on the elements
     it had in flight; print or write the results."""
     with _user_errors():
-        _check_checkpoint_id(checkpoint_id)
         _check_at_least("--capacity", capacity, 1, "the calls in flight at once")
         if timeout is not None and not 0 < timeout < math.inf:
             raise Fail(

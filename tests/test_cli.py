@@ -688,20 +688,27 @@ def one_row_checkpoint(location: Path) -> None:
     )  # fmt: skip
 
 
+def replayed_row(tmp_path: Path, module: Path, source: str, function: str) -> dict:
+    """What replay prints (its first line, as JSON) when ``function`` of the module written
+    at ``module`` from ``source`` is called again on one_row_checkpoint's row."""
+    module.write_text(source)
+    one_row_checkpoint(tmp_path / "ckpt")
+    result = replay(tmp_path / "ckpt", f"{module.stem}:{function}")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.splitlines()[0])  # type: ignore[no-any-return]
+
+
 def test_replay_writes_numpy_values_and_keys_as_the_values_they_hold(tmp_path, functions) -> None:
     # A function's numpy values were written as their str(): 7 as "7", a bool as "True"
     # (and as the key "True", where JSON writes a bool key as "true"), an array as "[1 2]".
-    (functions.parent / "with_numpy.py").write_text(
+    source = (
         "import numpy as np\n\n"
         "async def scores(row):\n"
         "    return [{'id': np.int64(row['id']), 'ok': np.bool_(True), 'x': np.float32(1.5),\n"
         "             'nan': np.float32('nan'), 'tags': np.array([1, 2]),\n"
         "             'by': {np.bool_(False): 1, np.int64(3): 2}}]\n"
     )
-    one_row_checkpoint(tmp_path / "ckpt")
-    result = replay(tmp_path / "ckpt", "with_numpy:scores")
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout.splitlines()[0]) == {
+    assert replayed_row(tmp_path, functions.parent / "with_numpy.py", source, "scores") == {
         "id": 7, "ok": True, "x": 1.5, "nan": "NaN", "tags": [1, 2],
         "by": {"false": 1, "3": 2},
     }  # fmt: skip
@@ -711,7 +718,7 @@ def test_replay_writes_numpy_nanosecond_times_as_times_not_counts(tmp_path, func
     # numpy's tolist() gives a datetime64[ns] (what pandas holds) as a bare count of
     # nanoseconds, and a timedelta64[ns] as one: a time was written as 1704067200000000001,
     # and 1500 ns as 1500 where 1500 ms was 1.5 (seconds, as a timedelta is written).
-    (functions.parent / "with_times.py").write_text(
+    source = (
         "import numpy as np\n\n"
         "async def times(row):\n"
         "    at = np.datetime64('2024-01-01T00:00:00.000000001', 'ns')\n"
@@ -719,11 +726,8 @@ def test_replay_writes_numpy_nanosecond_times_as_times_not_counts(tmp_path, func
         "             'ns': np.timedelta64(1500, 'ns'), 'ms': np.timedelta64(1500, 'ms'),\n"
         "             'nat': np.datetime64('NaT', 'ns')}]\n"
     )
-    one_row_checkpoint(tmp_path / "ckpt")
-    result = replay(tmp_path / "ckpt", "with_times:times")
-    assert result.exit_code == 0, result.output
     at = "2024-01-01T00:00:00.000000001"
-    assert json.loads(result.stdout.splitlines()[0]) == {
+    assert replayed_row(tmp_path, functions.parent / "with_times.py", source, "times") == {
         "id": 7, "at": at, "ats": [at], "by": {at: 1}, "ns": 1.5e-06, "ms": 1.5, "nat": None,
     }  # fmt: skip
 

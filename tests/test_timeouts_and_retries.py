@@ -59,6 +59,18 @@ async def timed_out_a(retry=None):  # type: ignore[no-untyped-def]
     return clock, fn, out, op
 
 
+async def running_a(retry, timeout):  # type: ignore[no-untyped-def]
+    """An operator whose element "a" is in its first attempt, waiting on the test. Returns
+    (clock, fn, out, op)."""
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    out, op = make(fn, clock, timeout=timeout, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    return clock, fn, out, op
+
+
 class Timed(AsyncFunction):
     """Records the virtual time of every attempt; fails while ``fail_until`` says so."""
 
@@ -655,12 +667,7 @@ async def test_a_union_of_exception_types_retries_each_member(union) -> None:
     retry = RetryStrategy.fixed_delay(5, 1, retry_on_exception=union)
     assert retry.retry_on_exception == (Flaky, OSError)  # kept as the tuple of its members
     assert retry == RetryStrategy.fixed_delay(5, 1, retry_on_exception=(Flaky, OSError))
-    clock = VirtualClock()
-    fn = ControlledFunction()
-    out, op = make(fn, clock, timeout=100, retry=retry)
-    await op.open()
-    await op.process_element(StreamRecord("a"))
-    await settle()
+    clock, fn, out, op = await running_a(retry, timeout=100)
     fn.fail("a", Flaky("retry me"))
     await clock.advance(1)
     fn.fail("a", ConnectionError("a subclass of OSError: retry me too"))
@@ -1230,12 +1237,7 @@ async def test_a_virtual_clock_runs_a_wake_up_already_due_without_an_advance() -
 
 
 async def test_a_retry_without_backoff_is_made_on_a_virtual_clock_without_an_advance() -> None:
-    clock = VirtualClock()
-    fn = ControlledFunction()
-    out, op = make(fn, clock, timeout=10, retry=RetryStrategy.fixed_delay(3, 0))
-    await op.open()
-    await op.process_element(StreamRecord("a"))
-    await settle()
+    clock, fn, out, op = await running_a(RetryStrategy.fixed_delay(3, 0), timeout=10)
     fn.fail("a", Flaky("once"))
     await settle()
     assert fn.calls == ["a", "a"]
