@@ -50,7 +50,8 @@ class EnrichmentMetrics:
 
     ``value`` is a dict of counts:
 
-    * ``tasks``: task attempts that finished their partition;
+    * ``tasks``: task attempts that finished their partition (and whose output Spark read
+      to its end: see below);
     * ``records``: rows handed to the function (a resumed task's re-invoked in-flight rows
       included); ``attempts``: calls of the function (``records`` plus ``retries``);
       ``retries``; ``timeouts``: rows whose time ran out (their ``timeout`` handler ran);
@@ -68,6 +69,18 @@ class EnrichmentMetrics:
     streaming query's counts add up over its micro-batches. Read ``value`` after an
     action, on the driver; ``reset()`` zeroes it. Spark Connect has no accumulators: there,
     read the executor logs or the checkpoints (``stateful-async checkpoints list``).
+
+    Actions that stop reading a partition early leave its task out: ``show()``,
+    ``take(n)``, ``first()``, ``head()``, and ``limit(n)`` after the enrichment
+    (``limit(n).collect()``, ``limit(n).count()``). PySpark sends a Python task's
+    accumulator updates after its last output row, and Spark ends a task whose rows it no
+    longer wants without reading them, so Spark drops them: that task adds nothing, not the
+    rows it read, nor the calls it made (it reads ahead of what Spark takes, so the service
+    was called). Such an action's counts are those of the partitions Spark read to the end
+    (in ``take(n)``, those with fewer than ``n`` rows), not the action's;
+    ``orderBy(...).limit(n)`` reads every partition to its end, and counts in full. To
+    count a sample, enrich the sample and read all of it:
+    ``ordered_wait(df.limit(n), ...).collect()``.
     """
 
     def __init__(self, spark: Any) -> None:

@@ -155,3 +155,42 @@ def test_a_streaming_querys_metrics_add_up_over_its_micro_batches(spark: Any, tm
     assert batches == [0, 1, 2]
     assert metrics.value["tasks"] == 3
     assert metrics.value["records"] == metrics.value["results"] == 150
+
+
+def test_an_action_that_stops_reading_a_partition_early_counts_only_partitions_read_to_the_end(
+    spark: Any,
+) -> None:
+    """PySpark sends a task's accumulator updates after its last output row; Spark stops a
+    task whose rows it no longer wants before reading them, and drops them. Should a Spark
+    version deliver them, EnrichmentMetrics's docstring and the README must change."""
+    metrics = EnrichmentMetrics(spark)
+    # partition 0: ids 0-2 (fewer than take(5) asks for); partition 1: ids 100-199
+    df = spark.range(0, 200, numPartitions=2).where("id < 3 or id >= 100")
+    enriched = ordered_wait(df, double, SCHEMA, metrics=metrics)
+    only_first = {"tasks": 1, "records": 3, "results": 3, "attempts": 3}
+
+    # take(5) reads partition 0 to its end, then stops partition 1 after two rows
+    assert [r.id for r in enriched.take(5)] == [0, 1, 2, 100, 101]
+    assert {k: v for k, v in metrics.value.items() if v} == only_first
+    metrics.reset()
+    # limit(n) after the enrichment stops every partition with more than n rows
+    assert enriched.limit(3).count() == 3
+    assert set(metrics.value.values()) == {0}
+    # orderBy(...).limit(n) reads every partition to its end: counted in full
+    assert [r.id for r in enriched.orderBy("id").limit(5).collect()] == [0, 1, 2, 100, 101]
+    assert {k: v for k, v in metrics.value.items() if v} == {
+        "tasks": 2,
+        "records": 103,
+        "results": 103,
+        "attempts": 103,
+    }
+    metrics.reset()
+    # a sample enriched and read whole is counted: what the docstring advises
+    sample = ordered_wait(df.limit(5), double, SCHEMA, metrics=metrics).collect()
+    assert len(sample) == 5
+    assert {k: v for k, v in metrics.value.items() if v} == {
+        "tasks": 1,
+        "records": 5,
+        "results": 5,
+        "attempts": 5,
+    }
