@@ -24,6 +24,7 @@ import math
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 import traceback
@@ -894,13 +895,29 @@ def _check_output(output: Path) -> None:
     """Refuse, before the function is called, an output path replay cannot write to."""
     if output.suffix not in (".jsonl", ".json", ".parquet"):
         raise Fail(f"The output path {output} must end in .jsonl, .json or .parquet.")
+    # os.stat, not Path.exists() / is_dir(): those take a directory that is a file for a
+    # missing one, and (Python 3.14's) one that cannot be searched too
+    directory = output.absolute().parent
     try:
-        if output.exists() or output.is_symlink():
+        try:
+            os.lstat(output)  # a symbolic link too, even one to nothing
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        else:
             raise Fail(f"The output path {output} already exists; choose a new one.")
-        if not output.absolute().parent.is_dir():
+        try:
+            is_directory = stat.S_ISDIR(os.stat(directory).st_mode)
+        except FileNotFoundError:
             raise Fail(
                 f"The output path {output} is in a directory that does not exist: create "
-                f"{output.absolute().parent} first, or choose another path."
+                f"{directory} first, or choose another path."
+            ) from None
+        except NotADirectoryError:
+            is_directory = False
+        if not is_directory:
+            raise Fail(
+                f"The output path {output} is under {_not_a_directory(directory)}, which is "
+                "not a directory; choose another path."
             )
         output.open("x").close()  # e.g. a read-only directory, a name too long
         output.unlink()
@@ -908,6 +925,17 @@ def _check_output(output: Path) -> None:
         raise Fail(
             f"Cannot write to the output path {output}: {_os_reason(exc)}. Choose another path."
         ) from None
+
+
+def _not_a_directory(directory: Path) -> Path:
+    """The first of ``directory`` and the directories above it that is not one (a file)."""
+    for path in (*reversed(directory.parents), directory):
+        try:
+            if not stat.S_ISDIR(os.stat(path).st_mode):
+                return path
+        except OSError:
+            break
+    return directory
 
 
 def _write(output: Path, mode: str, write: Callable[[Any], object]) -> None:

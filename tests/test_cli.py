@@ -891,6 +891,57 @@ def test_replay_refuses_an_output_directory_that_does_not_exist_before_calling(
     assert not calls.exists()  # refused before any call to the function
 
 
+@pytest.mark.parametrize("below", ["", "sub/"])
+def test_replay_refuses_an_output_path_under_a_file_saying_so_not_that_it_is_missing(
+    checkpoints, functions, tmp_path, below
+) -> None:
+    # The output's directory, or one above it, is a regular file: the message said the
+    # directory did not exist, and to create it.
+    location, _ = checkpoints
+    a_file = tmp_path / "a-file"
+    a_file.write_text("keep me\n")
+    target = a_file / f"{below}out.jsonl"
+    result = replay(location, "replay_functions:greet", "--output", str(target))
+    assert result.exit_code == 2, result.output
+    error = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert error == [
+        f"Error: The output path {target} is under {a_file}, which is not a directory; "
+        "choose another path."
+    ], result.output
+    assert a_file.read_text() == "keep me\n"
+
+
+def test_replay_refuses_an_output_directory_it_may_not_enter_saying_permission_denied(
+    checkpoints, functions, tmp_path, monkeypatch
+) -> None:
+    # Python 3.14's Path.exists(), is_dir() and is_symlink() are os.path's, which read any
+    # error as "no such path": an existing directory that cannot be searched was called
+    # missing. (Run as root, which is denied nothing, this case cannot be made.)
+    location, _ = checkpoints
+    locked = tmp_path / "locked"
+    (locked / "sub").mkdir(parents=True)
+    target = locked / "sub" / "out.jsonl"
+    locked.chmod(0o600)  # read and write, but no search: nothing inside can be reached
+    try:
+        try:
+            os.stat(locked / "sub")
+        except PermissionError:
+            pass
+        else:  # root (with CAP_DAC_OVERRIDE): the case cannot be made
+            pytest.skip(f"no permission is denied to this process (euid {os.geteuid()})")
+        monkeypatch.setattr(Path, "exists", lambda self: os.path.exists(self))
+        monkeypatch.setattr(Path, "is_dir", lambda self: os.path.isdir(self))
+        monkeypatch.setattr(Path, "is_symlink", lambda self: os.path.islink(self))
+        result = replay(location, "replay_functions:greet", "--output", str(target))
+    finally:
+        locked.chmod(0o700)
+    assert result.exit_code == 2, result.output
+    error = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert error == [
+        f"Error: Cannot write to the output path {target}: Permission denied. Choose another path."
+    ], result.output
+
+
 def test_replay_refuses_an_output_path_it_cannot_create_before_calling(
     checkpoints, functions, tmp_path
 ) -> None:
