@@ -82,15 +82,20 @@ class _Command(TyperCommand):
     """A command that reads its arguments once before Click does, to refuse with a clear
     message what Click would refuse with a puzzling one (a negative checkpoint id, which
     Click takes for an unknown option: "No such option: -1") or take without a word (an
-    option that selects one thing given twice, of which Click keeps the last)."""
+    option that selects one thing given twice, of which Click keeps the last). With --help,
+    nothing is refused: the help is printed, for a negative id too."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         if not ctx.resilient_parsing:  # (shell completion parses leniently)
             options, positional = _scan(self.get_params(ctx), args)
-            if "help" not in {param.name for param, _, _ in options}:
+            help_option: Any = self.get_help_option(ctx)
+            if help_option is None or all(param is not help_option for param, _, _ in options):
                 with _user_errors():
                     _check_arguments(self, positional)
                     _check_given_once(ctx, options)
+            elif _NEGATIVE.fullmatch(_id_token(self, positional) or ""):
+                # the help, as for any other id (Click would stop at "No such option: -1")
+                help_option.callback(ctx, help_option, True)  # prints it, and exits
         result: list[str] = super().parse_args(ctx, args)
         return result
 
@@ -137,14 +142,21 @@ def _scan(params: list[Any], args: list[str]) -> tuple[list[tuple[Any, str, str]
 
 
 def _check_arguments(command: Any, positional: list[str]) -> None:
-    # Only the token in the id's place: another negative number (a LOCATION after --, a
-    # directory named -1) is not an id, and is Click's to take or refuse. Every id below 1
-    # is refused here, 0 too, so the commands need no check of their own.
+    # Every id below 1 is refused here, 0 too, so the commands need no check of their own.
+    token = _id_token(command, positional)
+    if token is not None and _INTEGER.fullmatch(token):
+        _check_checkpoint_id(int(token))
+
+
+def _id_token(command: Any, positional: list[str]) -> str | None:
+    """The token in the checkpoint id's place, if the command takes one and it is given.
+    Only that one: another negative number (a LOCATION after --, a directory named -1) is
+    not an id, and is Click's to take or refuse."""
     arguments = [p.name for p in command.params if p.param_type_name == "argument"]
-    if "checkpoint_id" in arguments:
-        index = arguments.index("checkpoint_id")
-        if index < len(positional) and _INTEGER.fullmatch(positional[index]):
-            _check_checkpoint_id(int(positional[index]))
+    if "checkpoint_id" not in arguments:
+        return None
+    index = arguments.index("checkpoint_id")
+    return positional[index] if index < len(positional) else None
 
 
 # Options that select one thing, or name one output: given twice, the second would not add

@@ -1144,6 +1144,19 @@ def test_a_checkpoint_id_below_1_is_refused_saying_what_ids_are(
     assert "Job job has no partition -1; it has partitions 0-1." in result.output
 
 
+@pytest.mark.parametrize("command", [["checkpoints", "show"], ["replay"]])
+@pytest.mark.parametrize("given", [["LOC", "-1", "--help"], ["--help", "LOC", "-3"]])
+def test_help_asked_with_a_negative_checkpoint_id_is_the_help(command, given) -> None:
+    # With --help the pre-scan stood aside, and Click took the id for an unknown option:
+    # "No such option: -1" (where an id of 0, or 2, gave the help).
+    help_text = invoke(*command, "LOC", "2", "--help")
+    assert help_text.exit_code == 0
+    assert "Usage:" in help_text.output
+    result = invoke(*command, *given)
+    assert result.exit_code == 0, result.output
+    assert result.output == help_text.output
+
+
 def test_a_location_that_looks_like_a_negative_number_is_no_checkpoint_id(functions) -> None:
     # After --, Click takes a LOCATION named -1 (a relative directory); the pre-scan took
     # every negative number among the positional arguments for a checkpoint id.
