@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import subprocess
@@ -573,6 +574,92 @@ def test_a_cluster_option_no_worker_can_run_with_is_refused_before_anything_star
     assert capsys.readouterr().err.endswith(
         f"python -m stateful_async.chaos.cluster start: error: "
         f"{message.format(name='--' + setting)}\n"
+    )
+    assert not state.exists()
+
+
+HEAP_FORM = (
+    "daemon_memory must be a whole number with a unit, k, m, g or t (in any case), as Java "
+    "reads a heap size (-Xmx), such as 512m or 1g; got"
+)
+TIMEOUT_FORM = (
+    "{name} must be a finite number of seconds above 0, the time the master and workers get "
+    "to start; got {value}."
+)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        ("daemon_memory", "512mb", f"{HEAP_FORM} '512mb'."),  # Spark's form, not Java's
+        ("daemon_memory", "-1g", f"{HEAP_FORM} '-1g'."),
+        ("daemon_memory", "lots", f"{HEAP_FORM} 'lots'."),
+        ("daemon_memory", "", f"{HEAP_FORM} ''."),
+        (
+            "daemon_memory",
+            "1.5g",
+            f"{HEAP_FORM} '1.5g'. Java takes no fractions: use a smaller unit (1536m, not 1.5g).",
+        ),
+        (
+            "daemon_memory",
+            512,
+            f"{HEAP_FORM} 512. Pass it as a string with its unit: '512m' for 512 MiB.",
+        ),
+        (
+            "daemon_memory",
+            "0m",
+            "daemon_memory must be more than 2 MiB (2m), the least heap Java starts with; got "
+            "'0m'.",
+        ),
+        (
+            "daemon_memory",
+            "512",
+            "daemon_memory must be more than 2 MiB (2m), the least heap Java starts with; got "
+            "'512'. A number without a unit is bytes to Java: did you mean 512m?",
+        ),
+        ("startup_timeout", 0, TIMEOUT_FORM.format(name="startup_timeout", value="0")),
+        ("startup_timeout", -5.0, TIMEOUT_FORM.format(name="startup_timeout", value="-5.0")),
+        ("startup_timeout", math.nan, TIMEOUT_FORM.format(name="startup_timeout", value="nan")),
+        ("startup_timeout", math.inf, TIMEOUT_FORM.format(name="startup_timeout", value="inf")),
+        ("startup_timeout", "30", TIMEOUT_FORM.format(name="startup_timeout", value="'30'")),
+        ("startup_timeout", True, TIMEOUT_FORM.format(name="startup_timeout", value="True")),
+    ],
+)
+def test_a_daemon_memory_or_startup_timeout_no_cluster_starts_with_is_refused_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str, value: Any, message: str
+) -> None:
+    # Before, neither was checked: the daemons were launched with -Xmx<daemon_memory> (and
+    # exited, found wrong only in their logs), a startup_timeout of 0 or below gave the
+    # daemons 1 s to start, and NaN or inf waited for ever.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))  # no spark-class
+    with pytest.raises(ClusterError) as info:
+        LocalCluster(**{setting: value}, base_dir=tmp_path / "cluster", stop_at_exit=False)
+    assert str(info.value) == message
+    assert not (tmp_path / "cluster").exists()
+
+
+def test_a_daemon_memory_is_taken_in_every_form_java_reads() -> None:
+    for memory in ("512m", "1G", "3145728", "4096k", "1t", " 1g "):
+        cluster = LocalCluster(1, daemon_memory=memory, stop_at_exit=False)
+        assert cluster.daemon_memory == memory.strip()
+    assert LocalCluster(1, startup_timeout=30, stop_at_exit=False).startup_timeout == 30.0
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
+def test_a_start_timeout_no_cluster_starts_with_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    # Before, 'cluster start --timeout 0' (or -5) launched the master and gave it 1 s to
+    # start; --timeout nan or inf waited for ever.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))  # no spark-class
+    state = tmp_path / "cluster"
+    with pytest.raises(SystemExit) as info:
+        cluster_main(["start", "--dir", str(state), "--timeout", value])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "python -m stateful_async.chaos.cluster start: error: "
+        + TIMEOUT_FORM.format(name="--timeout", value=float(value))
+        + "\n"
     )
     assert not state.exists()
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import re
 import shutil
@@ -302,6 +303,53 @@ def check_memory(name: str, value: Any) -> str:
     return text
 
 
+# The units Java reads a heap size in (-Xmx, which spark-class gives the daemons
+# SPARK_DAEMON_MEMORY as): case-insensitive; a number without one is bytes.
+_JAVA_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_MIN_HEAP = 2 << 20  # Java's -Xmx must be "greater than 2 MB"
+
+
+def check_daemon_memory(name: str, value: Any) -> str:
+    """``value`` (stripped) if Java takes it as the daemons' heap size (``-Xmx``): a whole
+    number with an optional unit (k, m, g or t; case-insensitive; none is bytes) of more
+    than 2 MiB; else ``ClusterError`` naming the setting ``name``."""
+    text = value.strip() if isinstance(value, str) else None
+    match = re.fullmatch(r"([0-9]+)([kmgt]?)", text, re.IGNORECASE) if text else None
+    if text is None or match is None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            hint = f" Pass it as a string with its unit: '{value}m' for {value} MiB."
+        elif text is not None and re.fullmatch(r"[0-9]*\.[0-9]+[a-zA-Z]*", text):
+            hint = " Java takes no fractions: use a smaller unit (1536m, not 1.5g)."
+        else:
+            hint = ""
+        raise ClusterError(
+            f"{name} must be a whole number with a unit, k, m, g or t (in any case), as Java "
+            f"reads a heap size (-Xmx), such as 512m or 1g; got {value!r}.{hint}"
+        )
+    if int(match[1]) * _JAVA_UNITS[match[2].lower()] <= _MIN_HEAP:
+        hint = (
+            f" A number without a unit is bytes to Java: did you mean {text}m?"
+            if not match[2] and int(match[1]) > 0
+            else ""
+        )
+        raise ClusterError(
+            f"{name} must be more than 2 MiB (2m), the least heap Java starts with; got "
+            f"{value!r}.{hint}"
+        )
+    return text
+
+
+def check_timeout(name: str, value: Any) -> float:
+    """``value`` if it is a finite number of seconds above 0; else ``ClusterError`` naming
+    the setting ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ClusterError(
+            f"{name} must be a finite number of seconds above 0, the time the master and "
+            f"workers get to start; got {value!r}."
+        )
+    return float(value)
+
+
 # What attach() reads from the state file: a dict is an object with those fields, a type
 # a value of it; _WORKERS is the workers object, worker index (a string) -> worker.
 class _Workers:
@@ -433,8 +481,10 @@ class LocalCluster:
     cycle through ``hosts`` (all loopback names), so Spark sees separate machines. Workers
     run Python tasks with ``python`` (default: this interpreter, so executors import what
     this environment has installed). ``workers`` and ``cores`` are at least 1, ``memory`` is
-    an amount as a Spark worker reads it (``512m``, ``2g``) of at least 1 MiB: anything
-    else raises ``ClusterError`` here, before anything starts.
+    an amount as a Spark worker reads it (``512m``, ``2g``) of at least 1 MiB,
+    ``daemon_memory`` (the master's and each worker's own heap) a heap size as Java reads
+    it (``512m``, ``1g``) of more than 2 MiB, and ``startup_timeout`` a finite number of
+    seconds above 0: anything else raises ``ClusterError`` here, before anything starts.
 
     Everything the cluster writes (configuration, daemon logs, executor work directories,
     the state file) goes under ``base_dir``; without one, a temporary directory is created
@@ -461,6 +511,8 @@ class LocalCluster:
         check_workers("workers", workers)
         check_cores("cores", cores)
         memory = check_memory("memory", memory)
+        daemon_memory = check_daemon_memory("daemon_memory", daemon_memory)
+        startup_timeout = check_timeout("startup_timeout", startup_timeout)
         if not hosts or any(h not in ("127.0.0.1", "localhost") for h in hosts):
             raise ClusterError(
                 f"Worker host names must be loopback names ('127.0.0.1', 'localhost'); got "

@@ -28,7 +28,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ._cluster import ClusterError, LocalCluster, check_cores, check_memory, check_workers
+from ._cluster import (
+    ClusterError,
+    LocalCluster,
+    check_cores,
+    check_memory,
+    check_timeout,
+    check_workers,
+)
 
 
 def default_dir() -> Path:
@@ -97,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--workers", type=int, default=2, help="at least 1")
     start.add_argument("--cores", type=int, default=1, help="cores per worker, at least 1")
     start.add_argument("--memory", default="2g", help="memory per worker, such as 512m or 2g")
-    start.add_argument("--timeout", type=float, default=180.0)
+    start.add_argument(
+        "--timeout", type=float, default=180.0, help="seconds to start in, above 0 (default: 180)"
+    )
     command("status", "print the cluster's processes and applications (JSON)")
     stop = command("stop", "stop every process the cluster started")
     stop.add_argument(
@@ -120,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             check_workers("--workers", args.workers)
             check_cores("--cores", args.cores)
             args.memory = check_memory("--memory", args.memory)
+            check_timeout("--timeout", args.timeout)
         except ClusterError as exc:
             start.error(str(exc))
 
