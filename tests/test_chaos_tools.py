@@ -338,6 +338,96 @@ def test_a_stop_while_a_start_holds_the_directory_too_long_stops_nothing(
     assert not (tmp_path / "cluster.json").exists()
 
 
+def hold_as_a_start(state: Path, gives_up_at: float) -> Any:
+    """cluster.lock held as a start does, naming this pid and the time it gives up by."""
+    holder = LocalCluster.attach(state)._lock_start()
+    holder.seek(0)
+    holder.truncate()
+    holder.write(f"{os.getpid()} {gives_up_at:.3f}")
+    holder.flush()
+    return holder
+
+
+def test_a_start_writes_in_its_lock_the_time_it_gives_up_by(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, the lock named the start's pid alone, so a stop waiting for it could only
+    # assume the default --timeout (180 s): it gave up on a longer start while it ran.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    seen: list[str] = []
+
+    def fake_start_master(self: LocalCluster, deadline: float) -> None:
+        seen.append((tmp_path / "cluster.lock").read_text())
+        raise ClusterError("no master in this test")
+
+    monkeypatch.setattr(LocalCluster, "_start_master", fake_start_master)
+    before = time.time()
+    with pytest.raises(ClusterError, match="no master in this test"):
+        LocalCluster(1, base_dir=tmp_path, startup_timeout=600, stop_at_exit=False).start()
+    pid, gives_up_at = seen[0].split()
+    assert pid == str(os.getpid())
+    assert before + 600 - 0.001 <= float(gives_up_at) <= time.time() + 600  # (to the ms)
+
+
+def test_a_stop_waits_for_a_start_as_long_as_the_start_says_it_may_take(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, the stop waited its own startup_timeout plus timeout (here 0.5 s), and gave
+    # up on a start that says it goes on for 2 s more.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    dead = {"pid": exited_pid(), "create_time": 0.0}
+    (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
+    holder = hold_as_a_start(tmp_path, time.time() + 2.0)
+    cluster = LocalCluster.attach(tmp_path)
+    cluster.startup_timeout = 0.2
+    outcome: list[Any] = []
+
+    def stop() -> None:
+        try:
+            outcome.append(cluster.stop(timeout=0.3))
+        except ClusterError as exc:
+            outcome.append(exc)
+
+    stopping = threading.Thread(target=stop, daemon=True)
+    try:
+        stopping.start()
+        time.sleep(1.2)
+        assert stopping.is_alive(), outcome  # still waiting for the start
+        holder.close()
+        stopping.join(timeout=30)
+        assert outcome == [[]]  # then stopped (nothing ran)
+        assert not (tmp_path / "cluster.json").exists()
+    finally:
+        holder.close()
+
+
+def test_a_stop_gives_up_on_a_start_past_the_time_it_said_it_would_give_up_by(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A start 60 s past its own time (hung): `cluster stop` waited 195 s for it whatever
+    # the start's --timeout; now 15 s past that time at most (here: not at all).
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    dead = {"pid": exited_pid(), "create_time": 0.0}
+    (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
+    holder = hold_as_a_start(tmp_path, time.time() - 60)
+    codes: list[int] = []
+    stopping = threading.Thread(
+        target=lambda: codes.append(cluster_main(["stop", "--dir", str(tmp_path)])), daemon=True
+    )
+    try:
+        stopping.start()
+        stopping.join(timeout=20)
+        assert codes == [1]
+    finally:
+        holder.close()
+    err = capsys.readouterr().err
+    assert (
+        f"is still running in another process (pid {os.getpid()}) after 0 s, 60 s past the "
+        "time it said it would give up by" in err
+    ), err
+    assert (tmp_path / "cluster.json").exists()  # nothing stopped
+
+
 def recorded_cluster(master: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
     """A cluster.json as start() writes it: a master and worker 0 with these records."""
     return {

@@ -467,6 +467,18 @@ def _unusable_state_message(
     )
 
 
+def _lock_holder(text: str) -> tuple[str, float | None]:
+    """The pid a cluster.lock names ('unknown' if none), and the time (``time.time()``) its
+    start gives up by, if it names one (a stop's, or an older version's, does not)."""
+    parts = text.split()
+    holder = parts[0] if parts and parts[0].isdigit() else "unknown"
+    try:
+        gives_up_at = float(parts[1])
+    except (IndexError, ValueError):
+        return holder, None
+    return holder, gives_up_at if math.isfinite(gives_up_at) else None
+
+
 class LocalCluster:
     """A Spark standalone cluster on 127.0.0.1: one master and ``workers`` workers.
 
@@ -579,7 +591,7 @@ class LocalCluster:
         # Held until start() returns: two starts in one directory would both find no state
         # file, and the second's would overwrite the first's, whose processes nothing
         # would then stop. (A lock the system drops when its holder dies: none goes stale.)
-        lock = self._lock_start()
+        lock = self._lock_start(gives_up_in=self.startup_timeout)
         self._lock = lock
         try:
             return self._start_locked()
@@ -588,18 +600,26 @@ class LocalCluster:
             lock.close()
 
     def _lock_start(
-        self, wait: float | None = None, on_wait: Callable[[str], None] | None = None
+        self,
+        wait: float | None = None,
+        on_wait: Callable[[str], None] | None = None,
+        *,
+        gives_up_in: float | None = None,
+        margin: float | None = None,
     ) -> IO[str]:
         """Take ``<base_dir>/cluster.lock`` for this start (of the cluster or of a worker),
-        or raise ``ClusterError`` if another one (in any process) holds it. With ``wait``
-        (for a stop), wait up to that many seconds for the holder to be done instead, and
-        call ``on_wait(holder's pid)`` once if it has to."""
+        or raise ``ClusterError`` if another one (in any process) holds it. The lock file
+        names this process's pid and, for a start that gives up in ``gives_up_in`` seconds,
+        the time it gives up by. With ``wait`` (for a stop), wait up to that many seconds
+        for the holder to be done instead, or with ``margin`` too, until the time the
+        holder gives up by, plus ``margin`` (where it names one); and call ``on_wait(holder's
+        pid)`` once if it has to."""
         import fcntl
 
         assert self.base_dir is not None
         path = self.base_dir / _LOCK_FILE
         lock = open(path, "a+")  # noqa: SIM115 - closed by the caller, which releases it
-        deadline = time.monotonic() + (wait or 0.0)
+        began = time.monotonic()
         waited = False
         while True:
             try:
@@ -607,19 +627,31 @@ class LocalCluster:
                 break
             except BlockingIOError:
                 lock.seek(0)
-                holder = lock.read().strip()
+                holder, gives_up_at = _lock_holder(lock.read())
                 pid = f" (pid {holder})" if holder.isdigit() else ""
-                if wait is not None and time.monotonic() < deadline:
+                # the holder's time is the wall clock's (another process's monotonic differs)
+                by_holder = margin is not None and gives_up_at is not None
+                if margin is not None and gives_up_at is not None:
+                    limit = time.monotonic() + gives_up_at - time.time() + margin
+                else:
+                    limit = began + (wait or 0.0)
+                if wait is not None and time.monotonic() < limit:
                     if not waited and on_wait is not None:
-                        on_wait(holder if holder.isdigit() else "unknown")
+                        on_wait(holder)
                     waited = True
                     time.sleep(0.1)
                     continue
                 lock.close()
                 if wait is not None:
+                    waited_for = (
+                        f"{time.monotonic() - began:.0f} s, {time.time() - gives_up_at:.0f} s "
+                        "past the time it said it would give up by"
+                        if by_holder and gives_up_at is not None
+                        else f"{wait:g} s"
+                    )
                     raise ClusterError(
                         f"A start of a cluster or a worker in {self.base_dir} is still running "
-                        f"in another process{pid} after {wait:g} s ({path} is locked), so "
+                        f"in another process{pid} after {waited_for} ({path} is locked), so "
                         "nothing was stopped: what it starts would be recorded again after "
                         "the stop. Run stop again once it is done (python -m "
                         f"stateful_async.chaos.cluster stop --dir {self.base_dir})."
@@ -632,7 +664,9 @@ class LocalCluster:
                 ) from None
         lock.seek(0)
         lock.truncate()
-        lock.write(str(os.getpid()))
+        lock.write(
+            str(os.getpid()) + ("" if gives_up_in is None else f" {time.time() + gives_up_in:.3f}")
+        )
         lock.flush()
         return lock
 
@@ -721,7 +755,7 @@ class LocalCluster:
         self._require_started()
         # Held until the worker runs: two at once would both find it dead and both launch
         # one, and the state file would keep only the second (the first never stopped).
-        lock = self._lock_start()
+        lock = self._lock_start(gives_up_in=timeout or self.startup_timeout)
         self._lock = lock
         try:
             return self._start_worker_locked(index, timeout)
@@ -1251,8 +1285,10 @@ class LocalCluster:
         cluster created it). Returns the pids stopped. Safe to call twice.
 
         A start (``start()``, ``start_worker()``) running in the directory, in any process,
-        is waited for first, up to ``wait`` seconds (default: ``startup_timeout`` plus
-        ``timeout``), calling ``on_wait(its pid)`` if it has to; a cluster from ``attach()``
+        is waited for first, up to ``wait`` seconds (default: until the time that start
+        gives up by, by its own ``startup_timeout``, plus ``timeout``; for a start that does
+        not say, as an older version's, this object's ``startup_timeout`` plus ``timeout``),
+        calling ``on_wait(its pid)`` if it has to; a cluster from ``attach()``
         then stops what ``cluster.json`` records by then. Still running after that:
         ``ClusterError``, and nothing is stopped."""
         if not self._claimed or self.base_dir is None:
@@ -1262,7 +1298,10 @@ class LocalCluster:
             return self._stop_locked(timeout)
         # Without the lock, a stop during a start killed what had started and removed
         # cluster.json, and the start then recorded its cluster again.
-        lock = self._lock_start(self.startup_timeout + timeout if wait is None else wait, on_wait)
+        if wait is None:  # as long as the start may take, plus this stop's own timeout
+            lock = self._lock_start(self.startup_timeout + timeout, on_wait, margin=timeout)
+        else:
+            lock = self._lock_start(wait, on_wait)
         self._lock = lock
         try:
             if self._attached:

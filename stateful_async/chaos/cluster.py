@@ -14,9 +14,10 @@ before the command), where the other commands find them; a second ``start`` in t
 DIR is refused, also while the first is still starting, and so is a ``start-worker``
 while another ``start`` or ``start-worker`` runs there. ``stop`` ends exactly the
 processes the cluster started, by pid; it first waits for a ``start`` or ``start-worker``
-running in DIR to be done (up to ``--wait`` seconds, default 195: a start's default
-``--timeout`` plus the stop's own 15 s), then stops what it started. Still starting after
-that: an error, and nothing is stopped.
+running in DIR to be done (up to ``--wait`` seconds; by default until 15 s, what the
+start's own clean-up may take, after the time it gives up by, by its ``--timeout``, which
+it writes in DIR/cluster.lock; 195 s for a start of a version that does not), then stops
+what it started. Still starting after that: an error, and nothing is stopped.
 """
 
 from __future__ import annotations
@@ -43,20 +44,25 @@ def default_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"stateful-async-cluster-{uid}"
 
 
-_STOP_WAIT = 195.0  # start's default --timeout (180 s) + the 15 s a failed start's stop takes
+_STOP_MARGIN = 15.0  # the stop a failed start makes takes this long (its timeout)
+_STOP_WAIT = 180.0 + _STOP_MARGIN  # a start that names no time to give up by: the default's
 
 
 def _waiting(base_dir: Path, pid: str) -> None:
     print(f"waiting for the start running in {base_dir} (pid {pid}) to be done...", file=sys.stderr)
 
 
-def _wait_for_start(base_dir: Path, wait: float) -> None:
+def _wait_for_start(base_dir: Path, wait: float | None) -> None:
     """Return once no start holds ``base_dir`` (at once if none does, or there is no such
-    directory); ``ClusterError`` if one still does after ``wait`` seconds."""
+    directory); ``ClusterError`` if one still does after ``wait`` seconds (None: 15 s after
+    the time the start gives up by, by its --timeout; 195 s if it names none)."""
     if not base_dir.is_dir():
         return
     probe = LocalCluster(base_dir=base_dir, stop_at_exit=False)
-    probe._lock_start(wait, lambda pid: _waiting(base_dir, pid)).close()
+    margin = _STOP_MARGIN if wait is None else None
+    probe._lock_start(
+        _STOP_WAIT if wait is None else wait, lambda pid: _waiting(base_dir, pid), margin=margin
+    ).close()
 
 
 def _status(cluster: LocalCluster) -> dict[str, object]:
@@ -112,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     stop.add_argument(
         "--wait",
         type=float,
-        default=_STOP_WAIT,
-        help="seconds to wait for a start running in DIR to be done (default: %(default)g)",
+        default=None,
+        help="seconds to wait for a start running in DIR to be done (default: until 15 s "
+        "after it gives up, by its --timeout)",
     )
     kill_executor = command("kill-executor", "SIGKILL one executor JVM")
     kill_executor.add_argument("--app", default=None, help="an application id")
