@@ -75,10 +75,12 @@ def to_batch(
             try:
                 pa.array([value], type=field.type)
             except _CONVERSION_ERRORS as exc:
+                # pyarrow refuses a frozenset (a set it takes): a set at any depth is
+                # refused as the lossy checks refuse one, in place of pyarrow's words
+                if (in_set := _set_for_array(value, field.type)) is not None:
+                    raise _refusal(field.name, in_set, described(source)) from exc
                 if type(value).__name__ == "NaTType":
                     advice = "Return None for a missing value (NaT is pandas' missing time)"
-                elif isinstance(value, frozenset) and is_list_type(field.type):
-                    advice = "Return a list: sorted(value), or list(value) if any order will do"
                 else:
                     advice = "Return values of the types the output schema declares"
                 raise ResultSchemaError(
@@ -281,18 +283,13 @@ def _check_for(arrow_type: pa.DataType, units: Units = None) -> _Check | None:
         check_element = _check_for(arrow_type.value_type, _child(units, 0))
 
         def check_list(value: Any) -> _Loss | None:
-            if isinstance(value, (str, bytes, bytearray, set)):
-                if isinstance(value, set):  # pyarrow takes it in its iteration order
-                    reason = (
-                        "an array field would take a set's elements in an arbitrary order, "
-                        "which can differ from one process (a retried task) to the next: "
-                        "return sorted(value), or list(value) if any order will do"
-                    )
-                else:  # pyarrow splits it up
-                    reason = (
-                        "an array field would split it into its characters (or bytes): "
-                        "return a list, e.g. [value]"
-                    )
+            if isinstance(value, (set, frozenset)):  # pyarrow takes a set in its iteration order
+                return _Loss("", arrow_type, value, _SET_ORDER)
+            if isinstance(value, (str, bytes, bytearray)):  # pyarrow splits it up
+                reason = (
+                    "an array field would split it into its characters (or bytes): "
+                    "return a list, e.g. [value]"
+                )
                 return _Loss("", arrow_type, value, reason)
             if check_element is not None:
                 for i, element in enumerate(value):
@@ -434,6 +431,11 @@ _AWARE_TIME = (
     "a TIME field holds a time of day without a zone, and pyarrow would drop its tzinfo: "
     "return a naive time (value.replace(tzinfo=None) keeps its wall-clock time; convert it "
     "to the zone you mean first, through a datetime, if it is another)"
+)
+_SET_ORDER = (
+    "an array field holds its elements in order, and a set's order is arbitrary (it can "
+    "differ from one process, a retried task, to the next): return sorted(value), or "
+    "list(value) if any order will do"
 )
 _BOOLEAN_NUMBER = (
     "a numeric field would take a boolean as 1 or 0: return a number, or declare the field BOOLEAN"
@@ -577,6 +579,55 @@ def _numpy_unit(value: np.datetime64 | np.timedelta64, arrow_type: pa.DataType) 
         f"count of {arrow_type.unit} (or refuse it): convert it first, e.g. "
         f"values.astype('{kind}[{arrow_type.unit}]') for a numpy array"
     )
+
+
+def _set_for_array(value: Any, arrow_type: pa.DataType) -> _Loss | None:
+    """Where in ``value``, a result of ``arrow_type`` that pyarrow refused, a set or
+    frozenset stands for an array (at any depth: in a list, a struct, a map), for the
+    message; None if none does. Goes through the forms pyarrow takes, and passes over
+    any other value, whatever it is (pyarrow's error says what is wrong with it)."""
+    if value is None:
+        return None
+    children: list[tuple[str, Any, pa.DataType]]  # (where, value, its type)
+    if is_list_type(arrow_type):
+        if isinstance(value, (set, frozenset)):
+            return _Loss("", arrow_type, value, _SET_ORDER)
+        if not isinstance(value, (list, tuple)) and not (
+            isinstance(value, np.ndarray) and value.ndim == 1
+        ):
+            return None
+        children = [(f"[{i}]", element, arrow_type.value_type) for i, element in enumerate(value)]
+    elif pa.types.is_struct(arrow_type):
+        fields = [arrow_type.field(i) for i in range(arrow_type.num_fields)]
+        if isinstance(value, dict):
+            children = [(f".{f.name}", value.get(f.name), f.type) for f in fields]
+        elif isinstance(value, tuple):  # by position
+            children = [(f".{f.name}", v, f.type) for f, v in zip(fields, value, strict=False)]
+        else:
+            return None
+    elif pa.types.is_map(arrow_type):
+        if isinstance(value, dict):
+            entries: Iterable[Any] = value.items()
+        elif isinstance(value, (list, tuple)):
+            entries = value
+        else:
+            return None
+        children = []
+        for entry in entries:
+            if isinstance(entry, dict):
+                k, v = entry.get("key"), entry.get("value")
+            elif isinstance(entry, (list, tuple)) and len(entry) == 2:
+                k, v = entry
+            else:
+                continue
+            children.append((" key", k, arrow_type.key_type))
+            children.append((f"[{k!r}]", v, arrow_type.item_type))
+    else:
+        return None
+    for where, child, child_type in children:
+        if (found := _set_for_array(child, child_type)) is not None:
+            return found.under(where)
+    return None
 
 
 _ENTRY_KEYS = frozenset({"key", "value"})

@@ -2297,24 +2297,73 @@ def test_an_array_field_refuses_a_set_whose_order_is_arbitrary() -> None:
     # process's hash seed, so a retried task could store the same result in another order
     words = {"pear", "apple", "fig"}
     refused = (
-        r"'r' \(list<item: string>\) cannot hold .* \(set\): an array field would take a "
-        r"set's elements in an arbitrary order.*return sorted\(value\), or list\(value\)"
+        r"'r' \(list<item: string>\) cannot hold .* \(set\): an array field holds its "
+        r"elements in order, and a set's order is arbitrary.*return sorted\(value\), or "
+        r"list\(value\)"
     )
     _converted(pa.list_(pa.string()), words, refused)
-    _converted(pa.list_(pa.int64()), {3, 1, 2}, r"'r' \(list<item: int64>\).*arbitrary order")
+    _converted(pa.list_(pa.int64()), {3, 1, 2}, r"'r' \(list<item: int64>\).*order is arbitrary")
     nested = pa.list_(pa.list_(pa.string()))
-    _converted(nested, [["a"], {"b", "c"}], r"'r\[1\]' \(list<item: string>\).*arbitrary order")
-    # pyarrow refuses a frozenset itself (not a sequence): the same advice
-    from stateful_async.spark._results import to_batch
-
-    with pytest.raises(
-        ResultSchemaError,
-        match=r"'r' \(list<item: string>\) cannot hold .*\(frozenset\), returned for input "
-        r"row \{'id': 0\}: .*Return a list: sorted\(value\), or list\(value\)",
-    ):
-        to_batch([{"r": frozenset(words)}], [{"id": 0}], pa.schema([("r", pa.list_(pa.string()))]))
+    _converted(nested, [["a"], {"b", "c"}], r"'r\[1\]' \(list<item: string>\).*order is arbitrary")
+    # pyarrow refuses a frozenset itself (not a sequence): the same refusal
+    _converted(pa.list_(pa.string()), frozenset(words), refused.replace("(set", "(frozenset"))
     # what the advice returns converts as it is
     assert _converted(pa.list_(pa.string()), sorted(words), None) == ["apple", "fig", "pear"]
+
+
+@pytest.mark.parametrize(
+    ("arrow_type", "value", "where"),
+    [
+        (pa.list_(pa.list_(pa.int64())), [[1], frozenset({2})], "r[1]"),
+        (pa.struct([("a", pa.list_(pa.int64()))]), {"a": frozenset({2})}, "r.a"),
+        (pa.struct([("n", pa.int64()), ("a", pa.list_(pa.int64()))]), (1, frozenset({2})), "r.a"),
+        (pa.map_(pa.string(), pa.list_(pa.int64())), {"k": frozenset({2})}, "r['k']"),
+        (pa.map_(pa.string(), pa.list_(pa.int64())), [("k", frozenset({2}))], "r['k']"),
+        (
+            pa.list_(pa.struct([("a", pa.list_(pa.list_(pa.int64())))])),
+            [{"a": [[1]]}, {"a": [[1], frozenset({2})]}],
+            "r[1].a[1]",
+        ),
+        # a set converts where a frozenset does not: refused as well beside one
+        (pa.list_(pa.list_(pa.int64())), [{2}, frozenset({3})], "r[0]"),
+    ],
+)
+def test_a_frozenset_for_an_array_at_any_depth_is_refused_as_a_set_is(
+    arrow_type, value, where
+) -> None:
+    # Only a frozenset given for the whole field had the set's advice: one inside a list,
+    # a struct or a map failed with pyarrow's "Could not convert frozenset({2}) with type
+    # frozenset: was not a sequence ..." and "Return values of the types the output
+    # schema declares".
+    from stateful_async.spark._results import to_batch
+
+    with pytest.raises(ResultSchemaError) as refused:
+        to_batch([{"r": value}], [{"id": 7}], pa.schema([("r", arrow_type)]))
+    found = "set" if where == "r[0]" else "frozenset"
+    shown = "{2}" if found == "set" else "frozenset({2})"
+    assert str(refused.value) == (
+        f"The result field {where!r} (list<item: int64>) cannot hold {shown} ({found}): an "
+        "array field holds its elements in order, and a set's order is arbitrary (it can "
+        "differ from one process, a retried task, to the next): return sorted(value), or "
+        "list(value) if any order will do, returned for input row {'id': 7}. Return values "
+        "of the types the output schema declares."
+    )
+    # sorted, it converts
+    fixed = to_batch(
+        [{"r": _sorted_sets(value)}], [{"id": 7}], pa.schema([("r", arrow_type)])
+    ).column(0)
+    assert fixed.to_pylist()[0] is not None
+
+
+def _sorted_sets(value: Any) -> Any:
+    """``value`` with every set in it sorted into a list."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, dict):
+        return {k: _sorted_sets(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_sorted_sets(v) for v in value)
+    return value
 
 
 @pytest.mark.parametrize(
