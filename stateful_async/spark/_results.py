@@ -311,7 +311,7 @@ def _check_for(arrow_type: pa.DataType, units: Units = None) -> _Check | None:
             if _is_number(value):  # 5 would be 00:00:00.000000005, 5.7 too
                 return _Loss("", arrow_type, value, time_reason)
             if isinstance(value, dt.time) and value.tzinfo is not None:
-                return _Loss("", arrow_type, value, _AWARE_TIME)
+                return _Loss("", arrow_type, value, _zoned_time(value))
             return None
 
         return check_time
@@ -427,11 +427,6 @@ _TEXT_BYTES = (
     "(in createDataFrame and a UDF's result): return bytes, e.g. value.encode() for its "
     "UTF-8 bytes or base64.b64decode(value) for base64 text, or declare the field STRING"
 )
-_AWARE_TIME = (
-    "a TIME field holds a time of day without a zone, and pyarrow would drop its tzinfo: "
-    "return a naive time (value.replace(tzinfo=None) keeps its wall-clock time; convert it "
-    "to the zone you mean first, through a datetime, if it is another)"
-)
 _SET_ORDER = (
     "an array field holds its elements in order, and a set's order is arbitrary (it can "
     "differ from one process, a retried task, to the next): return sorted(value), or "
@@ -440,6 +435,25 @@ _SET_ORDER = (
 _BOOLEAN_NUMBER = (
     "a numeric field would take a boolean as 1 or 0: return a number, or declare the field BOOLEAN"
 )
+
+
+def _zoned_time(value: dt.time) -> str:
+    """Why a time with a tzinfo cannot go into a TIME field: pyarrow would drop the tzinfo.
+    A zone's tzinfo (a ZoneInfo's) gives a time without a date no UTC offset, so Python
+    calls that time naive: the message neither calls it aware nor asks for a naive time."""
+    zone = value.tzinfo
+    shown = str(zone) if isinstance(zone, dt.timezone) else repr(zone)  # UTC+05:00
+    naive = (
+        ""
+        if value.utcoffset() is not None
+        else ", though Python calls this time naive, as a zone gives no UTC offset without a date"
+    )
+    return (
+        f"it has a tzinfo ({shown}) that a TIME field cannot keep (it holds a time of day "
+        f"without a zone, and pyarrow would drop the tzinfo{naive}): return a time without a "
+        "tzinfo (value.replace(tzinfo=None) keeps its wall-clock time; convert it to the zone "
+        "you mean first, through a datetime on its date, if it is another)"
+    )
 
 
 def _is_number(value: Any) -> bool:

@@ -2367,21 +2367,39 @@ def _sorted_sets(value: Any) -> Any:
 
 
 @pytest.mark.parametrize(
-    "zone", [timezone.utc, timezone(timedelta(hours=5)), ZoneInfo("America/New_York")]
+    ("zone", "shown", "naive"),
+    [
+        (timezone.utc, "UTC", ""),
+        (timezone(timedelta(hours=5)), "UTC+05:00", ""),
+        # Python calls this time naive (a zone gives no UTC offset without a date): it was
+        # refused all the same (the zone would be lost) with "return a naive time"
+        (
+            ZoneInfo("Europe/Paris"),
+            "zoneinfo.ZoneInfo(key='Europe/Paris')",
+            ", though Python calls this time naive, as a zone gives no UTC offset without a date",
+        ),
+    ],
 )
-def test_a_time_field_refuses_an_aware_time(zone) -> None:
+def test_a_time_field_refuses_a_time_with_a_tzinfo(zone, shown, naive) -> None:
     # pyarrow dropped the tzinfo silently: 12:00+05:00 was stored as 12:00
-    aware = datetime(2024, 1, 1, 12, 0, 1, 5).time().replace(tzinfo=zone)
-    _converted(
-        pa.time64("ns"),
-        aware,
-        r"'r' \(time64\[ns\]\) cannot hold .*pyarrow would drop its tzinfo: return a naive "
-        r"time \(value.replace\(tzinfo=None\) keeps its wall-clock time",
+    from stateful_async.spark._results import to_batch
+
+    zoned = datetime(2024, 1, 1, 12, 0, 1, 5).time().replace(tzinfo=zone)
+    assert (zoned.utcoffset() is None) == bool(naive)
+    with pytest.raises(ResultSchemaError) as refused:
+        to_batch([{"r": zoned}], [{"id": 0}], pa.schema([("r", pa.time64("ns"))]))
+    assert str(refused.value) == (
+        f"The result field 'r' (time64[ns]) cannot hold {zoned!r} (time): it has a tzinfo "
+        f"({shown}) that a TIME field cannot keep (it holds a time of day without a zone, and "
+        f"pyarrow would drop the tzinfo{naive}): return a time without a tzinfo "
+        "(value.replace(tzinfo=None) keeps its wall-clock time; convert it to the zone you "
+        "mean first, through a datetime on its date, if it is another), returned for input "
+        "row {'id': 0}. Return values of the types the output schema declares."
     )
-    _converted(pa.list_(pa.time64("ns")), [aware], r"'r\[0\]' \(time64\[ns\]\).*tzinfo")
-    # the naive one converts as it is
-    naive = aware.replace(tzinfo=None)
-    assert _converted(pa.time64("ns"), naive, None) == naive
+    _converted(pa.list_(pa.time64("ns")), [zoned], r"'r\[0\]' \(time64\[ns\]\).*tzinfo")
+    # without its tzinfo it converts as it is
+    plain = zoned.replace(tzinfo=None)
+    assert _converted(pa.time64("ns"), plain, None) == plain
 
 
 def test_numpy_datetime64_in_a_zoned_timestamp_is_refused_as_a_naive_datetime_is() -> None:
