@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pyarrow as pa
 
 
@@ -19,10 +21,7 @@ def nested_field_advice(
         path = _resolve(schema, ".".join(parts[:split]), parts[split:], case_sensitive)
         if path is None:
             continue
-        taken = {n if case_sensitive else n.lower() for n in schema.names}
-        alias = path[-1]
-        if (alias if case_sensitive else alias.lower()) in taken:
-            alias = "_".join(path)
+        alias = _free_alias(schema, path)
         column = ".".join(_quoted(p) for p in path)
         return (
             f"is the field {path[-1]!r} inside the struct column {path[0]!r}: nested fields "
@@ -31,6 +30,18 @@ def nested_field_advice(
             f"{usage.format(repr(alias))}."
         )
     return None
+
+
+def _free_alias(schema: pa.Schema, path: list[str]) -> str:
+    """A name for the field at ``path`` as a column of its own that no column of ``schema``
+    has, in any case: the field's own, else the path joined with underscores, numbered if
+    need be. Names differing only in case are taken as the same whatever the setting:
+    withColumn replaces a column whose name does unless spark.sql.caseSensitive is on
+    (the delta_rs sink's option is checked without knowing it)."""
+    taken = {name.lower() for name in schema.names}
+    joined = "_".join(path)
+    candidates = itertools.chain((path[-1], joined), (f"{joined}_{n}" for n in itertools.count(2)))
+    return next(alias for alias in candidates if alias.lower() not in taken)
 
 
 def _resolve(

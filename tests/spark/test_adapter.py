@@ -2871,6 +2871,41 @@ def test_an_event_time_inside_a_struct_is_refused_saying_how_to_select_it_up(spa
     assert sorted(r.id for r in out.collect()) == [0, 1, 2]
 
 
+@pytest.mark.parametrize(
+    ("columns", "case_sensitive", "alias"),
+    [
+        (["ts"], False, "s_ts"),  # the field's own name is taken
+        (["ts", "s_ts"], False, "s_ts_2"),  # so is the path's: it was proposed all the same
+        (["TS", "S_TS", "s_ts_2"], True, "s_ts_3"),  # withColumn would replace 'TS' by 'ts'
+        (["id"], True, "ts"),  # free: the field's own, as before
+    ],
+)
+def test_a_nested_field_is_selected_up_under_a_name_no_column_has(
+    columns, case_sensitive, alias
+) -> None:
+    # The advice proposed "_".join(path) when the field's own name was taken, without
+    # looking whether that one was (and the field's own name when a column differed from it
+    # in case only): following it replaced an existing column.
+    from stateful_async.spark._columns import nested_field_advice
+    from stateful_async.spark._sink_files import check_partition_columns
+
+    schema = pa.schema(
+        [*((c, pa.int64()) for c in columns), ("s", pa.struct([("ts", pa.string())]))]
+    )
+    advice = nested_field_advice(schema, "s.ts", "event_time", "event_time={}", case_sensitive)
+    assert advice == (
+        "is the field 'ts' inside the struct column 's': nested fields are not supported "
+        "directly, event_time takes top-level columns. Select it up as a column first, e.g. "
+        f"df.withColumn({alias!r}, F.col('s.ts')), then event_time={alias!r}."
+    )
+    with pytest.raises(ConfigurationError) as refused:
+        check_partition_columns(schema, ("s.ts",))
+    assert f"df.withColumn({alias!r}, F.col('s.ts')), then the option partitionBy={alias!r}." in (
+        str(refused.value)
+    )
+    assert alias.lower() not in {c.lower() for c in columns}
+
+
 def test_an_event_time_given_as_a_column_is_refused_naming_the_name_to_give(spark) -> None:
     # It failed with a bare "TypeError: unhashable type: 'Column'".
     async def f(row):  # type: ignore[no-untyped-def]
