@@ -916,30 +916,35 @@ def test_replay_refuses_an_output_directory_it_may_not_enter_saying_permission_d
 ) -> None:
     # Python 3.14's Path.exists(), is_dir() and is_symlink() are os.path's, which read any
     # error as "no such path": an existing directory that cannot be searched was called
-    # missing. (Run as root, which is denied nothing, this case cannot be made.)
+    # missing. Root is denied nothing, so the OS's answer for a directory without search
+    # permission (PermissionError from stat/lstat of anything below it) is given here.
     location, _ = checkpoints
     locked = tmp_path / "locked"
     (locked / "sub").mkdir(parents=True)
     target = locked / "sub" / "out.jsonl"
-    locked.chmod(0o600)  # read and write, but no search: nothing inside can be reached
-    try:
-        try:
-            os.stat(locked / "sub")
-        except PermissionError:
-            pass
-        else:  # root (with CAP_DAC_OVERRIDE): the case cannot be made
-            pytest.skip(f"no permission is denied to this process (euid {os.geteuid()})")
-        monkeypatch.setattr(Path, "exists", lambda self: os.path.exists(self))
-        monkeypatch.setattr(Path, "is_dir", lambda self: os.path.isdir(self))
-        monkeypatch.setattr(Path, "is_symlink", lambda self: os.path.islink(self))
-        result = replay(location, "replay_functions:greet", "--output", str(target))
-    finally:
-        locked.chmod(0o700)
+    real_stat, real_lstat = os.stat, os.lstat
+
+    def denied(real):
+        def check(path, *args, **kwargs):
+            if str(path).startswith(f"{locked}{os.sep}"):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real(path, *args, **kwargs)
+
+        return check
+
+    monkeypatch.setattr(os, "stat", denied(real_stat))
+    monkeypatch.setattr(os, "lstat", denied(real_lstat))
+    monkeypatch.setattr(Path, "exists", lambda self: os.path.exists(self))
+    monkeypatch.setattr(Path, "is_dir", lambda self: os.path.isdir(self))
+    monkeypatch.setattr(Path, "is_symlink", lambda self: os.path.islink(self))
+    result = replay(location, "replay_functions:greet", "--output", str(target))
+    monkeypatch.undo()
     assert result.exit_code == 2, result.output
     error = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert error == [
         f"Error: Cannot write to the output path {target}: Permission denied. Choose another path."
     ], result.output
+    assert list((locked / "sub").iterdir()) == []
 
 
 def test_replay_refuses_an_output_path_it_cannot_create_before_calling(
