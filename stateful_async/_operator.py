@@ -622,7 +622,14 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         timed.task = self._new_task(self._attempt(timed, 1))
 
     async def process_watermark(self, watermark: Watermark) -> None:
-        """Add a watermark; it leaves as soon as everything before it has left."""
+        """Add a watermark; it leaves as soon as everything before it has left: at once,
+        from this call, when nothing is ahead of it.
+
+        Raises the operator's failure if the operator fails during the call, as
+        ``process_element`` does while it waits for room: the output raising on the
+        watermark (or on a result this call emits ahead of it) included. The watermark
+        was accepted by then (counted in ``metrics.watermarks_in``).
+        """
         self._check_accepting("process_watermark()")
         if type(watermark) is not Watermark:
             raise ConfigurationError(
@@ -634,6 +641,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             await self._wait_for_capacity()
         self.metrics.watermarks_in += 1
         self._output_completed()
+        if self._failure is not None:  # the output raised on what this call emitted
+            raise self._failure
 
     def snapshot_state(self, checkpoint_id: int) -> list[StreamElement]:
         """Every queue entry not yet emitted, in queue order, as its input element.

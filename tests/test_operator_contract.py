@@ -691,15 +691,70 @@ async def test_an_output_that_raises_names_what_it_was_emitting(mode: OutputMode
         op = AsyncWaitOperator(_noop, output, mode)
         await op.open()
         await op.process_element(StreamRecord("a", 5))
-        if refused is Watermark:  # the record's result out first, then the watermark
-            await settle()
-            await op.process_watermark(Watermark(7))
         with pytest.raises(OperatorStateError) as info:
+            if refused is Watermark:  # the record's result out first, then the watermark
+                await settle()
+                await op.process_watermark(Watermark(7))  # nothing ahead: emitted, raises
             await op.finish()
         assert str(info.value) == (
             f"The operator's output raised ValueError: sink gone while emitting {emitting}{fix}"
         )
         await op.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_output_that_refuses_a_watermark_fails_the_call_that_emits_it(
+    mode: OutputMode,
+) -> None:
+    # process_watermark() emitted the watermark itself (nothing was ahead of it), the
+    # output raised, and the call returned: only the next call raised the failure, unlike
+    # process_element(), which raises it from the call that waits while the output fails.
+    def output(element):  # type: ignore[no-untyped-def]
+        if isinstance(element, Watermark):
+            raise ValueError("sink gone")
+
+    op = AsyncWaitOperator(_noop, output, mode)
+    await op.open()
+    with pytest.raises(OperatorStateError) as info:
+        await op.process_watermark(Watermark(7))
+    assert info.value is op.failure
+    assert str(info.value).startswith(
+        "The operator's output raised ValueError: sink gone while emitting Watermark(7); the "
+        "operator has failed."
+    )
+    assert (op.metrics.watermarks_in, op.metrics.watermarks_out) == (1, 0)
+    await op.close()
+
+
+async def test_an_output_that_refuses_a_result_a_watermark_call_emits_fails_that_call() -> None:
+    # A completed result waiting for its emission mail leaves ahead of the watermark, from
+    # the process_watermark() call: the output refusing it fails that call too.
+    fn = ControlledFunction()
+    out: list = []
+
+    def output(element):  # type: ignore[no-untyped-def]
+        if isinstance(element, StreamRecord) and element.value == "B":
+            raise ValueError("sink gone")
+        out.append(element)
+
+    op = AsyncWaitOperator(fn, output, OutputMode.ORDERED)
+    await op.open()
+    await feed(op, ["a", "b"])
+    await settle()
+    fn.complete("b", ["B"])
+    fn.complete("a", ["A"])
+    await asyncio.sleep(0)  # A emitted; B's emission is a mail not run yet
+    assert values(out) == ["A"]
+    with pytest.raises(OperatorStateError) as info:
+        await op.process_watermark(Watermark(7))
+    assert info.value is op.failure
+    assert str(info.value).startswith(
+        "The operator's output raised ValueError: sink gone while emitting a result of element "
+        "StreamRecord('b'"
+    )
+    await settle()
+    assert values(out) == ["A"]  # the watermark stays behind the failure
+    await op.close()
 
 
 async def test_close_discards_completed_results_it_has_not_emitted() -> None:
