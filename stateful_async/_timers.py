@@ -77,6 +77,8 @@ class VirtualClock:
         self._elapsed = Fraction(now)  # the exact sum of the steps: ``now`` rounds it
         self._heap: list[tuple[float, int, _VirtualHandle]] = []
         self._seq = itertools.count()
+        # While an advance runs: what its wake-ups raised (those run soon included)
+        self._errors: list[BaseException] | None = None
 
     def now(self) -> float:
         return self._now
@@ -84,7 +86,9 @@ class VirtualClock:
     def call_at(self, when: float, callback: Callable[[], None]) -> Cancellable:
         """Run ``callback`` once ``now() >= when``: at the ``advance`` that reaches ``when``,
         or, if ``now()`` already has (a zero delay), soon, as ``SystemClock`` does: without
-        waiting for an ``advance``."""
+        waiting for an ``advance`` (as a loop callback then: what it raises goes to the
+        loop's exception handler, as on ``SystemClock``, unless an ``advance`` is running:
+        that advance raises it)."""
         handle = _VirtualHandle(when, callback)
         heapq.heappush(self._heap, (when, next(self._seq), handle))
         if when <= self._now:
@@ -100,7 +104,19 @@ class VirtualClock:
         """Run the earliest wake-up that is due, if any (``advance`` may have run it)."""
         self._drop_cancelled()
         if self._heap and self._heap[0][0] <= self._now:
-            heapq.heappop(self._heap)[2].callback()
+            self._run(heapq.heappop(self._heap)[2])
+
+    def _run(self, handle: _VirtualHandle) -> None:
+        """Run a wake-up; during an ``advance`` what it raises is kept for the advance to
+        raise (see there), else it propagates (to the loop's exception handler)."""
+        try:
+            handle.callback()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # CancelledError too, as asyncio's Handle._run
+            if self._errors is None:
+                raise
+            self._errors.append(exc)
 
     def next_deadline(self) -> float | None:
         """The earliest pending wake-up, or None."""
@@ -109,7 +125,17 @@ class VirtualClock:
 
     async def advance(self, seconds: float) -> None:
         """Move time forward by ``seconds`` (a finite number >= 0), firing every wake-up
-        that falls due."""
+        that falls due.
+
+        A wake-up that raises stops neither time nor the others, as on ``SystemClock``,
+        whose loop reports a callback's exception and keeps going: every wake-up due by
+        the target runs, the clock reaches the target, and then ``advance`` raises the
+        first exception a wake-up raised during it, so that a test sees it; the ones
+        raised after it are listed in its notes (``__notes__``). ``KeyboardInterrupt``
+        and ``SystemExit`` propagate at once, as the loop lets them: the clock stays at
+        the deadline of the wake-up that raised, and the next ``advance`` starts there
+        (so does one after an ``advance`` that was cancelled).
+        """
         step = as_float(seconds)
         if step is None:
             raise TypeError(
@@ -121,26 +147,50 @@ class VirtualClock:
             # NaN would set the clock to NaN and fire every timer; infinity would fire
             # every timer, and never return while one schedules another.
             raise ValueError(f"advance() takes a finite number of seconds; got {seconds!r}.")
-        if float(self._elapsed) != self._now:  # an advance stopped by a raising callback
+        if float(self._elapsed) != self._now:  # an advance stopped part-way (see above)
             self._elapsed = Fraction(self._now)
         elapsed = self._elapsed + Fraction(step)
         target = float(elapsed)
-        await settle()
-        while True:
-            self._drop_cancelled()
-            if not self._heap or self._heap[0][0] > target:
-                break
-            when, _, handle = heapq.heappop(self._heap)
-            self._now = max(self._now, when)
-            handle.callback()
+        errors: list[BaseException] = []
+        outer, self._errors = self._errors, errors
+        try:
             await settle()
-        self._now = target
-        self._elapsed = elapsed
-        await settle()
+            while True:
+                self._drop_cancelled()
+                if not self._heap or self._heap[0][0] > target:
+                    break
+                when, _, handle = heapq.heappop(self._heap)
+                self._now = max(self._now, when)
+                self._run(handle)
+                await settle()
+            self._now = target
+            self._elapsed = elapsed
+            await settle()
+        finally:
+            self._errors = outer
+        if errors:
+            raise _first_of(errors, target)
 
     def _drop_cancelled(self) -> None:
         while self._heap and self._heap[0][2].cancelled:
             heapq.heappop(self._heap)
+
+
+def _first_of(errors: list[BaseException], target: float) -> BaseException:
+    """The first of the exceptions wake-ups raised in one ``advance``, noting the others."""
+    first = errors[0]
+    if len(errors) > 1:
+        others = "; ".join(f"{type(e).__name__}: {e}" for e in errors[1:])
+        note = (
+            f"{len(errors) - 1} more wake-up(s) due by {target:.15g} raised after it (each "
+            f"ran, and the clock reached {target:.15g}): {others}"
+        )
+        add_note = getattr(first, "add_note", None)
+        if add_note is not None:
+            add_note(note)
+        else:  # Python 3.10: no add_note; __notes__ is where 3.11 keeps them
+            first.__notes__ = [*getattr(first, "__notes__", ()), note]  # type: ignore[attr-defined]
+    return first
 
 
 async def settle(max_rounds: int = 10_000) -> None:

@@ -1213,12 +1213,42 @@ async def test_a_virtual_clock_advanced_in_steps_reaches_the_deadline_of_their_s
     await op.close()
 
 
-async def test_a_virtual_clock_stopped_by_a_raising_callback_advances_from_there() -> None:
+async def test_a_virtual_clock_reaches_its_target_when_a_wake_up_raises() -> None:
+    # before: advance stopped at the first wake-up that raised, with the clock at its
+    # deadline and the later due wake-ups not run; an asyncio loop reports a callback's
+    # exception and keeps going
     clock = VirtualClock()
+    fired: list = []
+
+    def schedules_one_due_now() -> None:
+        fired.append(clock.now())
+        clock.call_at(clock.now(), lambda: {}["due now"])  # run soon, within the advance
+
     clock.call_at(0.5, lambda: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
+    clock.call_at(0.75, schedules_one_due_now)
+    clock.call_at(0.8, lambda: [][1])
+    clock.call_at(2, lambda: fired.append(clock.now()))
+    with pytest.raises(ZeroDivisionError) as info:
         await clock.advance(1)
-    assert clock.now() == 0.5  # where the callback raised
+    assert clock.now() == 1.0 and fired == [0.75]
+    assert info.value.__notes__ == [  # type: ignore[attr-defined]
+        "2 more wake-up(s) due by 1 raised after it (each ran, and the clock reached 1): "
+        "KeyError: 'due now'; IndexError: list index out of range"
+    ]
+    clock.call_at(2.5, lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError) as info:
+        await clock.advance(2)
+    assert clock.now() == 3.0 and fired == [0.75, 2.0]
+    assert not hasattr(info.value, "__notes__")  # the only one: nothing to add
+
+
+async def test_a_virtual_clock_whose_advance_was_cancelled_advances_from_there() -> None:
+    clock = VirtualClock()
+    advancing = asyncio.ensure_future(clock.advance(1))
+    clock.call_at(0.5, advancing.cancel)
+    with pytest.raises(asyncio.CancelledError):
+        await advancing
+    assert clock.now() == 0.5  # where it was cancelled
     await clock.advance(0.25)
     assert clock.now() == 0.75
 
