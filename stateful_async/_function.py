@@ -41,7 +41,13 @@ class AsyncFunction(Generic[IN, OUT]):
         )
 
     async def timeout(self, value: IN) -> Iterable[OUT]:
-        """Return fallback results for ``value``, whose deadline has passed; or raise."""
+        """Return fallback results for ``value``, whose deadline has passed; or raise.
+
+        Nothing bounds this call (as in Flink): a handler that never returns holds its
+        element, and ``finish()`` (a Spark task's end) waits for it. A fallback that calls
+        something slow should bound itself, e.g. with ``asyncio.wait_for``; what it raises
+        fails the operator with a ``TimeoutHandlerError`` naming the element.
+        """
         raise _DefaultTimeout()
 
 
