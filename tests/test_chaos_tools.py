@@ -428,6 +428,48 @@ def test_a_stop_gives_up_on_a_start_past_the_time_it_said_it_would_give_up_by(
     assert (tmp_path / "cluster.json").exists()  # nothing stopped
 
 
+WAIT_FORM = (
+    "{name} must be a finite number of seconds, 0 or more, the time to wait for a start "
+    "running in the cluster's directory to be done; got {value}. Leave it out to wait as "
+    "long as that start may take."
+)
+STOP_TIMEOUT_FORM = (
+    "timeout must be a finite number of seconds above 0, the time the processes get to exit "
+    "after SIGTERM, then SIGKILL; got {value}."
+)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_stop_wait_no_stop_can_wait_for_is_refused_before_anything_is_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    # Before, 'cluster stop --wait nan' failed at once "after nan s", a negative --wait
+    # waited not at all, and stop(wait=...) took them alike.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    dead = {"pid": exited_pid(), "create_time": 0.0}
+    (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
+    with pytest.raises(SystemExit) as info:
+        cluster_main(["stop", "--dir", str(tmp_path), "--wait", value])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "python -m stateful_async.chaos.cluster stop: error: "
+        + WAIT_FORM.format(name="--wait", value=float(value))
+        + "\n"
+    )
+    cluster = LocalCluster.attach(tmp_path)
+    for bad in (float(value), "30", True):
+        with pytest.raises(ClusterError) as refused:
+            cluster.stop(wait=bad)  # type: ignore[arg-type]
+        assert str(refused.value) == WAIT_FORM.format(name="wait", value=repr(bad))
+    for bad in (0, -1.0, math.nan, math.inf):
+        with pytest.raises(ClusterError) as refused:
+            cluster.stop(timeout=bad)
+        assert str(refused.value) == STOP_TIMEOUT_FORM.format(value=repr(bad))
+    assert (tmp_path / "cluster.json").exists()  # nothing stopped
+    assert cluster.stop(wait=0) == []  # no start runs: 0 is no wait at all
+    assert not (tmp_path / "cluster.json").exists()
+
+
 def recorded_cluster(master: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
     """A cluster.json as start() writes it: a master and worker 0 with these records."""
     return {

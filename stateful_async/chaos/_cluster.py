@@ -339,13 +339,30 @@ def check_daemon_memory(name: str, value: Any) -> str:
     return text
 
 
-def check_timeout(name: str, value: Any) -> float:
+def _is_seconds(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def check_timeout(
+    name: str, value: Any, purpose: str = "the time the master and workers get to start"
+) -> float:
     """``value`` if it is a finite number of seconds above 0; else ``ClusterError`` naming
-    the setting ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+    the setting ``name`` and what it is for (``purpose``)."""
+    if not _is_seconds(value) or not 0 < value < math.inf:
         raise ClusterError(
-            f"{name} must be a finite number of seconds above 0, the time the master and "
-            f"workers get to start; got {value!r}."
+            f"{name} must be a finite number of seconds above 0, {purpose}; got {value!r}."
+        )
+    return float(value)
+
+
+def check_wait(name: str, value: Any) -> float:
+    """``value`` if it is a finite number of seconds, 0 or more (how long a stop waits for a
+    start running in its directory); else ``ClusterError`` naming the setting ``name``."""
+    if not _is_seconds(value) or not 0 <= value < math.inf:
+        raise ClusterError(
+            f"{name} must be a finite number of seconds, 0 or more, the time to wait for a "
+            f"start running in the cluster's directory to be done; got {value!r}. Leave it "
+            "out to wait as long as that start may take."
         )
     return float(value)
 
@@ -1290,7 +1307,15 @@ class LocalCluster:
         not say, as an older version's, this object's ``startup_timeout`` plus ``timeout``),
         calling ``on_wait(its pid)`` if it has to; a cluster from ``attach()``
         then stops what ``cluster.json`` records by then. Still running after that:
-        ``ClusterError``, and nothing is stopped."""
+        ``ClusterError``, and nothing is stopped.
+
+        ``timeout`` is a finite number of seconds above 0, and ``wait`` (if given) one of 0
+        or more: anything else raises ``ClusterError`` before anything is stopped."""
+        check_timeout(
+            "timeout", timeout, "the time the processes get to exit after SIGTERM, then SIGKILL"
+        )
+        if wait is not None:
+            check_wait("wait", wait)
         if not self._claimed or self.base_dir is None:
             return []  # never started, or stopped already
         if self._lock is not None or not self.base_dir.is_dir():

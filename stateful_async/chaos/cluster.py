@@ -14,10 +14,11 @@ before the command), where the other commands find them; a second ``start`` in t
 DIR is refused, also while the first is still starting, and so is a ``start-worker``
 while another ``start`` or ``start-worker`` runs there. ``stop`` ends exactly the
 processes the cluster started, by pid; it first waits for a ``start`` or ``start-worker``
-running in DIR to be done (up to ``--wait`` seconds; by default until 15 s, what the
-start's own clean-up may take, after the time it gives up by, by its ``--timeout``, which
-it writes in DIR/cluster.lock; 195 s for a start of a version that does not), then stops
-what it started. Still starting after that: an error, and nothing is stopped.
+running in DIR to be done (up to ``--wait`` seconds, 0 or more; by default until 15 s,
+what the start's own clean-up may take, after the time it gives up by, by its
+``--timeout``, which it writes in DIR/cluster.lock; 195 s for a start of a version that
+does not), then stops what it started. Still starting after that: an error, and nothing
+is stopped.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ._cluster import (
     check_cores,
     check_memory,
     check_timeout,
+    check_wait,
     check_workers,
 )
 
@@ -119,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         "--wait",
         type=float,
         default=None,
-        help="seconds to wait for a start running in DIR to be done (default: until 15 s "
-        "after it gives up, by its --timeout)",
+        help="seconds, 0 or more, to wait for a start running in DIR to be done (default: "
+        "until 15 s after it gives up, by its --timeout)",
     )
     kill_executor = command("kill-executor", "SIGKILL one executor JVM")
     kill_executor.add_argument("--app", default=None, help="an application id")
@@ -139,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             check_timeout("--timeout", args.timeout)
         except ClusterError as exc:
             start.error(str(exc))
+    if args.command == "stop" and args.wait is not None:
+        try:
+            check_wait("--wait", args.wait)
+        except ClusterError as exc:
+            stop.error(str(exc))
 
     try:
         if args.command == "start":
