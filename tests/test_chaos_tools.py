@@ -470,6 +470,42 @@ def test_a_stop_wait_no_stop_can_wait_for_is_refused_before_anything_is_stopped(
     assert not (tmp_path / "cluster.json").exists()
 
 
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "30", True])
+def test_a_fault_timeout_no_kill_or_start_can_wait_for_is_refused_before_anything_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: Any
+) -> None:
+    # Before, kill_worker(0, timeout=nan) SIGKILLed the worker, then waited a NaN time for
+    # it; start_worker(0, timeout=0) took startup_timeout; a negative timeout, no time at all.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        record = {"pid": worker.pid, "create_time": psutil.Process(worker.pid).create_time()}
+        dead = {"pid": exited_pid(), "create_time": 0.0}
+        (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(dead, record)))
+        cluster = LocalCluster.attach(tmp_path)
+        for call, purpose in [
+            (cluster.kill_executor, "the time the executor gets to exit after SIGKILL"),
+            (
+                lambda timeout: cluster.kill_worker(0, timeout=timeout),
+                "the time the worker and what it launched get to exit after SIGKILL",
+            ),
+            (
+                lambda timeout: cluster.start_worker(0, timeout=timeout),
+                "the time the worker gets to start",
+            ),
+        ]:
+            with pytest.raises(ClusterError) as refused:
+                call(timeout=value)
+            assert str(refused.value) == (
+                f"timeout must be a finite number of seconds above 0, {purpose}; got {value!r}."
+            )
+        assert worker.poll() is None  # not killed
+        assert not (tmp_path / "cluster.lock").exists()  # nor locked by a start
+    finally:
+        worker.kill()
+        worker.wait(timeout=30)
+
+
 def recorded_cluster(master: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
     """A cluster.json as start() writes it: a master and worker 0 with these records."""
     return {

@@ -768,11 +768,16 @@ class LocalCluster:
 
     def start_worker(self, index: int, timeout: float | None = None) -> WorkerInfo:
         """Start worker ``index`` again (after ``kill_worker``), on new ports, and wait until
-        the master counts it alive."""
+        the master counts it alive, up to ``timeout`` seconds (a finite number above 0;
+        default: ``startup_timeout``)."""
+        if timeout is None:
+            timeout = self.startup_timeout
+        else:
+            check_timeout("timeout", timeout, "the time the worker gets to start")
         self._require_started()
         # Held until the worker runs: two at once would both find it dead and both launch
         # one, and the state file would keep only the second (the first never stopped).
-        lock = self._lock_start(gives_up_in=timeout or self.startup_timeout)
+        lock = self._lock_start(gives_up_in=timeout)
         self._lock = lock
         try:
             return self._start_worker_locked(index, timeout)
@@ -780,7 +785,7 @@ class LocalCluster:
             self._lock = None
             lock.close()
 
-    def _start_worker_locked(self, index: int, timeout: float | None) -> WorkerInfo:
+    def _start_worker_locked(self, index: int, timeout: float) -> WorkerInfo:
         if index not in self.workers:
             raise ClusterError(
                 f"The cluster has no worker {index}: its workers are "
@@ -792,7 +797,7 @@ class LocalCluster:
                 f"Worker {index} is already running (pid {self.workers[index].pid})."
             )
         self._launch_worker(index)
-        self._wait_registered([index], timeout or self.startup_timeout)
+        self._wait_registered([index], timeout)
         return self.workers[index]  # relaunched on other ports if its first ones were taken
 
     def _launch_worker(self, index: int) -> WorkerInfo:
@@ -1225,7 +1230,9 @@ class LocalCluster:
         timeout: float = 30.0,
     ) -> ExecutorProcess:
         """SIGKILL one executor JVM (of ``app_id`` and on ``worker``, if given) and wait
-        until it is gone. Its worker stays up (and launches a replacement executor)."""
+        until it is gone, up to ``timeout`` seconds (a finite number above 0). Its worker
+        stays up (and launches a replacement executor)."""
+        check_timeout("timeout", timeout, "the time the executor gets to exit after SIGKILL")
         candidates = [
             e
             for e in self.executors(app_id)
@@ -1250,7 +1257,11 @@ class LocalCluster:
 
     def kill_worker(self, index: int, timeout: float = 30.0) -> list[int]:
         """SIGKILL worker ``index`` together with every executor and Python worker it
-        launched, as if its machine died. Returns the pids killed."""
+        launched, as if its machine died, and wait until they are gone, up to ``timeout``
+        seconds (a finite number above 0). Returns the pids killed."""
+        check_timeout(
+            "timeout", timeout, "the time the worker and what it launched get to exit after SIGKILL"
+        )
         info = self.workers.get(index)
         process = info.record.process() if info else None
         if info is None or process is None:
