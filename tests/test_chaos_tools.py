@@ -506,6 +506,32 @@ def test_a_fault_timeout_no_kill_or_start_can_wait_for_is_refused_before_anythin
         worker.wait(timeout=30)
 
 
+def test_kill_executor_kills_only_the_process_it_listed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before, kill_executor looked the listed pid up again and killed whatever had it: an
+    # executor that exited in between, its pid taken by another process, made it kill that.
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        started = psutil.Process(other.pid).create_time()
+        cluster = LocalCluster(1, stop_at_exit=False)
+        gone = _cluster.ExecutorProcess(other.pid, "app-1", "3", 0, started - 5.0)
+        monkeypatch.setattr(cluster, "executors", lambda app_id=None: [gone])
+        with pytest.raises(ClusterError) as info:
+            cluster.kill_executor()
+        assert str(info.value) == (
+            f"Executor 3 of app-1 (pid {other.pid}, worker 0) exited before it could be "
+            "killed; nothing was killed. See which executors run now (cluster.executors(), "
+            "or python -m stateful_async.chaos.cluster status) and kill one of them."
+        )
+        assert other.poll() is None  # the process that took its pid lives on
+        listed = _cluster.ExecutorProcess(other.pid, "app-1", "3", 0, started)
+        monkeypatch.setattr(cluster, "executors", lambda app_id=None: [listed])
+        assert cluster.kill_executor(timeout=30) == listed  # the very process listed: killed
+        assert not _cluster.ProcessRecord(other.pid, started).alive()
+    finally:
+        other.kill()
+        other.wait(timeout=30)
+
+
 def recorded_cluster(master: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
     """A cluster.json as start() writes it: a master and worker 0 with these records."""
     return {

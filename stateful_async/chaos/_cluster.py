@@ -170,12 +170,18 @@ class WorkerInfo:
 
 @dataclass(frozen=True)
 class ExecutorProcess:
-    """An executor JVM (``CoarseGrainedExecutorBackend``) that a worker launched."""
+    """An executor JVM (``CoarseGrainedExecutorBackend``) that a worker launched, named by
+    its pid and start time (``psutil``'s ``create_time``), as ``ProcessRecord`` names one."""
 
     pid: int
     app_id: str
     executor_id: str
     worker: int  # the index of the worker that launched it; -1 if that worker is gone
+    create_time: float
+
+    @property
+    def record(self) -> ProcessRecord:
+        return ProcessRecord(self.pid, self.create_time)
 
 
 def _tree(process: Any) -> list[Any]:
@@ -1164,10 +1170,15 @@ class LocalCluster:
             cmdline = process.cmdline()
             if _EXECUTOR_CLASS not in cmdline or process.status() == psutil.STATUS_ZOMBIE:
                 return None
+            create_time = process.create_time()
         except psutil.Error:
             return None
         return ExecutorProcess(
-            process.pid, _arg(cmdline, "--app-id"), _arg(cmdline, "--executor-id"), worker
+            process.pid,
+            _arg(cmdline, "--app-id"),
+            _arg(cmdline, "--executor-id"),
+            worker,
+            create_time,
         )
 
     def _orphans(self) -> list[Any]:
@@ -1231,7 +1242,8 @@ class LocalCluster:
     ) -> ExecutorProcess:
         """SIGKILL one executor JVM (of ``app_id`` and on ``worker``, if given) and wait
         until it is gone, up to ``timeout`` seconds (a finite number above 0). Its worker
-        stays up (and launches a replacement executor)."""
+        stays up (and launches a replacement executor). Only the process listed is killed,
+        by pid and start time: one that exited meanwhile raises ``ClusterError``."""
         check_timeout("timeout", timeout, "the time the executor gets to exit after SIGKILL")
         candidates = [
             e
@@ -1244,12 +1256,16 @@ class LocalCluster:
                 f"{'any' if worker is None else worker}); executors running: {self.executors()}."
             )
         executor = sorted(candidates, key=lambda e: (e.worker, e.pid))[0]
-        import psutil
-
-        try:
-            process = psutil.Process(executor.pid)
-        except psutil.Error as exc:
-            raise ClusterError(f"Executor {executor} exited before it could be killed.") from exc
+        # The process listed, by its start time too: had it exited since, its pid could
+        # name another process by now.
+        process = executor.record.process()
+        if process is None:
+            raise ClusterError(
+                f"Executor {executor.executor_id} of {executor.app_id} (pid {executor.pid}, "
+                f"worker {executor.worker}) exited before it could be killed; nothing was "
+                "killed. See which executors run now (cluster.executors(), or python -m "
+                "stateful_async.chaos.cluster status) and kill one of them."
+            )
         _kill_all([process])
         if _wait_gone([process], timeout):
             raise ClusterError(f"Executor {executor} survived SIGKILL for {timeout} s.")
