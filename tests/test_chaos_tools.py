@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -686,6 +687,51 @@ def test_a_state_file_whose_records_have_fields_this_version_does_not_know_is_re
     assert cluster.workers[0].port == 1
     assert cluster_main(["stop", "--dir", str(tmp_path)]) == 0, capsys.readouterr().err
     assert not (tmp_path / "cluster.json").exists()
+
+
+def test_a_cluster_started_with_a_timeout_keeps_it_for_the_commands_that_attach_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, cluster.json did not record startup_timeout, so attach() (every command but
+    # start) took the default: 'start-worker' allowed 180 s whatever 'start --timeout' was.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    dead = _cluster.ProcessRecord(exited_pid(), 0.0)
+
+    def fake_start_master(self: LocalCluster, deadline: float) -> None:
+        self.master, self.master_port, self.webui_port = dead, 3, 4
+        self._save()
+
+    def fake_launch_worker(self: LocalCluster, index: int) -> None:
+        self.workers[index] = _cluster.WorkerInfo(index, "127.0.0.1", 1, 2, "w", dead)
+        self._save()
+
+    waited: list[float] = []
+    monkeypatch.setattr(LocalCluster, "_start_master", fake_start_master)
+    monkeypatch.setattr(LocalCluster, "_launch_worker", fake_launch_worker)
+    monkeypatch.setattr(
+        LocalCluster, "_wait_registered", lambda self, indices, timeout: waited.append(timeout)
+    )
+    state = tmp_path / "cluster"
+    argv = ["--dir", str(state)]
+    assert cluster_main(["start", "--workers", "1", "--timeout", "600", *argv]) == 0
+    assert json.loads((state / "cluster.json").read_text())["settings"]["startup_timeout"] == 600
+    assert LocalCluster.attach(state).startup_timeout == 600.0
+    assert cluster_main(["start-worker", "0", *argv]) == 0, capsys.readouterr().err
+    assert waited[-1] == 600.0  # the worker got what the cluster's start had, not 180 s
+    # a cluster.json of a version that did not record it is read, with the default
+    older = recorded_cluster(asdict(dead), asdict(dead))
+    assert "startup_timeout" not in older["settings"]
+    (state / "cluster.json").write_text(json.dumps(older))
+    assert LocalCluster.attach(state).startup_timeout == 180.0
+    # and one recorded wrong is refused, as every setting is
+    older["settings"]["startup_timeout"] = "600"
+    (state / "cluster.json").write_text(json.dumps(older))
+    with pytest.raises(ClusterError, match=r'wrong value for settings\.startup_timeout \("600"\)'):
+        LocalCluster.attach(state)
+    older["settings"]["startup_timeout"] = -1
+    (state / "cluster.json").write_text(json.dumps(older))
+    with pytest.raises(ClusterError, match="its settings are refused .startup_timeout must be"):
+        LocalCluster.attach(state)
 
 
 MEMORY_FORM = (

@@ -374,9 +374,15 @@ def check_wait(name: str, value: Any) -> float:
 
 
 # What attach() reads from the state file: a dict is an object with those fields, a type
-# a value of it; _WORKERS is the workers object, worker index (a string) -> worker.
+# a value of it; _WORKERS is the workers object, worker index (a string) -> worker; an
+# _Optional field may be missing (a file an older version wrote lacks it).
 class _Workers:
     pass
+
+
+@dataclass(frozen=True)
+class _Optional:
+    schema: Any
 
 
 _WORKERS = _Workers()
@@ -401,6 +407,7 @@ _STATE_SCHEMA: dict[str, Any] = {
         "hosts": list,
         "python": str,
         "daemon_memory": str,
+        "startup_timeout": _Optional((int, float)),  # an older version wrote none: the default
     },
 }
 
@@ -416,10 +423,13 @@ def _check_state(
             malformed.append(f"{name} (not a JSON object)")
         elif isinstance(schema, dict):
             for key, field_schema in schema.items():
-                if key not in value:
-                    missing.append(f"{where}{key}")
-                else:
+                optional = isinstance(field_schema, _Optional)
+                if optional:
+                    field_schema = field_schema.schema
+                if key in value:
                     _check_state(value[key], field_schema, f"{where}{key}.", missing, malformed)
+                elif not optional:
+                    missing.append(f"{where}{key}")
         else:
             for key, worker in value.items():
                 if key.isdigit():
@@ -903,6 +913,7 @@ class LocalCluster:
                 "hosts": list(self.hosts),
                 "python": self.python,
                 "daemon_memory": self.daemon_memory,
+                "startup_timeout": self.startup_timeout,
             },
         }
         path = self.base_dir / _STATE_FILE
@@ -913,7 +924,9 @@ class LocalCluster:
     @classmethod
     def attach(cls, base_dir: str | os.PathLike[str]) -> LocalCluster:
         """The cluster described by ``<base_dir>/cluster.json`` (started by another process,
-        e.g. ``python -m stateful_async.chaos.cluster start``)."""
+        e.g. ``python -m stateful_async.chaos.cluster start``), with the settings it was
+        started with, ``startup_timeout`` included (the default if the file, an older
+        version's, does not record it)."""
         path = Path(base_dir) / _STATE_FILE
         try:
             state = json.loads(path.read_text())
@@ -930,6 +943,7 @@ class LocalCluster:
         if missing or malformed:
             raise ClusterError(_unusable_state_message(path, state, missing, malformed))
         settings = state["settings"]
+        recorded = {k: settings[k] for k in ("startup_timeout",) if k in settings}
         try:
             cluster = cls(
                 settings["workers"],
@@ -940,6 +954,7 @@ class LocalCluster:
                 python=settings["python"],
                 daemon_memory=settings["daemon_memory"],
                 stop_at_exit=False,
+                **recorded,
             )
         except ClusterError as exc:  # settings edited by hand
             raise ClusterError(
