@@ -134,7 +134,9 @@ class VirtualClock:
         raised after it are listed in its notes (``__notes__``). ``KeyboardInterrupt``
         and ``SystemExit`` propagate at once, as the loop lets them: the clock stays at
         the deadline of the wake-up that raised, and the next ``advance`` starts there
-        (so does one after an ``advance`` that was cancelled).
+        (so does one after an ``advance`` that was cancelled). An ``advance`` that ends so,
+        or is cancelled, hands what its wake-ups raised before to the loop's exception
+        handler, as ``SystemClock``'s loop would have.
         """
         step = as_float(seconds)
         if step is None:
@@ -166,6 +168,19 @@ class VirtualClock:
             self._now = target
             self._elapsed = elapsed
             await settle()
+        except BaseException as stopped:
+            # not raised by this advance, which ends with another exception: reported
+            for error in errors:
+                asyncio.get_running_loop().call_exception_handler(
+                    {
+                        "message": (
+                            "Exception in a VirtualClock wake-up, during an advance() that "
+                            f"ended with {type(stopped).__name__}"
+                        ),
+                        "exception": error,
+                    }
+                )
+            raise
         finally:
             self._errors = outer
         if errors:

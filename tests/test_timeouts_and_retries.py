@@ -1253,6 +1253,32 @@ async def test_a_virtual_clock_whose_advance_was_cancelled_advances_from_there()
     assert clock.now() == 0.75
 
 
+async def test_a_virtual_clock_advance_cancelled_after_a_wake_up_raised_reports_it() -> None:
+    # before: the advance kept what the wake-up at 0.25 raised to raise it at its end, and
+    # being cancelled at 0.5 it never did: the exception was lost, where SystemClock's loop
+    # hands it to the exception handler
+    loop = asyncio.get_running_loop()
+    reported: list[dict] = []
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    try:
+        clock = VirtualClock()
+        advancing = asyncio.ensure_future(clock.advance(1))
+        clock.call_at(0.25, lambda: 1 / 0)
+        clock.call_at(0.5, advancing.cancel)
+        with pytest.raises(asyncio.CancelledError):
+            await advancing
+    finally:
+        loop.set_exception_handler(None)
+    assert clock.now() == 0.5
+    assert [(c["message"], type(c["exception"])) for c in reported] == [
+        (
+            "Exception in a VirtualClock wake-up, during an advance() that ended with "
+            "CancelledError",
+            ZeroDivisionError,
+        )
+    ]
+
+
 async def test_a_virtual_clock_runs_a_wake_up_already_due_without_an_advance() -> None:
     # As SystemClock (asyncio's call_at) does; before, a zero delay waited for the test's
     # next advance, so a retry with no backoff was not made until then.
