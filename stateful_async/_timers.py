@@ -137,6 +137,9 @@ class VirtualClock:
         (so does one after an ``advance`` that was cancelled). An ``advance`` that ends so,
         or is cancelled, hands what its wake-ups raised before to the loop's exception
         handler, as ``SystemClock``'s loop would have.
+
+        One ``advance`` at a time: another started while one runs (in another task)
+        raises ``RuntimeError``.
         """
         step = as_float(seconds)
         if step is None:
@@ -149,12 +152,19 @@ class VirtualClock:
             # NaN would set the clock to NaN and fire every timer; infinity would fire
             # every timer, and never return while one schedules another.
             raise ValueError(f"advance() takes a finite number of seconds; got {seconds!r}.")
+        if self._errors is not None:
+            # Both would wait for the loop to settle while the other kept it busy (until
+            # settle() gave up), and each move time from where they began.
+            raise RuntimeError(
+                "advance() was called while another advance() of this clock was running; "
+                "await each advance() before starting the next."
+            )
         if float(self._elapsed) != self._now:  # an advance stopped part-way (see above)
             self._elapsed = Fraction(self._now)
         elapsed = self._elapsed + Fraction(step)
         target = float(elapsed)
         errors: list[BaseException] = []
-        outer, self._errors = self._errors, errors
+        self._errors = errors
         try:
             await settle()
             while True:
@@ -182,7 +192,7 @@ class VirtualClock:
                 )
             raise
         finally:
-            self._errors = outer
+            self._errors = None
         if errors:
             raise _first_of(errors, target)
 

@@ -1279,6 +1279,35 @@ async def test_a_virtual_clock_advance_cancelled_after_a_wake_up_raised_reports_
     ]
 
 
+async def test_a_virtual_clock_refuses_an_advance_while_another_runs() -> None:
+    # before: both ran, each from where time stood when it began (two advance(1) reached
+    # 1.0), the first failing with settle()'s "did not settle within 10000 rounds"; and
+    # as they ended out of order the clock kept the first's error list, where every later
+    # wake-up's exception went, outside any advance too: lost, not to the loop's handler
+    loop = asyncio.get_running_loop()
+    reported: list[dict] = []
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    try:
+        clock = VirtualClock()
+        first = asyncio.ensure_future(clock.advance(1))
+        await asyncio.sleep(0)  # the first is running
+        with pytest.raises(RuntimeError) as info:
+            await clock.advance(1)
+        assert str(info.value) == (
+            "advance() was called while another advance() of this clock was running; await "
+            "each advance() before starting the next."
+        )
+        await first
+        assert clock.now() == 1.0
+        clock.call_at(clock.now(), lambda: 1 / 0)  # no advance runs: the loop reports it
+        await settle()
+    finally:
+        loop.set_exception_handler(None)
+    assert [type(c["exception"]) for c in reported] == [ZeroDivisionError]
+    await clock.advance(1)
+    assert clock.now() == 2.0
+
+
 async def test_a_virtual_clock_runs_a_wake_up_already_due_without_an_advance() -> None:
     # As SystemClock (asyncio's call_at) does; before, a zero delay waited for the test's
     # next advance, so a retry with no backoff was not made until then.
