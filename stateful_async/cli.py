@@ -88,8 +88,11 @@ class _Command(TyperCommand):
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         if not ctx.resilient_parsing:  # (shell completion parses leniently)
             options, positional = _scan(self.get_params(ctx), args)
-            help_option: Any = self.get_help_option(ctx)
-            if help_option is None or all(param is not help_option for param, _, _ in options):
+            # by the name typed: Click before 8.1.8 makes a new help option at each call
+            # of get_help_option(), so the one get_params() gave is not the same object
+            help_names = set(self.get_help_option_names(ctx)) if self.add_help_option else set()
+            help_option = next((p for p, name, _ in options if name in help_names), None)
+            if help_option is None:
                 with _user_errors():
                     _check_arguments(self, positional)
                     _check_given_once(ctx, options)

@@ -1162,6 +1162,29 @@ def test_help_asked_with_a_negative_checkpoint_id_is_the_help(command, given) ->
     assert result.output == help_text.output
 
 
+@pytest.mark.parametrize("command", [["checkpoints", "show"], ["replay"]])
+def test_help_is_asked_by_the_name_typed_whatever_help_option_object_click_gives(
+    command, monkeypatch
+) -> None:
+    # Click before 8.1.8 (which typer 0.16 may be paired with) makes a new help option at
+    # every get_help_option() call: the pre-scan looked for the very object get_params()
+    # had given, never found it, and refused the negative id though --help was given.
+    from stateful_async.cli import _Command
+
+    help_text = invoke(*command, "LOC", "2", "--help")
+    assert help_text.exit_code == 0 and "Usage:" in help_text.output
+    uncached = _Command.get_help_option
+
+    def new_each_time(self, ctx):  # type: ignore[no-untyped-def]
+        self._help_option = None
+        return uncached(self, ctx)
+
+    monkeypatch.setattr(_Command, "get_help_option", new_each_time)
+    result = invoke(*command, "LOC", "-1", "--help")
+    assert result.exit_code == 0, result.output
+    assert result.output == help_text.output
+
+
 def test_a_location_that_looks_like_a_negative_number_is_no_checkpoint_id(functions) -> None:
     # After --, Click takes a LOCATION named -1 (a relative directory); the pre-scan took
     # every negative number among the positional arguments for a checkpoint id.
