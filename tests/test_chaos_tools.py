@@ -845,6 +845,10 @@ TIMEOUT_FORM = (
             512,
             f"{HEAP_FORM} 512. Pass it as a string with its unit: '512m' for 512 MiB.",
         ),
+        # no such hint for a number of MiB refused as a heap size in its turn
+        ("daemon_memory", 2, f"{HEAP_FORM} 2."),
+        ("daemon_memory", 0, f"{HEAP_FORM} 0."),
+        ("daemon_memory", -1, f"{HEAP_FORM} -1."),
         (
             "daemon_memory",
             "0m",

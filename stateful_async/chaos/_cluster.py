@@ -322,7 +322,8 @@ def check_daemon_memory(name: str, value: Any) -> str:
     text = value.strip() if isinstance(value, str) else None
     match = re.fullmatch(r"([0-9]+)([kmgt]?)", text, re.IGNORECASE) if text else None
     if text is None or match is None:
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool) and value << 20 > _MIN_HEAP:
+            # (only a size it takes: '0m' or '-1m' would be refused in turn)
             hint = f" Pass it as a string with its unit: '{value}m' for {value} MiB."
         elif text is not None and re.fullmatch(r"[0-9]*\.[0-9]+[a-zA-Z]*", text):
             hint = " Java takes no fractions: use a smaller unit (1536m, not 1.5g)."
