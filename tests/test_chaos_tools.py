@@ -429,6 +429,44 @@ def test_a_stop_gives_up_on_a_start_past_the_time_it_said_it_would_give_up_by(
     assert (tmp_path / "cluster.json").exists()  # nothing stopped
 
 
+def test_a_stop_reads_a_lock_once_more_before_giving_up_on_the_time_it_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A start that has just taken the lock has not yet written its own pid and time over
+    # its predecessor's: the stop gave up at once on that old time, naming the old pid.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    dead = {"pid": exited_pid(), "create_time": 0.0}
+    (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
+    holder = hold_as_a_start(tmp_path, time.time() - 60)  # the predecessor's, 60 s ago
+    cluster = LocalCluster.attach(tmp_path)
+    polls: list[float] = []
+
+    def poll(seconds: float) -> None:  # the new start writes, then is done
+        polls.append(seconds)
+        if len(polls) == 1:
+            holder.seek(0)
+            holder.truncate()
+            holder.write(f"{os.getpid()} {time.time() + 5:.3f}")
+            holder.flush()
+        else:
+            holder.close()
+
+    class PollingTime:  # the time module as _cluster sees it, but for its sleep
+        sleep = staticmethod(poll)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+    monkeypatch.setattr(_cluster, "time", PollingTime())
+    try:
+        assert cluster.stop(timeout=0.3) == []  # waited, then stopped (nothing ran)
+    finally:
+        monkeypatch.undo()
+        holder.close()
+    assert len(polls) == 2, polls
+    assert not (tmp_path / "cluster.json").exists()
+
+
 WAIT_FORM = (
     "{name} must be a finite number of seconds, 0 or more, the time to wait for a start "
     "running in the cluster's directory to be done; got {value}. Leave it out to wait as "

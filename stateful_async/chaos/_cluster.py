@@ -655,6 +655,7 @@ class LocalCluster:
         lock = open(path, "a+")  # noqa: SIM115 - closed by the caller, which releases it
         began = time.monotonic()
         waited = False
+        rechecked = False
         while True:
             try:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -673,6 +674,12 @@ class LocalCluster:
                     if not waited and on_wait is not None:
                         on_wait(holder)
                     waited = True
+                    time.sleep(0.1)
+                    continue
+                if by_holder and not rechecked:
+                    # What a start that has just taken the lock has not yet replaced (its
+                    # predecessor's pid and time) is read once more before giving up on it
+                    rechecked = True
                     time.sleep(0.1)
                     continue
                 lock.close()
