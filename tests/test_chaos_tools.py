@@ -545,6 +545,58 @@ def test_a_fault_timeout_no_kill_or_start_can_wait_for_is_refused_before_anythin
         worker.wait(timeout=30)
 
 
+WAIT_FOR_WORKERS_FORM = (
+    "count must be a whole number from 1 to the cluster's number of workers, 1, the workers "
+    "to wait for; got {value}."
+)
+
+
+def test_a_wait_for_workers_or_apps_that_cannot_end_is_refused_before_anything_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, wait_for_workers(1, timeout=0) silently took startup_timeout, a negative,
+    # NaN or infinite timeout (and wait_for_no_active_apps's) was waited as given, and a
+    # count of 0, of more workers than the cluster has or True was not checked.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    dead = {"pid": exited_pid(), "create_time": 0.0}
+    (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
+    cluster = LocalCluster.attach(tmp_path)
+    cluster.startup_timeout = 42.0
+    waits: list[float] = []
+
+    def wait_until(condition: Any, timeout: float, message: str, interval: float = 0.1) -> None:
+        waits.append(timeout)
+
+    monkeypatch.setattr(_cluster, "wait_until", wait_until)
+    for bad in (0, -1.0, math.nan, math.inf, "30", True):
+        with pytest.raises(ClusterError) as refused:
+            cluster.wait_for_workers(1, timeout=bad)
+        assert str(refused.value) == (
+            "timeout must be a finite number of seconds above 0, the time the workers get to "
+            f"register; got {bad!r}."
+        )
+        with pytest.raises(ClusterError) as refused:
+            cluster.wait_for_no_active_apps(timeout=bad)
+        assert str(refused.value) == (
+            "timeout must be a finite number of seconds above 0, the time the master gets to "
+            f"end its applications; got {bad!r}."
+        )
+    for bad in (0, -1, True, 1.0, "1"):
+        with pytest.raises(ClusterError) as refused:
+            cluster.wait_for_workers(bad)  # type: ignore[arg-type]
+        assert str(refused.value) == WAIT_FOR_WORKERS_FORM.format(value=repr(bad))
+    with pytest.raises(ClusterError) as refused:
+        cluster.wait_for_workers(2)
+    assert str(refused.value) == (
+        WAIT_FOR_WORKERS_FORM.format(value=2) + " For more workers, start a cluster with more."
+    )
+    assert waits == []  # nothing waited
+    cluster.wait_for_workers(1)  # None: startup_timeout
+    cluster.wait_for_workers(1, timeout=5)
+    cluster.wait_for_no_active_apps()
+    assert waits == [42.0, 5.0, 60.0]
+
+
 def test_kill_executor_kills_only_the_process_it_listed(monkeypatch: pytest.MonkeyPatch) -> None:
     # Before, kill_executor looked the listed pid up again and killed whatever had it: an
     # executor that exited in between, its pid taken by another process, made it kill that.

@@ -1013,12 +1013,29 @@ class LocalCluster:
         ]
 
     def wait_for_workers(self, count: int, timeout: float | None = None) -> None:
-        """Wait until ``count`` of this cluster's workers are registered and alive.
+        """Wait until ``count`` of this cluster's workers are registered and alive, up to
+        ``timeout`` seconds (default: ``startup_timeout``).
 
         Only running workers count, however the others died (``kill_worker``, the OOM
         killer, a kill from another process): fewer running than ``count`` fails at once,
-        naming the dead ones (``start_worker`` brings them back)."""
+        naming the dead ones (``start_worker`` brings them back).
+
+        ``count`` is a whole number from 1 to the cluster's number of workers, and
+        ``timeout`` (if given) a finite number of seconds above 0: anything else raises
+        ``ClusterError`` before anything waits."""
+        if timeout is None:
+            timeout = self.startup_timeout
+        else:
+            check_timeout("timeout", timeout, "the time the workers get to register")
         self._require_started()
+        whole = not isinstance(count, bool) and isinstance(count, int)
+        if not whole or not 1 <= count <= len(self.workers):
+            more = whole and count > len(self.workers)
+            raise ClusterError(
+                f"count must be a whole number from 1 to the cluster's number of workers, "
+                f"{len(self.workers)}, the workers to wait for; got {count!r}."
+                + (" For more workers, start a cluster with more." if more else "")
+            )
 
         def ready() -> bool:
             self._check_master()
@@ -1043,7 +1060,7 @@ class LocalCluster:
                 return False  # the master's web UI is not up yet
 
         try:
-            wait_until(ready, timeout or self.startup_timeout, "The Spark workers did not register")
+            wait_until(ready, timeout, "The Spark workers did not register")
         except TimeoutError as exc:
             raise ClusterError(f"{exc} {self._log_tail()}") from exc
 
@@ -1156,7 +1173,10 @@ class LocalCluster:
         return [app["id"] for app in self.master_status().get("activeapps", [])]
 
     def wait_for_no_active_apps(self, timeout: float = 60.0) -> None:
-        """Wait until the master runs no application (e.g. after a driver was killed)."""
+        """Wait until the master runs no application (e.g. after a driver was killed), up
+        to ``timeout`` seconds, a finite number above 0 (anything else raises
+        ``ClusterError`` before anything waits)."""
+        check_timeout("timeout", timeout, "the time the master gets to end its applications")
         wait_until(
             lambda: not self.active_apps(), timeout, "The Spark master still runs applications"
         )
