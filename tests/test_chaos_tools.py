@@ -40,6 +40,7 @@ from stateful_async.chaos import (
     check_snapshot_store,
     to_argv,
 )
+from stateful_async.chaos import cluster as cluster_module
 from stateful_async.chaos._job import main as job_main
 from stateful_async.chaos._job import parse_args
 from stateful_async.chaos.cluster import main as cluster_main
@@ -426,6 +427,34 @@ def test_a_stop_gives_up_on_a_start_past_the_time_it_said_it_would_give_up_by(
         f"is still running in another process (pid {os.getpid()}) after 0 s, 60 s past the "
         "time it said it would give up by" in err
     ), err
+    assert (tmp_path / "cluster.json").exists()  # nothing stopped
+
+
+def test_the_stop_command_waits_for_a_start_naming_no_time_as_the_cluster_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, 'cluster stop' waited a fixed 195 s (180 + 15) for a lock naming no time to
+    # give up by (an older version's start, or another stop) before reading cluster.json,
+    # whatever startup_timeout the cluster recorded; stop() waits that timeout + 15 s.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    monkeypatch.setattr(cluster_module, "_STOP_MARGIN", 0.5)  # stop()'s timeout, not 15 s
+    dead = {"pid": exited_pid(), "create_time": 0.0}
+    state = recorded_cluster(dead, dead)
+    state["settings"]["startup_timeout"] = 1.0
+    (tmp_path / "cluster.json").write_text(json.dumps(state))
+    holder = LocalCluster.attach(tmp_path)._lock_start()  # names its pid alone
+    codes: list[int] = []
+    stopping = threading.Thread(
+        target=lambda: codes.append(cluster_main(["stop", "--dir", str(tmp_path)])), daemon=True
+    )
+    try:
+        stopping.start()
+        stopping.join(timeout=20)
+        assert codes == [1]
+    finally:
+        holder.close()
+    err = capsys.readouterr().err
+    assert f"is still running in another process (pid {os.getpid()}) after 1.5 s" in err, err
     assert (tmp_path / "cluster.json").exists()  # nothing stopped
 
 

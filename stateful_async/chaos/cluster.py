@@ -16,9 +16,9 @@ while another ``start`` or ``start-worker`` runs there. ``stop`` ends exactly th
 processes the cluster started, by pid; it first waits for a ``start`` or ``start-worker``
 running in DIR to be done (up to ``--wait`` seconds, 0 or more; by default until 15 s,
 what the start's own clean-up may take, after the time it gives up by, by its
-``--timeout``, which it writes in DIR/cluster.lock; 195 s for a start of a version that
-does not), then stops what it started. Still starting after that: an error, and nothing
-is stopped.
+``--timeout``, which it writes in DIR/cluster.lock; for a start of a version that does
+not, the cluster's ``--timeout`` as DIR/cluster.json records it, else 180 s, plus 15 s),
+then stops what it started. Still starting after that: an error, and nothing is stopped.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ def default_dir() -> Path:
 
 
 _STOP_MARGIN = 15.0  # the stop a failed start makes takes this long (its timeout)
-_STOP_WAIT = 180.0 + _STOP_MARGIN  # a start that names no time to give up by: the default's
 
 
 def _waiting(base_dir: Path, pid: str) -> None:
@@ -57,13 +56,19 @@ def _waiting(base_dir: Path, pid: str) -> None:
 def _wait_for_start(base_dir: Path, wait: float | None) -> None:
     """Return once no start holds ``base_dir`` (at once if none does, or there is no such
     directory); ``ClusterError`` if one still does after ``wait`` seconds (None: 15 s after
-    the time the start gives up by, by its --timeout; 195 s if it names none)."""
+    the time the start gives up by, by its --timeout; if it names none, as ``stop()`` does,
+    the cluster's startup_timeout as cluster.json records it, else 180 s, plus 15 s)."""
     if not base_dir.is_dir():
         return
-    probe = LocalCluster(base_dir=base_dir, stop_at_exit=False)
+    try:
+        probe = LocalCluster.attach(base_dir)
+    except ClusterError:  # none recorded yet (or refused: attach says why after the wait)
+        probe = LocalCluster(base_dir=base_dir, stop_at_exit=False)
     margin = _STOP_MARGIN if wait is None else None
     probe._lock_start(
-        _STOP_WAIT if wait is None else wait, lambda pid: _waiting(base_dir, pid), margin=margin
+        probe.startup_timeout + _STOP_MARGIN if wait is None else wait,
+        lambda pid: _waiting(base_dir, pid),
+        margin=margin,
     ).close()
 
 
