@@ -980,6 +980,22 @@ TIMEOUT_FORM = (
             "daemon_memory must be more than 2 MiB (2m), the least heap Java starts with; got "
             "'512'. A number without a unit is bytes to Java: did you mean 512m?",
         ),
+        # Java counts a heap size in 64 bits: -Xmx99999999t is an "Invalid maximum heap size"
+        (
+            "daemon_memory",
+            "99999999t",
+            "daemon_memory must be below 16 EiB (16777216t), the most heap size Java can "
+            "count; got '99999999t'.",
+        ),
+        (
+            "daemon_memory",
+            "17179869184g",  # 2**64 bytes
+            "daemon_memory must be below 16 EiB (16777216t), the most heap size Java can "
+            "count; got '17179869184g'.",
+        ),
+        # Java reads hex too (-Xmx0x10m is 16 MiB); not taken, but the decimal is given
+        ("daemon_memory", "0x10m", f"{HEAP_FORM} '0x10m'. Write it in decimal: 16m for 0x10m."),
+        ("daemon_memory", "0X1f4K", f"{HEAP_FORM} '0X1f4K'."),  # 500 KiB: no heap Java takes
         ("startup_timeout", 0, TIMEOUT_FORM.format(name="startup_timeout", value="0")),
         ("startup_timeout", -5.0, TIMEOUT_FORM.format(name="startup_timeout", value="-5.0")),
         ("startup_timeout", math.nan, TIMEOUT_FORM.format(name="startup_timeout", value="nan")),
@@ -1002,7 +1018,7 @@ def test_a_daemon_memory_or_startup_timeout_no_cluster_starts_with_is_refused_at
 
 
 def test_a_daemon_memory_is_taken_in_every_form_java_reads() -> None:
-    for memory in ("512m", "1G", "3145728", "4096k", "1t", " 1g "):
+    for memory in ("512m", "1G", "3145728", "4096k", "1t", " 1g ", "010m", "17179869183g"):
         cluster = LocalCluster(1, daemon_memory=memory, stop_at_exit=False)
         assert cluster.daemon_memory == memory.strip()
     assert LocalCluster(1, startup_timeout=30, stop_at_exit=False).startup_timeout == 30.0

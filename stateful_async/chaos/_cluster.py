@@ -313,27 +313,33 @@ def check_memory(name: str, value: Any) -> str:
 # SPARK_DAEMON_MEMORY as): case-insensitive; a number without one is bytes.
 _JAVA_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _MIN_HEAP = 2 << 20  # Java's -Xmx must be "greater than 2 MB"
+_MAX_HEAP = 1 << 64  # Java counts it in 64 bits: from 16 EiB on, an "Invalid maximum heap size"
 
 
 def check_daemon_memory(name: str, value: Any) -> str:
     """``value`` (stripped) if Java takes it as the daemons' heap size (``-Xmx``): a whole
     number with an optional unit (k, m, g or t; case-insensitive; none is bytes) of more
-    than 2 MiB; else ``ClusterError`` naming the setting ``name``."""
+    than 2 MiB and below 16 EiB; else ``ClusterError`` naming the setting ``name``. (Java
+    also reads hex, ``0x10m``; refused here, with the decimal size as a hint.)"""
     text = value.strip() if isinstance(value, str) else None
     match = re.fullmatch(r"([0-9]+)([kmgt]?)", text, re.IGNORECASE) if text else None
     if text is None or match is None:
+        hexa = re.fullmatch(r"0x([0-9a-f]+)([kmgt]?)", text, re.IGNORECASE) if text else None
         if isinstance(value, int) and not isinstance(value, bool) and value << 20 > _MIN_HEAP:
             # (only a size it takes: '0m' or '-1m' would be refused in turn)
             hint = f" Pass it as a string with its unit: '{value}m' for {value} MiB."
         elif text is not None and re.fullmatch(r"[0-9]*\.[0-9]+[a-zA-Z]*", text):
             hint = " Java takes no fractions: use a smaller unit (1536m, not 1.5g)."
+        elif hexa and _MIN_HEAP < int(hexa[1], 16) * _JAVA_UNITS[hexa[2].lower()] < _MAX_HEAP:
+            hint = f" Write it in decimal: {int(hexa[1], 16)}{hexa[2]} for {text}."
         else:
             hint = ""
         raise ClusterError(
             f"{name} must be a whole number with a unit, k, m, g or t (in any case), as Java "
             f"reads a heap size (-Xmx), such as 512m or 1g; got {value!r}.{hint}"
         )
-    if int(match[1]) * _JAVA_UNITS[match[2].lower()] <= _MIN_HEAP:
+    size = int(match[1]) * _JAVA_UNITS[match[2].lower()]
+    if size <= _MIN_HEAP:
         hint = (
             f" A number without a unit is bytes to Java: did you mean {text}m?"
             if not match[2] and int(match[1]) > 0
@@ -342,6 +348,11 @@ def check_daemon_memory(name: str, value: Any) -> str:
         raise ClusterError(
             f"{name} must be more than 2 MiB (2m), the least heap Java starts with; got "
             f"{value!r}.{hint}"
+        )
+    if size >= _MAX_HEAP:
+        raise ClusterError(
+            f"{name} must be below 16 EiB (16777216t), the most heap size Java can count; got "
+            f"{value!r}."
         )
     return text
 
@@ -529,8 +540,9 @@ class LocalCluster:
     this environment has installed). ``workers`` and ``cores`` are at least 1, ``memory`` is
     an amount as a Spark worker reads it (``512m``, ``2g``) of at least 1 MiB,
     ``daemon_memory`` (the master's and each worker's own heap) a heap size as Java reads
-    it (``512m``, ``1g``) of more than 2 MiB, and ``startup_timeout`` a finite number of
-    seconds above 0: anything else raises ``ClusterError`` here, before anything starts.
+    it (``512m``, ``1g``; not in hex) of more than 2 MiB and below 16 EiB, and
+    ``startup_timeout`` a finite number of seconds above 0: anything else raises
+    ``ClusterError`` here, before anything starts.
 
     Everything the cluster writes (configuration, daemon logs, executor work directories,
     the state file) goes under ``base_dir``; without one, a temporary directory is created
