@@ -316,8 +316,7 @@ def test_a_stop_while_a_start_holds_the_directory_too_long_stops_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
-    dead = {"pid": exited_pid(), "create_time": 0.0}
-    (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
+    record_dead_cluster(tmp_path)
     holder = LocalCluster.attach(tmp_path)._lock_start()  # a start that goes on
     try:
         with pytest.raises(
@@ -340,6 +339,26 @@ def test_a_stop_while_a_start_holds_the_directory_too_long_stops_nothing(
     assert not (tmp_path / "cluster.json").exists()
 
 
+def usage_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The message the cluster command exits with, status 2 (argparse's), for ``args``."""
+    with pytest.raises(SystemExit) as info:
+        cluster_main(args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    prefix = f"python -m stateful_async.chaos.cluster {args[0]}: error: "
+    assert prefix in err and err.endswith("\n"), err
+    return err[err.rindex(prefix) + len(prefix) : -1]
+
+
+def record_dead_cluster(state: Path, **settings: Any) -> None:
+    """Write ``state``/cluster.json for a cluster whose master and worker have exited, with
+    ``settings`` in place of the recorded ones."""
+    dead = {"pid": exited_pid(), "create_time": 0.0}
+    recorded = recorded_cluster(dead, dead)
+    recorded["settings"].update(settings)
+    (state / "cluster.json").write_text(json.dumps(recorded))
+
+
 def hold_as_a_start(state: Path, gives_up_at: float) -> Any:
     """cluster.lock held as a start does, naming this pid and the time it gives up by."""
     holder = LocalCluster.attach(state)._lock_start()
@@ -348,6 +367,22 @@ def hold_as_a_start(state: Path, gives_up_at: float) -> Any:
     holder.write(f"{os.getpid()} {gives_up_at:.3f}")
     holder.flush()
     return holder
+
+
+def stop_command_failing(state: Path, holder: Any, capsys: pytest.CaptureFixture[str]) -> str:
+    """Run `cluster stop --dir state` while ``holder`` holds the lock; assert it exits 1
+    (within 20 s), release the lock, and return what it wrote to stderr."""
+    codes: list[int] = []
+    stopping = threading.Thread(
+        target=lambda: codes.append(cluster_main(["stop", "--dir", str(state)])), daemon=True
+    )
+    try:
+        stopping.start()
+        stopping.join(timeout=20)
+        assert codes == [1]
+    finally:
+        holder.close()
+    return capsys.readouterr().err
 
 
 def test_a_start_writes_in_its_lock_the_time_it_gives_up_by(
@@ -377,8 +412,7 @@ def test_a_stop_waits_for_a_start_as_long_as_the_start_says_it_may_take(
     # Before, the stop waited its own startup_timeout plus timeout (here 0.5 s), and gave
     # up on a start that says it goes on for 2 s more.
     monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
-    dead = {"pid": exited_pid(), "create_time": 0.0}
-    (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
+    record_dead_cluster(tmp_path)
     holder = hold_as_a_start(tmp_path, time.time() + 2.0)
     cluster = LocalCluster.attach(tmp_path)
     cluster.startup_timeout = 0.2
@@ -409,20 +443,9 @@ def test_a_stop_gives_up_on_a_start_past_the_time_it_said_it_would_give_up_by(
     # A start 60 s past its own time (hung): `cluster stop` waited 195 s for it whatever
     # the start's --timeout; now 15 s past that time at most (here: not at all).
     monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
-    dead = {"pid": exited_pid(), "create_time": 0.0}
-    (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
+    record_dead_cluster(tmp_path)
     holder = hold_as_a_start(tmp_path, time.time() - 60)
-    codes: list[int] = []
-    stopping = threading.Thread(
-        target=lambda: codes.append(cluster_main(["stop", "--dir", str(tmp_path)])), daemon=True
-    )
-    try:
-        stopping.start()
-        stopping.join(timeout=20)
-        assert codes == [1]
-    finally:
-        holder.close()
-    err = capsys.readouterr().err
+    err = stop_command_failing(tmp_path, holder, capsys)
     assert (
         f"is still running in another process (pid {os.getpid()}) after 0 s, 60 s past the "
         "time it said it would give up by" in err
@@ -438,22 +461,9 @@ def test_the_stop_command_waits_for_a_start_naming_no_time_as_the_cluster_record
     # whatever startup_timeout the cluster recorded; stop() waits that timeout + 15 s.
     monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
     monkeypatch.setattr(cluster_module, "_STOP_MARGIN", 0.5)  # stop()'s timeout, not 15 s
-    dead = {"pid": exited_pid(), "create_time": 0.0}
-    state = recorded_cluster(dead, dead)
-    state["settings"]["startup_timeout"] = 1.0
-    (tmp_path / "cluster.json").write_text(json.dumps(state))
+    record_dead_cluster(tmp_path, startup_timeout=1.0)
     holder = LocalCluster.attach(tmp_path)._lock_start()  # names its pid alone
-    codes: list[int] = []
-    stopping = threading.Thread(
-        target=lambda: codes.append(cluster_main(["stop", "--dir", str(tmp_path)])), daemon=True
-    )
-    try:
-        stopping.start()
-        stopping.join(timeout=20)
-        assert codes == [1]
-    finally:
-        holder.close()
-    err = capsys.readouterr().err
+    err = stop_command_failing(tmp_path, holder, capsys)
     assert f"is still running in another process (pid {os.getpid()}) after 1.5 s" in err, err
     assert (tmp_path / "cluster.json").exists()  # nothing stopped
 
@@ -464,8 +474,7 @@ def test_a_stop_reads_a_lock_once_more_before_giving_up_on_the_time_it_names(
     # A start that has just taken the lock has not yet written its own pid and time over
     # its predecessor's: the stop gave up at once on that old time, naming the old pid.
     monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
-    dead = {"pid": exited_pid(), "create_time": 0.0}
-    (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
+    record_dead_cluster(tmp_path)
     holder = hold_as_a_start(tmp_path, time.time() - 60)  # the predecessor's, 60 s ago
     cluster = LocalCluster.attach(tmp_path)
     polls: list[float] = []
@@ -514,15 +523,9 @@ def test_a_stop_wait_no_stop_can_wait_for_is_refused_before_anything_is_stopped(
     # Before, 'cluster stop --wait nan' failed at once "after nan s", a negative --wait
     # waited not at all, and stop(wait=...) took them alike.
     monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
-    dead = {"pid": exited_pid(), "create_time": 0.0}
-    (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
-    with pytest.raises(SystemExit) as info:
-        cluster_main(["stop", "--dir", str(tmp_path), "--wait", value])
-    assert info.value.code == 2
-    assert capsys.readouterr().err.endswith(
-        "python -m stateful_async.chaos.cluster stop: error: "
-        + WAIT_FORM.format(name="--wait", value=float(value))
-        + "\n"
+    record_dead_cluster(tmp_path)
+    assert usage_error(["stop", "--dir", str(tmp_path), "--wait", value], capsys) == (
+        WAIT_FORM.format(name="--wait", value=float(value))
     )
     cluster = LocalCluster.attach(tmp_path)
     for bad in (float(value), "30", True):
@@ -587,8 +590,7 @@ def test_a_wait_for_workers_or_apps_that_cannot_end_is_refused_before_anything_w
     # NaN or infinite timeout (and wait_for_no_active_apps's) was waited as given, and a
     # count of 0, of more workers than the cluster has or True was not checked.
     monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
-    dead = {"pid": exited_pid(), "create_time": 0.0}
-    (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
+    record_dead_cluster(tmp_path)
     cluster = LocalCluster.attach(tmp_path)
     cluster.startup_timeout = 42.0
     waits: list[float] = []
@@ -909,10 +911,17 @@ def test_a_cluster_setting_no_worker_can_run_with_is_refused_before_anything_sta
 ) -> None:
     # Before, cores=0 or memory="1.5g" went unchecked onto the worker's command line,
     # found wrong (if at all) only by a worker already launched.
+    assert_refused_at_once(tmp_path, monkeypatch, setting, value, message.format(name=setting))
+
+
+def assert_refused_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str, value: Any, message: str
+) -> None:
+    """LocalCluster(setting=value) raises ClusterError(message) and makes no directory."""
     monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))  # no spark-class
     with pytest.raises(ClusterError) as info:
         LocalCluster(**{setting: value}, base_dir=tmp_path / "cluster", stop_at_exit=False)
-    assert str(info.value) == message.format(name=setting)
+    assert str(info.value) == message
     assert not (tmp_path / "cluster").exists()
 
 
@@ -927,12 +936,8 @@ def test_a_cluster_option_no_worker_can_run_with_is_refused_before_anything_star
 ) -> None:
     monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))  # no spark-class
     state = tmp_path / "cluster"
-    with pytest.raises(SystemExit) as info:
-        cluster_main(["start", "--dir", str(state), f"--{setting}={value}"])
-    assert info.value.code == 2
-    assert capsys.readouterr().err.endswith(
-        f"python -m stateful_async.chaos.cluster start: error: "
-        f"{message.format(name='--' + setting)}\n"
+    assert usage_error(["start", "--dir", str(state), f"--{setting}={value}"], capsys) == (
+        message.format(name="--" + setting)
     )
     assert not state.exists()
 
@@ -1010,11 +1015,7 @@ def test_a_daemon_memory_or_startup_timeout_no_cluster_starts_with_is_refused_at
     # Before, neither was checked: the daemons were launched with -Xmx<daemon_memory> (and
     # exited, found wrong only in their logs), a startup_timeout of 0 or below gave the
     # daemons 1 s to start, and NaN or inf waited for ever.
-    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))  # no spark-class
-    with pytest.raises(ClusterError) as info:
-        LocalCluster(**{setting: value}, base_dir=tmp_path / "cluster", stop_at_exit=False)
-    assert str(info.value) == message
-    assert not (tmp_path / "cluster").exists()
+    assert_refused_at_once(tmp_path, monkeypatch, setting, value, message)
 
 
 def test_a_daemon_memory_is_taken_in_every_form_java_reads() -> None:
@@ -1032,13 +1033,8 @@ def test_a_start_timeout_no_cluster_starts_with_is_refused_before_anything_start
     # start; --timeout nan or inf waited for ever.
     monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))  # no spark-class
     state = tmp_path / "cluster"
-    with pytest.raises(SystemExit) as info:
-        cluster_main(["start", "--dir", str(state), "--timeout", value])
-    assert info.value.code == 2
-    assert capsys.readouterr().err.endswith(
-        "python -m stateful_async.chaos.cluster start: error: "
-        + TIMEOUT_FORM.format(name="--timeout", value=float(value))
-        + "\n"
+    assert usage_error(["start", "--dir", str(state), "--timeout", value], capsys) == (
+        TIMEOUT_FORM.format(name="--timeout", value=float(value))
     )
     assert not state.exists()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import pickle
 import random
@@ -1148,16 +1149,25 @@ async def test_results_whose_iteration_raises_type_error_are_a_failed_attempt_no
     await op.close()
 
 
+@contextlib.contextmanager
+def loop_reports() -> typing.Iterator[list[dict]]:
+    """What the running loop's exception handler is given while the block runs."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict] = []
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    try:
+        yield reported
+    finally:
+        loop.set_exception_handler(None)
+
+
 async def test_a_timeout_handler_error_that_loses_the_race_is_dropped_silently() -> None:
     # The handler raises and the attempt's result arrives in the same loop iteration: the
     # result decides the element (one outcome), and the handler's error is dropped without
     # asyncio logging "Task exception was never retrieved" for it.
     import gc
 
-    logged: list = []
-    loop = asyncio.get_running_loop()
-    loop.set_exception_handler(lambda loop, context: logged.append(context))
-    try:
+    with loop_reports() as logged:
         clock, fn, out, op = await timed_out_a()
         fn.fail_timeout("a", Fatal("handler lost"))
         fn.complete("a", ["A"])
@@ -1168,8 +1178,6 @@ async def test_a_timeout_handler_error_that_loses_the_race_is_dropped_silently()
         del fn, op
         gc.collect()
         await settle()
-    finally:
-        loop.set_exception_handler(None)
     assert [c.get("message") for c in logged] == []
 
 
@@ -1257,18 +1265,13 @@ async def test_a_virtual_clock_advance_cancelled_after_a_wake_up_raised_reports_
     # before: the advance kept what the wake-up at 0.25 raised to raise it at its end, and
     # being cancelled at 0.5 it never did: the exception was lost, where SystemClock's loop
     # hands it to the exception handler
-    loop = asyncio.get_running_loop()
-    reported: list[dict] = []
-    loop.set_exception_handler(lambda _, context: reported.append(context))
-    try:
+    with loop_reports() as reported:
         clock = VirtualClock()
         advancing = asyncio.ensure_future(clock.advance(1))
         clock.call_at(0.25, lambda: 1 / 0)
         clock.call_at(0.5, advancing.cancel)
         with pytest.raises(asyncio.CancelledError):
             await advancing
-    finally:
-        loop.set_exception_handler(None)
     assert clock.now() == 0.5
     assert [(c["message"], type(c["exception"])) for c in reported] == [
         (
@@ -1284,10 +1287,7 @@ async def test_a_virtual_clock_refuses_an_advance_while_another_runs() -> None:
     # 1.0), the first failing with settle()'s "did not settle within 10000 rounds"; and
     # as they ended out of order the clock kept the first's error list, where every later
     # wake-up's exception went, outside any advance too: lost, not to the loop's handler
-    loop = asyncio.get_running_loop()
-    reported: list[dict] = []
-    loop.set_exception_handler(lambda _, context: reported.append(context))
-    try:
+    with loop_reports() as reported:
         clock = VirtualClock()
         first = asyncio.ensure_future(clock.advance(1))
         await asyncio.sleep(0)  # the first is running
@@ -1301,8 +1301,6 @@ async def test_a_virtual_clock_refuses_an_advance_while_another_runs() -> None:
         assert clock.now() == 1.0
         clock.call_at(clock.now(), lambda: 1 / 0)  # no advance runs: the loop reports it
         await settle()
-    finally:
-        loop.set_exception_handler(None)
     assert [type(c["exception"]) for c in reported] == [ZeroDivisionError]
     await clock.advance(1)
     assert clock.now() == 2.0
