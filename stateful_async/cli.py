@@ -920,37 +920,25 @@ def _check_output(output: Path) -> None:
             pass
         else:
             raise Fail(f"The output path {output} already exists; choose a new one.")
-        try:
-            is_directory = stat.S_ISDIR(os.stat(directory).st_mode)
-        except FileNotFoundError:
-            raise Fail(
-                f"The output path {output} is in a directory that does not exist: create "
-                f"{directory} first, or choose another path."
-            ) from None
-        except NotADirectoryError:
-            is_directory = False
-        if not is_directory:
-            raise Fail(
-                f"The output path {output} is under {_not_a_directory(directory)}, which is "
-                "not a directory; choose another path."
-            )
+        for above in (*reversed(directory.parents), directory):  # the first that is no folder
+            try:
+                mode = os.stat(above).st_mode
+            except FileNotFoundError:
+                raise Fail(
+                    f"The output path {output} is in a directory that does not exist: create "
+                    f"{directory} first, or choose another path."
+                ) from None
+            if not stat.S_ISDIR(mode):
+                raise Fail(
+                    f"The output path {output} is under {above}, which is not a directory; "
+                    "choose another path."
+                )
         output.open("x").close()  # e.g. a read-only directory, a name too long
         output.unlink()
     except OSError as exc:
         raise Fail(
             f"Cannot write to the output path {output}: {_os_reason(exc)}. Choose another path."
         ) from None
-
-
-def _not_a_directory(directory: Path) -> Path:
-    """The first of ``directory`` and the directories above it that is not one (a file)."""
-    for path in (*reversed(directory.parents), directory):
-        try:
-            if not stat.S_ISDIR(os.stat(path).st_mode):
-                return path
-        except OSError:
-            break
-    return directory
 
 
 def _write(output: Path, mode: str, write: Callable[[Any], object]) -> None:

@@ -69,16 +69,17 @@ def to_batch(
             row_index, required, problem = found
             raise _refusal(required.name, problem, described(sources[row_index]))
         return batch
+    checks = {name: check for name, check, _ in _lossy_checks(schema, units)}
     for row, source in zip(rows, sources, strict=True):  # find the culprit, for the message
         for field in schema:
             value = row.get(field.name)
             try:
                 pa.array([value], type=field.type)
             except _CONVERSION_ERRORS as exc:
-                # pyarrow refuses a frozenset (a set it takes): a set at any depth is
-                # refused as the lossy checks refuse one, in place of pyarrow's words
-                if (in_set := _set_for_array(value, field.type)) is not None:
-                    raise _refusal(field.name, in_set, described(source)) from exc
+                # pyarrow refuses a frozenset (a set it takes) at any depth: what the lossy
+                # checks find in the value says what to do, in place of pyarrow's words
+                if (loss := _loss_in(checks.get(field.name), value)) is not None:
+                    raise _refusal(field.name, loss, described(source)) from exc
                 if type(value).__name__ == "NaTType":
                     advice = "Return None for a missing value (NaT is pandas' missing time)"
                 else:
@@ -595,53 +596,16 @@ def _numpy_unit(value: np.datetime64 | np.timedelta64, arrow_type: pa.DataType) 
     )
 
 
-def _set_for_array(value: Any, arrow_type: pa.DataType) -> _Loss | None:
-    """Where in ``value``, a result of ``arrow_type`` that pyarrow refused, a set or
-    frozenset stands for an array (at any depth: in a list, a struct, a map), for the
-    message; None if none does. Goes through the forms pyarrow takes, and passes over
-    any other value, whatever it is (pyarrow's error says what is wrong with it)."""
-    if value is None:
+def _loss_in(check: _Check | None, value: Any) -> _Loss | None:
+    """What ``check`` (a lossy check) finds in ``value``, a value pyarrow refused; None if
+    nothing, or if the value is in a form the check does not read (pyarrow's error says
+    what is wrong with it)."""
+    if check is None or value is None:
         return None
-    children: list[tuple[str, Any, pa.DataType]]  # (where, value, its type)
-    if is_list_type(arrow_type):
-        if isinstance(value, (set, frozenset)):
-            return _Loss("", arrow_type, value, _SET_ORDER)
-        if not isinstance(value, (list, tuple)) and not (
-            isinstance(value, np.ndarray) and value.ndim == 1
-        ):
-            return None
-        children = [(f"[{i}]", element, arrow_type.value_type) for i, element in enumerate(value)]
-    elif pa.types.is_struct(arrow_type):
-        fields = [arrow_type.field(i) for i in range(arrow_type.num_fields)]
-        if isinstance(value, dict):
-            children = [(f".{f.name}", value.get(f.name), f.type) for f in fields]
-        elif isinstance(value, tuple):  # by position
-            children = [(f".{f.name}", v, f.type) for f, v in zip(fields, value, strict=False)]
-        else:
-            return None
-    elif pa.types.is_map(arrow_type):
-        if isinstance(value, dict):
-            entries: Iterable[Any] = value.items()
-        elif isinstance(value, (list, tuple)):
-            entries = value
-        else:
-            return None
-        children = []
-        for entry in entries:
-            if isinstance(entry, dict):
-                k, v = entry.get("key"), entry.get("value")
-            elif isinstance(entry, (list, tuple)) and len(entry) == 2:
-                k, v = entry
-            else:
-                continue
-            children.append((" key", k, arrow_type.key_type))
-            children.append((f"[{k!r}]", v, arrow_type.item_type))
-    else:
+    try:
+        return check(value)
+    except Exception:  # e.g. a number where a list is declared: not iterable
         return None
-    for where, child, child_type in children:
-        if (found := _set_for_array(child, child_type)) is not None:
-            return found.under(where)
-    return None
 
 
 _ENTRY_KEYS = frozenset({"key", "value"})
