@@ -536,6 +536,7 @@ class _TaskRun:
         self.argument = _argument_maker(spec.input_schema)  # the function's copy of a row
         self.out: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.error: BaseException | None = None
+        self.stopped_early = False  # Spark stopped reading (show(), take(), limit(n))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.driver: asyncio.Task[None] | None = None
         # output accumulated on the loop thread
@@ -568,17 +569,20 @@ class _TaskRun:
             daemon=True,
         )
         thread.start()
+        ended = False  # the loop thread said done, or raised
         try:
             while True:
                 kind, item = self.out.get()
                 if kind == "batch":
                     yield item
-                elif kind == "done":
+                    continue
+                ended = True
+                if kind == "done":
                     break
-                else:
-                    raise item
+                raise item
         finally:
-            if thread.is_alive():  # Spark stopped reading early: stop the loop
+            if not ended:  # Spark stopped reading early: stop the loop
+                self.stopped_early = True
                 loop, driver = self.loop, self.driver
                 if loop is not None and driver is not None:
                     try:
@@ -1350,8 +1354,11 @@ class _TaskRun:
         Nothing when it failed before its operator existed; never masks the error."""
         if getattr(self, "op", None) is None:
             return
+        ending = f" (failed: {type(error).__name__})"
+        if self.stopped_early and isinstance(error, asyncio.CancelledError):
+            ending = " (stopped: Spark read no further)"  # not a failure: show(), take()
         try:
-            self._log_summary(time.monotonic() - self.started, f" (failed: {type(error).__name__})")
+            self._log_summary(time.monotonic() - self.started, ending)
         except Exception:  # the line is a courtesy; the task's own error is what matters
             pass
 

@@ -1754,6 +1754,33 @@ def test_the_close_error_a_failed_task_logs_has_its_traceback(capsys) -> None:
     ), logged
 
 
+def test_a_task_spark_stops_reading_early_logs_that_it_stopped_not_that_it_failed(
+    capsys,
+) -> None:
+    # show(), take() and limit(n) stop reading a task's rows: its loop is cancelled, which
+    # is no failure of the task, and its line says so (it read "(failed: CancelledError)").
+    from stateful_async.spark._task import TaskIdentity, _TaskRun
+
+    async def slow(row):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.001)
+        return [row]
+
+    schema = pa.schema([("id", pa.int64())])
+    batches = iter([pa.record_batch([pa.array(range(5000), pa.int64())], schema=schema)])
+    rows = _TaskRun(id_task(slow), batches, TaskIdentity(0, 0, "app.stage1", {})).run()
+    assert next(rows).num_rows > 0
+    rows.close()  # what Spark does when it wants no more
+    logged = capsys.readouterr().err
+    assert re.search(
+        r"^stateful-async: partition 0 attempt 0, run app\.stage1, [\d,]+ records? invoked, "
+        r"[\d,]+ results? emitted, 0 retries, 0 timeouts, [\d.]+ s "
+        r"\(stopped: Spark read no further\)$",
+        logged,
+        re.MULTILINE,
+    ), logged
+    assert "failed" not in logged
+
+
 async def _same_id(row):  # type: ignore[no-untyped-def]
     return [row]
 
