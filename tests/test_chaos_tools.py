@@ -339,6 +339,37 @@ def test_a_stop_while_a_start_holds_the_directory_too_long_stops_nothing(
     assert not (tmp_path / "cluster.json").exists()
 
 
+def test_cluster_stop_holds_the_directory_from_its_wait_until_it_has_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, 'cluster stop' waited for a running start, let the lock go, read cluster.json
+    # and had stop() wait again: a start begun in between was waited for a second time
+    # (up to twice --wait in all), and could record a cluster the stop did not read.
+    import fcntl
+
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    record_dead_cluster(tmp_path)
+    attach = LocalCluster.attach.__func__  # type: ignore[attr-defined]
+    lock_free: list[bool] = []  # at each attach(): could a start take the lock?
+
+    def attach_seeing_the_lock(cls: type[LocalCluster], base_dir: Path) -> LocalCluster:
+        with open(base_dir / "cluster.lock", "a+") as other:
+            try:
+                fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                lock_free.append(True)
+            except BlockingIOError:
+                lock_free.append(False)
+        return attach(cls, base_dir)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(LocalCluster, "attach", classmethod(attach_seeing_the_lock))
+    assert cluster_main(["stop", "--wait", "5", "--dir", str(tmp_path)]) == 0
+    assert "stopped 0 processes" in capsys.readouterr().out
+    # the first read (for the cluster's settings) comes before the wait; the one whose
+    # cluster is stopped comes after it, with the lock held, as the stop itself
+    assert lock_free == [True, False]
+    assert not (tmp_path / "cluster.json").exists()
+
+
 def usage_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """The message the cluster command exits with, status 2 (argparse's), for ``args``."""
     with pytest.raises(SystemExit) as info:

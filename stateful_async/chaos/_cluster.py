@@ -1409,14 +1409,22 @@ class LocalCluster:
             lock = self._lock_start(self.startup_timeout + timeout, on_wait, margin=timeout)
         else:
             lock = self._lock_start(wait, on_wait)
-        self._lock = lock
         try:
             if self._attached:
                 self._reload()
+            return self._stop_holding(lock, timeout)
+        finally:
+            lock.close()
+
+    def _stop_holding(self, lock: IO[str], timeout: float = 15.0) -> list[int]:
+        """``stop()`` for a caller holding ``cluster.lock`` already (``stop()`` itself; the
+        command line, which takes it before ``attach()`` reads what a start recorded): no
+        start can begin meanwhile, and no second wait."""
+        self._lock = lock
+        try:
             return self._stop_locked(timeout)
         finally:
             self._lock = None
-            lock.close()
 
     def _reload(self) -> None:
         """Take up what ``cluster.json`` records now: a start that held the directory may

@@ -53,23 +53,28 @@ def _waiting(base_dir: Path, pid: str) -> None:
     print(f"waiting for the start running in {base_dir} (pid {pid}) to be done...", file=sys.stderr)
 
 
-def _wait_for_start(base_dir: Path, wait: float | None) -> None:
-    """Return once no start holds ``base_dir`` (at once if none does, or there is no such
-    directory); ``ClusterError`` if one still does after ``wait`` seconds (None: 15 s after
-    the time the start gives up by, by its --timeout; if it names none, as ``stop()`` does,
-    the cluster's startup_timeout as cluster.json records it, else 180 s, plus 15 s)."""
-    if not base_dir.is_dir():
-        return
+def _stop(base_dir: Path, wait: float | None) -> list[int]:
+    """Wait for a start running in ``base_dir`` to be done (it may not have recorded its
+    cluster yet), then stop what cluster.json records, holding the directory's lock all
+    along, so that no other start begins meanwhile: one wait in all. ``ClusterError`` if
+    a start still holds the lock after ``wait`` seconds (None: 15 s after the time the
+    start gives up by, by its --timeout; if it names none, as ``stop()`` does, the
+    cluster's startup_timeout as cluster.json records it, else 180 s, plus 15 s)."""
+    if not base_dir.is_dir():  # no start to wait for: attach() says there is no cluster
+        return LocalCluster.attach(base_dir).stop(wait=wait)
     try:
         probe = LocalCluster.attach(base_dir)
     except ClusterError:  # none recorded yet (or refused: attach says why after the wait)
         probe = LocalCluster(base_dir=base_dir, stop_at_exit=False)
-    margin = _STOP_MARGIN if wait is None else None
-    probe._lock_start(
+    lock = probe._lock_start(
         probe.startup_timeout + _STOP_MARGIN if wait is None else wait,
         lambda pid: _waiting(base_dir, pid),
-        margin=margin,
-    ).close()
+        margin=_STOP_MARGIN if wait is None else None,
+    )
+    try:
+        return LocalCluster.attach(base_dir)._stop_holding(lock)
+    finally:
+        lock.close()
 
 
 def _status(cluster: LocalCluster) -> dict[str, object]:
@@ -166,15 +171,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"web UI {cluster.webui_url}; state and logs in {args.dir}", file=sys.stderr)
             return 0
         if args.command == "stop":
-            # A start still running may not have recorded its cluster yet: wait for it
-            # before reading cluster.json (stop() waits too, for one begun meanwhile).
-            _wait_for_start(args.dir, args.wait)
+            pids = _stop(args.dir, args.wait)
+            print(f"stopped {len(pids)} processes: {' '.join(map(str, sorted(pids)))}")
+            return 0
         cluster = LocalCluster.attach(args.dir)
         if args.command == "status":
             print(json.dumps(_status(cluster), indent=2))
-        elif args.command == "stop":
-            pids = cluster.stop(wait=args.wait, on_wait=lambda pid: _waiting(args.dir, pid))
-            print(f"stopped {len(pids)} processes: {' '.join(map(str, sorted(pids)))}")
         elif args.command == "kill-executor":
             executor = cluster.kill_executor(args.app, args.worker)
             print(
