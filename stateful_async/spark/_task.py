@@ -67,6 +67,9 @@ _OUTPUT_ROWS = 1024  # rows per output Arrow batch
 # checkpoint, which hands them to Spark once committed)
 _FLUSH_SECONDS = 0.2
 _MAX_QUEUED_BATCHES = 16  # output backpressure: stop feeding input past this
+# The task's end waits for calls left in its loop's default executor (asyncio.to_thread)
+# until none has ended for this long: one the operator gave up on may block for ever.
+_THREAD_CALLS_SECONDS = 30.0
 _PROGRESS_SECONDS = 60.0  # a task logs its progress this often (STATEFUL_ASYNC_PROGRESS_SECONDS)
 _EXPIRE_EVERY = 20  # a long task expires old checkpoints every this many checkpoints
 _WATERMARK = "watermark"  # checkpoint property: the last watermark the task generated
@@ -512,6 +515,42 @@ def _qualified(target: Any) -> str:
     return f"{module}.{getattr(target, '__qualname__', type(target).__qualname__)}"
 
 
+class _DefaultExecutor(ThreadPoolExecutor):
+    """The task loop's default executor (``asyncio.to_thread``, ``run_in_executor(None,
+    ...)``): asyncio's own, counting its calls. ``asyncio.run`` waits for every one at the
+    end, with no limit; a blocking call the operator gave up on (it timed out, or its task
+    failed or was stopped) would hold the task for as long as it blocks. Once
+    ``left_behind`` is set, shutting down no longer waits: they go on in their threads."""
+
+    def __init__(self) -> None:
+        super().__init__(thread_name_prefix="asyncio")
+        self._counts = threading.Lock()
+        self.unfinished = 0  # submitted, not ended
+        self.ended = 0
+        self.left_behind = False
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        def call() -> Any:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._counts:
+                    self.unfinished -= 1
+                    self.ended += 1
+
+        with self._counts:
+            self.unfinished += 1
+        try:
+            return super().submit(call)
+        except BaseException:
+            with self._counts:
+                self.unfinished -= 1
+            raise
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=wait and not self.left_behind, cancel_futures=cancel_futures)
+
+
 class _Abort(Exception):
     """Raised inside the loop thread to stop the task with a stored error."""
 
@@ -611,6 +650,8 @@ class _TaskRun:
         self.driver = asyncio.current_task()
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="stateful-async-input")
         self.io = ThreadPoolExecutor(1, thread_name_prefix="stateful-async-checkpoint")
+        self.thread_calls = _DefaultExecutor()
+        self.loop.set_default_executor(self.thread_calls)
         self.started = time.monotonic()  # the task's clock: progress lines and summary
         failed: BaseException | None = None
         try:
@@ -624,11 +665,40 @@ class _TaskRun:
         finally:
             self.reader.shutdown(wait=False, cancel_futures=True)
             self.io.shutdown(wait=True)
+            await self._let_thread_calls_end()
             if failed is not None:
                 self._log_failure(failed)
         if self.spec.metrics is not None:
             self.spec.metrics.add(self._counters())
         self._log_summary(time.monotonic() - self.started)
+
+    async def _let_thread_calls_end(self) -> None:
+        """Wait for the calls the function left in the loop's default executor while they
+        keep ending; once none has for ``_THREAD_CALLS_SECONDS``, say so and let the task
+        end without them (asyncio.run would wait for ever on one that blocks for ever)."""
+        executor = self.thread_calls
+        ended, quiet_since = executor.ended, time.monotonic()
+        try:
+            while executor.unfinished > 0:
+                if executor.ended != ended:
+                    ended, quiet_since = executor.ended, time.monotonic()
+                elif time.monotonic() - quiet_since >= _THREAD_CALLS_SECONDS:
+                    executor.left_behind = True
+                    _write_line(
+                        f"stateful-async: partition {self.identity.partition} attempt "
+                        f"{self.identity.attempt}: "
+                        f"{_count(executor.unfinished, 'call')} the function left in the event "
+                        "loop's default executor (asyncio.to_thread, run_in_executor(None, "
+                        f"...)) still running, none ended in {_THREAD_CALLS_SECONDS:g} s; the "
+                        "task ends without them, and they go on in their threads. A call the "
+                        "task gave up on (timed out, or of a failed or stopped task) is not "
+                        "stopped by that: give blocking calls a timeout of their own."
+                    )
+                    return
+                await asyncio.sleep(0.05)
+        except asyncio.CancelledError:  # stopped (again) meanwhile: no more waiting
+            executor.left_behind = True
+            raise
 
     async def _drive(self) -> None:
         spec = self.spec

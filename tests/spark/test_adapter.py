@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -1779,6 +1780,87 @@ def test_a_task_spark_stops_reading_early_logs_that_it_stopped_not_that_it_faile
         re.MULTILINE,
     ), logged
     assert "failed" not in logged
+
+
+class _BlocksInAThread(AsyncFunction):
+    """Row 2's call blocks in the loop's default executor until ``release`` is set (a
+    blocking client with no timeout of its own); row 3 fails if ``fail`` is set."""
+
+    def __init__(self, release: threading.Event, fail: bool = False) -> None:
+        self.release, self.fail = release, fail
+
+    async def async_invoke(self, row):  # type: ignore[no-untyped-def]
+        if row["id"] == 2:
+            await asyncio.to_thread(self.release.wait)
+        if row["id"] == 3 and self.fail:
+            raise ValueError("no such key")
+        return [row]
+
+    async def timeout(self, row):  # type: ignore[no-untyped-def]
+        return [row]
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["task-succeeds", "task-fails"])
+def test_a_call_left_blocking_in_a_thread_does_not_hold_the_tasks_end_for_ever(
+    fail: bool, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The operator gives up on row 2's call (it times out, or the task fails), but its
+    # thread blocks on. asyncio.run waited for it at the task's end, with no limit: the
+    # task never ended, a failed one never reported its error. It waits while such calls
+    # keep ending, and gives up once none has for _THREAD_CALLS_SECONDS (here 0.5 s).
+    from stateful_async.spark import _task
+    from stateful_async.spark._task import TaskIdentity, _TaskRun
+
+    monkeypatch.setattr(_task, "_THREAD_CALLS_SECONDS", 0.5)
+    release = threading.Event()
+    threading.Timer(10, release.set).start()  # the old code's task ends only then
+    spec = dataclasses.replace(id_task(_BlocksInAThread(release, fail)), timeout=0.2)
+    batches = iter([pa.record_batch([pa.array(range(5), pa.int64())], schema=ID_SCHEMA)])
+    task = _TaskRun(spec, batches, TaskIdentity(0, 0, "app.stage1", {}))
+    try:
+        if fail:
+            with pytest.raises(Exception, match=r"input row \{'id': 3\}.*no such key"):
+                list(task.run())
+        else:
+            assert [r for b in task.run() for r in b.column("id").to_pylist()] == [0, 1, 2, 3, 4]
+        assert not release.is_set()  # ended while the call still blocks
+    finally:
+        release.set()
+    logged = capsys.readouterr().err
+    assert (
+        "stateful-async: partition 0 attempt 0: 1 call the function left in the event loop's "
+        "default executor (asyncio.to_thread, run_in_executor(None, ...)) still running, "
+        "none ended in 0.5 s; the task ends without them, and they go on in their threads. "
+        "A call the task gave up on (timed out, or of a failed or stopped task) is not "
+        "stopped by that: give blocking calls a timeout of their own.\n"
+    ) in logged, logged
+
+
+def test_the_tasks_end_waits_for_thread_calls_while_they_keep_ending(
+    capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Calls the function started in threads and did not await (writes it fires and
+    # forgets) are waited for while any ends within _THREAD_CALLS_SECONDS: three of 0.3,
+    # 0.6 and 0.9 s all finish, though the last ends past 0.5 s.
+    from stateful_async.spark import _task
+    from stateful_async.spark._task import TaskIdentity, _TaskRun
+
+    monkeypatch.setattr(_task, "_THREAD_CALLS_SECONDS", 0.5)
+    written: list[int] = []
+
+    def write(row_id: int) -> None:
+        time.sleep(0.3 * (row_id + 1))
+        written.append(row_id)
+
+    async def fire_and_forget(row):  # type: ignore[no-untyped-def]
+        asyncio.get_running_loop().run_in_executor(None, write, row["id"])
+        return [row]
+
+    batches = iter([pa.record_batch([pa.array(range(3), pa.int64())], schema=ID_SCHEMA)])
+    task = _TaskRun(id_task(fire_and_forget), batches, TaskIdentity(0, 0, "app.stage1", {}))
+    assert sum(b.num_rows for b in task.run()) == 3
+    assert sorted(written) == [0, 1, 2]
+    assert "default executor" not in capsys.readouterr().err
 
 
 async def _same_id(row):  # type: ignore[no-untyped-def]
