@@ -11,7 +11,7 @@ import pyarrow as pa
 from stateful_async import OutputMode
 from stateful_async._function import as_async_function
 from stateful_async.spark import CheckpointConfig
-from stateful_async.spark._task import TaskSpec
+from stateful_async.spark._task import TaskIdentity, TaskSpec, _TaskRun
 
 #: the input and output schema of these tasks: one ``id`` column
 ID_SCHEMA = pa.schema([("id", pa.int64())])
@@ -30,6 +30,13 @@ def id_task(
         as_async_function(fn), mode, capacity, None, None, ID_SCHEMA, ID_SCHEMA, event_time, 0,
         checkpoint, "app",
     )  # fmt: skip
+
+
+def id_task_run(spec: TaskSpec, rows: int, partition: int = 0) -> _TaskRun:
+    """``spec``'s task in this process (attempt 0 of run app.stage1), over one input batch
+    of ids 0 to ``rows`` - 1; its ``run()`` yields its output batches."""
+    batch = pa.record_batch([pa.array(range(rows), pa.int64())], schema=ID_SCHEMA)
+    return _TaskRun(spec, iter([batch]), TaskIdentity(partition, 0, "app.stage1", {}))
 
 
 def run_available_now(writer: Any, checkpoint_location: Any, seconds: float = 120) -> None:

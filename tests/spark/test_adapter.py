@@ -30,7 +30,12 @@ from pyspark import cloudpickle
 from pyspark.sql import Row
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
-from task_specs import ID_SCHEMA, id_task, run_available_now  # tests/spark is on pythonpath
+from task_specs import (  # tests/spark is on pythonpath
+    ID_SCHEMA,
+    id_task,
+    id_task_run,
+    run_available_now,
+)
 
 from checkpoint import SnapshotStore, UnsupportedTypeError
 from stateful_async import (
@@ -330,13 +335,12 @@ def test_a_task_reads_no_further_while_spark_does_not_take_its_results() -> None
     # batch size), 20 results per row, and a consumer that takes one output batch and
     # pauses. The task must stop invoking the function once the output queue is full, not
     # queue every row's results of the batch (200,000 rows) while Spark is busy.
-    from stateful_async.spark._task import _MAX_QUEUED_BATCHES, TaskIdentity, _TaskRun
+    from stateful_async.spark._task import _MAX_QUEUED_BATCHES
 
     async def twenty(row):  # type: ignore[no-untyped-def]
         return [row] * 20
 
-    batches = iter([pa.record_batch([pa.array(range(10_000), pa.int64())], schema=ID_SCHEMA)])
-    task = _TaskRun(id_task(twenty, capacity=10), batches, TaskIdentity(0, 0, "app.stage1", {}))
+    task = id_task_run(id_task(twenty, capacity=10), 10_000)
     out = task.run()
     taken = next(out).num_rows
     time.sleep(1.5)  # the task runs on while the consumer pauses
@@ -1731,13 +1735,9 @@ def test_a_close_that_raises_after_a_failure_does_not_hide_it(spark) -> None:
 
 def test_the_close_error_a_failed_task_logs_has_its_traceback(capsys) -> None:
     # The task itself, in this process (an executor's stderr does not reach the test).
-    from stateful_async.spark._task import TaskIdentity, _TaskRun
 
-    schema = pa.schema([("id", pa.int64())])
-    spec = id_task(FailsAndFailsToClose(), capacity=2)
-    batches = iter([pa.record_batch([pa.array(range(5), pa.int64())], schema=schema)])
     with pytest.raises(Exception, match="connection reset by peer"):
-        list(_TaskRun(spec, batches, TaskIdentity(0, 0, "app.stage1", {})).run())
+        list(id_task_run(id_task(FailsAndFailsToClose(), capacity=2), 5).run())
     logged = capsys.readouterr().err
     assert re.search(
         r"partition 0 attempt 0: the function's close\(\) raised RuntimeError: cannot close a "
@@ -1755,20 +1755,18 @@ def test_the_close_error_a_failed_task_logs_has_its_traceback(capsys) -> None:
     ), logged
 
 
+async def _echo_in_5_ms(row):  # type: ignore[no-untyped-def]
+    await asyncio.sleep(0.005)
+    return [row]
+
+
 def test_a_task_spark_stops_reading_early_logs_that_it_stopped_not_that_it_failed(
     capsys,
 ) -> None:
     # show(), take() and limit(n) stop reading a task's rows: its loop is cancelled, which
     # is no failure of the task, and its line says so (it read "(failed: CancelledError)").
-    from stateful_async.spark._task import TaskIdentity, _TaskRun
 
-    async def slow(row):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(0.001)
-        return [row]
-
-    schema = pa.schema([("id", pa.int64())])
-    batches = iter([pa.record_batch([pa.array(range(5000), pa.int64())], schema=schema)])
-    rows = _TaskRun(id_task(slow), batches, TaskIdentity(0, 0, "app.stage1", {})).run()
+    rows = id_task_run(id_task(_echo_in_5_ms), 5000).run()
     assert next(rows).num_rows > 0
     rows.close()  # what Spark does when it wants no more
     logged = capsys.readouterr().err
@@ -1809,14 +1807,12 @@ def test_a_call_left_blocking_in_a_thread_does_not_hold_the_tasks_end_for_ever(
     # task never ended, a failed one never reported its error. It waits while such calls
     # keep ending, and gives up once none has for _THREAD_CALLS_SECONDS (here 0.5 s).
     from stateful_async.spark import _task
-    from stateful_async.spark._task import TaskIdentity, _TaskRun
 
     monkeypatch.setattr(_task, "_THREAD_CALLS_SECONDS", 0.5)
     release = threading.Event()
     threading.Timer(10, release.set).start()  # the old code's task ends only then
     spec = dataclasses.replace(id_task(_BlocksInAThread(release, fail)), timeout=0.2)
-    batches = iter([pa.record_batch([pa.array(range(5), pa.int64())], schema=ID_SCHEMA)])
-    task = _TaskRun(spec, batches, TaskIdentity(0, 0, "app.stage1", {}))
+    task = id_task_run(spec, 5)
     try:
         if fail:
             with pytest.raises(Exception, match=r"input row \{'id': 3\}.*no such key"):
@@ -1843,7 +1839,6 @@ def test_the_tasks_end_waits_for_thread_calls_while_they_keep_ending(
     # forgets) are waited for while any ends within _THREAD_CALLS_SECONDS: three of 0.3,
     # 0.6 and 0.9 s all finish, though the last ends past 0.5 s.
     from stateful_async.spark import _task
-    from stateful_async.spark._task import TaskIdentity, _TaskRun
 
     monkeypatch.setattr(_task, "_THREAD_CALLS_SECONDS", 0.5)
     written: list[int] = []
@@ -1856,8 +1851,7 @@ def test_the_tasks_end_waits_for_thread_calls_while_they_keep_ending(
         asyncio.get_running_loop().run_in_executor(None, write, row["id"])
         return [row]
 
-    batches = iter([pa.record_batch([pa.array(range(3), pa.int64())], schema=ID_SCHEMA)])
-    task = _TaskRun(id_task(fire_and_forget), batches, TaskIdentity(0, 0, "app.stage1", {}))
+    task = id_task_run(id_task(fire_and_forget), 3)
     assert sum(b.num_rows for b in task.run()) == 3
     assert sorted(written) == [0, 1, 2]
     assert "default executor" not in capsys.readouterr().err
@@ -1872,13 +1866,9 @@ def test_a_long_task_logs_its_progress(spark, capsys, monkeypatch, tmp_path) -> 
     # rows at 5 ms each, two at a time, take about 0.1 s; a progress line every 0.03 s.
     from stateful_async.spark._task import TaskIdentity, _TaskRun
 
-    async def slow(row):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(0.005)
-        return [row]
-
     schema = pa.schema([("id", pa.int64())])
     config = CheckpointConfig(str(tmp_path / "chk"), "progress", interval_records=10)
-    spec = id_task(slow, capacity=2, checkpoint=config)
+    spec = id_task(_echo_in_5_ms, capacity=2, checkpoint=config)
 
     def run(rows: int, attempt: int = 1, read_seconds: float = 0.0) -> str:
         def batches() -> Iterator[pa.RecordBatch]:  # 4-row batches, each read_seconds late
@@ -1955,22 +1945,16 @@ def test_a_progress_line_that_fails_to_print_stops_neither_later_lines_nor_the_t
     # The task itself, in this process. A progress line that raised ended the progress
     # timer's callback before it set the next one: no progress line after it. And a
     # summary line that raised failed the task, whose every result was computed.
-    from stateful_async.spark._task import TaskIdentity, _TaskRun
 
-    async def slow(row):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(0.005)
-        return [row]
+    spec = id_task(_echo_in_5_ms, capacity=2)
 
-    spec = id_task(slow, capacity=2)
-
-    def run(identity: TaskIdentity) -> int:
-        batches = iter([pa.record_batch([pa.array(range(60), pa.int64())], schema=ID_SCHEMA)])
-        return sum(b.num_rows for b in _TaskRun(spec, batches, identity).run())
+    def run(partition: int) -> int:
+        return sum(b.num_rows for b in id_task_run(spec, 60, partition).run())
 
     monkeypatch.setenv("STATEFUL_ASYNC_PROGRESS_SECONDS", "0.02")
     stderr = _StderrThatFails(failures=1)  # the first progress line
     monkeypatch.setattr(sys, "stderr", stderr)
-    assert run(TaskIdentity(0, 0, "app.stage1", {})) == 60
+    assert run(0) == 60
     assert stderr.failures == 0  # it did refuse one
     lines = stderr.getvalue().splitlines()
     assert [line for line in lines if line.endswith("(in progress)")], lines  # after it
@@ -1981,7 +1965,7 @@ def test_a_progress_line_that_fails_to_print_stops_neither_later_lines_nor_the_t
     closed = io.StringIO()  # a stderr that takes no line at all: each write a ValueError
     closed.close()
     monkeypatch.setattr(sys, "stderr", closed)
-    assert run(TaskIdentity(1, 0, "app.stage1", {})) == 60
+    assert run(1) == 60
 
 
 def test_a_result_missing_a_field_names_it_and_the_input_row(spark) -> None:
