@@ -530,22 +530,23 @@ class _DefaultExecutor(ThreadPoolExecutor):
         self.left_behind = False
 
     def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
-        def call() -> Any:
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                with self._counts:
-                    self.unfinished -= 1
-                    self.ended += 1
-
         with self._counts:
             self.unfinished += 1
         try:
-            return super().submit(call)
+            future = super().submit(fn, *args, **kwargs)
         except BaseException:
             with self._counts:
                 self.unfinished -= 1
             raise
+        # when it is done: run, or cancelled before it ran (a call awaited by an element
+        # the operator decided, still queued for a thread), which never runs at all
+        future.add_done_callback(self._ended)
+        return future
+
+    def _ended(self, _: Any) -> None:
+        with self._counts:
+            self.unfinished -= 1
+            self.ended += 1
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         super().shutdown(wait=wait and not self.left_behind, cancel_futures=cancel_futures)

@@ -1857,6 +1857,36 @@ def test_the_tasks_end_waits_for_thread_calls_while_they_keep_ending(
     assert "default executor" not in capsys.readouterr().err
 
 
+class _SleepsInAThread(AsyncFunction):
+    """Each call sleeps 0.3 s in the loop's default executor; a timeout keeps the row."""
+
+    async def async_invoke(self, row):  # type: ignore[no-untyped-def]
+        await asyncio.to_thread(time.sleep, 0.3)
+        return [row]
+
+    async def timeout(self, row):  # type: ignore[no-untyped-def]
+        return [row]
+
+
+def test_a_thread_call_cancelled_before_it_ran_does_not_hold_the_tasks_end(
+    capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 40 calls at once, more than the default executor's threads (at most 32): those still
+    # queued when their element times out are cancelled and never run. They were counted
+    # as running for ever: the task's end waited _THREAD_CALLS_SECONDS for nothing and
+    # said they were left running.
+    from stateful_async.spark import _task
+
+    monkeypatch.setattr(_task, "_THREAD_CALLS_SECONDS", 2.0)
+    spec = dataclasses.replace(id_task(_SleepsInAThread()), timeout=0.1)
+    assert sum(b.num_rows for b in id_task_run(spec, 40).run()) == 40
+    logged = capsys.readouterr().err
+    assert "default executor" not in logged, logged
+    assert re.search(
+        r"^stateful-async: partition 0 attempt 0, .* 40 timeouts, [\d.]+ s$", logged, re.M
+    ), logged
+
+
 async def _same_id(row):  # type: ignore[no-untyped-def]
     return [row]
 
