@@ -699,7 +699,10 @@ class _TaskRun:
                 await asyncio.sleep(0.05)
         except asyncio.CancelledError:  # stopped (again) meanwhile: no more waiting
             executor.left_behind = True
-            raise
+            if not self.stopped_early:
+                raise
+            # Spark read no further: the task's end goes on (raised from _main's finally,
+            # this cancellation hid the task's line, and the error it had failed with)
 
     async def _drive(self) -> None:
         spec = self.spec

@@ -1887,6 +1887,53 @@ def test_a_thread_call_cancelled_before_it_ran_does_not_hold_the_tasks_end(
     ), logged
 
 
+@pytest.mark.parametrize("fail", [False, True], ids=["task-succeeds", "task-fails"])
+def test_a_task_spark_stops_reading_while_it_waits_for_thread_calls_still_logs_its_end(
+    fail: bool, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The task has run every row (or failed on the last) and waits at its end for a call
+    # row 0 left in a thread, when Spark stops reading (show(), take()). That cancellation
+    # was raised out of the wait, in _main's finally: the task's line was lost, and the
+    # error it had failed with.
+    from stateful_async.spark import _task
+
+    monkeypatch.setattr(_task, "_THREAD_CALLS_SECONDS", 30.0)
+    release, waiting = threading.Event(), threading.Event()
+    let_end = _task._TaskRun._let_thread_calls_end
+
+    async def let_end_saying_so(self):  # type: ignore[no-untyped-def]
+        waiting.set()  # it yields to the loop first in the wait: no cancellation before
+        await let_end(self)
+
+    monkeypatch.setattr(_task._TaskRun, "_let_thread_calls_end", let_end_saying_so)
+
+    async def leaves_a_call(row):  # type: ignore[no-untyped-def]
+        if row["id"] == 0:
+            asyncio.get_running_loop().run_in_executor(None, release.wait)
+        if fail and row["id"] == 4999:
+            raise ValueError("no such key")
+        return [row]
+
+    task = id_task_run(id_task(leaves_a_call), 5000)
+    rows = task.run()
+    try:
+        assert next(rows).num_rows == 1024
+        assert waiting.wait(10)  # the task is at its end, waiting for the call
+        rows.close()  # what Spark does when it wants no more
+    finally:
+        release.set()
+    ending = r" \(failed: AsyncFunctionError\)" if fail else ""
+    results = "4,999" if fail else "5,000"
+    logged = capsys.readouterr().err
+    assert re.search(
+        r"^stateful-async: partition 0 attempt 0, run app\.stage1, 5,000 records invoked, "
+        rf"{results} results emitted, 0 retries, 0 timeouts, [\d.]+ s{ending}$",
+        logged,
+        re.MULTILINE,
+    ), logged
+    assert "default executor" not in logged, logged
+
+
 async def _same_id(row):  # type: ignore[no-untyped-def]
     return [row]
 
