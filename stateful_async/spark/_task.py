@@ -676,7 +676,15 @@ class _TaskRun:
     async def _let_thread_calls_end(self) -> None:
         """Wait for the calls the function left in the loop's default executor while they
         keep ending; once none has for ``_THREAD_CALLS_SECONDS``, say so and let the task
-        end without them (asyncio.run would wait for ever on one that blocks for ever)."""
+        end without them (asyncio.run would wait for ever on one that blocks for ever).
+
+        Tasks the function left running are cancelled first, as asyncio.run cancels them
+        before its own wait: one that keeps starting calls (a watch loop its close() did
+        not stop) would otherwise keep this wait from ever ending."""
+        current = asyncio.current_task()
+        for task in asyncio.all_tasks():
+            if task is not current:
+                task.cancel()
         executor = self.thread_calls
         ended, quiet_since = executor.ended, time.monotonic()
         try:

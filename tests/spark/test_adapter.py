@@ -1934,6 +1934,51 @@ def test_a_task_spark_stops_reading_while_it_waits_for_thread_calls_still_logs_i
     assert "default executor" not in logged, logged
 
 
+class _WatchesInAThread(AsyncFunction):
+    """open() starts a loop of blocking calls in threads (a long poll of a config service,
+    each 0.3 s) until ``stop`` is set; close() does not stop it."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop = stop
+
+    async def open(self) -> None:
+        async def watch() -> None:
+            while not self.stop.is_set():
+                await asyncio.to_thread(self.stop.wait, 0.3)
+
+        self.watch = asyncio.create_task(watch())
+
+    async def async_invoke(self, row):  # type: ignore[no-untyped-def]
+        return [row]
+
+
+def test_a_task_left_starting_thread_calls_does_not_hold_the_tasks_end(
+    capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # asyncio.run cancels the tasks left on the loop, then waits for the default executor.
+    # The wait for thread calls came before that cancellation: a loop the function left
+    # running kept starting calls that each ended within _THREAD_CALLS_SECONDS, and the
+    # task never ended. It cancels them first, as asyncio.run does.
+    from stateful_async.spark import _task
+
+    monkeypatch.setattr(_task, "_THREAD_CALLS_SECONDS", 2.0)
+    stop = threading.Event()
+    task = id_task_run(id_task(_WatchesInAThread(stop)), 10)
+    rows: list[int] = []
+    ran = threading.Thread(target=lambda: rows.extend(b.num_rows for b in task.run()))
+    ran.start()
+    try:
+        ran.join(10)
+        assert not ran.is_alive()  # the task ended while the function's loop ran on
+    finally:
+        stop.set()
+        ran.join()
+    assert sum(rows) == 10
+    logged = capsys.readouterr().err
+    assert "default executor" not in logged, logged  # the loop's last call ended
+    assert re.search(r"^stateful-async: partition 0 attempt 0, .*, [\d.]+ s$", logged, re.M)
+
+
 async def _same_id(row):  # type: ignore[no-untyped-def]
     return [row]
 
