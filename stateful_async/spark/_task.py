@@ -518,9 +518,10 @@ def _qualified(target: Any) -> str:
 class _DefaultExecutor(ThreadPoolExecutor):
     """The task loop's default executor (``asyncio.to_thread``, ``run_in_executor(None,
     ...)``): asyncio's own, counting its calls. ``asyncio.run`` waits for every one at the
-    end, with no limit; a blocking call the operator gave up on (it timed out, or its task
-    failed or was stopped) would hold the task for as long as it blocks. Once
-    ``left_behind`` is set, shutting down no longer waits: they go on in their threads."""
+    end, with no limit (from Python 3.12, up to 5 minutes); a blocking call the operator
+    gave up on (it timed out, or its task failed or was stopped) would hold the task for as
+    long as it blocks. Once ``left_behind`` is set, shutting down no longer waits: they go
+    on in their threads."""
 
     def __init__(self) -> None:
         super().__init__(thread_name_prefix="asyncio")
@@ -676,7 +677,8 @@ class _TaskRun:
     async def _let_thread_calls_end(self) -> None:
         """Wait for the calls the function left in the loop's default executor while they
         keep ending; once none has for ``_THREAD_CALLS_SECONDS``, say so and let the task
-        end without them (asyncio.run would wait for ever on one that blocks for ever).
+        end without them (asyncio.run would wait for ever, or 5 minutes from Python 3.12, on
+        one that blocks for ever).
 
         Tasks the function left running are cancelled first, as asyncio.run cancels them
         before its own wait: one that keeps starting calls (a watch loop its close() did
