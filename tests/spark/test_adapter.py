@@ -1810,7 +1810,8 @@ def test_a_call_left_blocking_in_a_thread_does_not_hold_the_tasks_end_for_ever(
 
     monkeypatch.setattr(_task, "_THREAD_CALLS_SECONDS", 0.5)
     release = threading.Event()
-    threading.Timer(10, release.set).start()  # the old code's task ends only then
+    unblock = threading.Timer(10, release.set)  # the old code's task ends only then
+    unblock.start()
     spec = dataclasses.replace(id_task(_BlocksInAThread(release, fail)), timeout=0.2)
     task = id_task_run(spec, 5)
     try:
@@ -1821,6 +1822,7 @@ def test_a_call_left_blocking_in_a_thread_does_not_hold_the_tasks_end_for_ever(
             assert [r for b in task.run() for r in b.column("id").to_pylist()] == [0, 1, 2, 3, 4]
         assert not release.is_set()  # ended while the call still blocks
     finally:
+        unblock.cancel()
         release.set()
     logged = capsys.readouterr().err
     assert (
