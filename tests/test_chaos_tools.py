@@ -370,6 +370,51 @@ def test_cluster_stop_holds_the_directory_from_its_wait_until_it_has_stopped(
     assert not (tmp_path / "cluster.json").exists()
 
 
+def test_a_start_or_a_stop_finding_a_stop_at_work_says_it_is_a_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # cluster.lock named a stop's pid alone, as a start's: a start refused while a stop ran
+    # said another process "is starting a cluster", and a stop waiting for it called it a
+    # start that "would be recorded again after the stop".
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    record_dead_cluster(tmp_path)
+    refused: list[str] = []
+    stop_locked = LocalCluster._stop_locked
+
+    def start_during_the_stop(self: LocalCluster, timeout: float) -> list[int]:
+        with pytest.raises(ClusterError) as info:
+            LocalCluster(1, base_dir=tmp_path, stop_at_exit=False).start()
+        refused.append(str(info.value))
+        return stop_locked(self, timeout)
+
+    monkeypatch.setattr(LocalCluster, "_stop_locked", start_during_the_stop)
+    assert cluster_main(["stop", "--dir", str(tmp_path)]) == 0
+    assert refused == [
+        f"Another process (pid {os.getpid()}) is stopping the cluster in {tmp_path} right "
+        f"now ({tmp_path / 'cluster.lock'} is locked). Wait until it is done and see what "
+        f"runs (python -m stateful_async.chaos.cluster status --dir {tmp_path}), or use "
+        "another directory."
+    ]
+    monkeypatch.undo()
+
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
+    record_dead_cluster(tmp_path)
+    holder = LocalCluster.attach(tmp_path)._lock_start(wait=0)  # a stop that goes on
+    try:
+        assert cluster_main(["stop", "--wait", "0.3", "--dir", str(tmp_path)]) == 1
+    finally:
+        holder.close()
+    err = capsys.readouterr().err
+    assert f"waiting for the stop running in {tmp_path} (pid {os.getpid()}) to be done" in err
+    assert (
+        f"error: A stop of the cluster in {tmp_path} is still running in another process "
+        f"(pid {os.getpid()}) after 0.3 s ({tmp_path / 'cluster.lock'} is locked). Wait until "
+        f"it is done and see what runs (python -m stateful_async.chaos.cluster status --dir "
+        f"{tmp_path}).\n"
+    ) in err
+    assert (tmp_path / "cluster.json").exists()  # this stop stopped nothing
+
+
 def usage_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """The message the cluster command exits with, status 2 (argparse's), for ``args``."""
     with pytest.raises(SystemExit) as info:

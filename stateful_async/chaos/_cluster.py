@@ -512,16 +512,23 @@ def _unusable_state_message(
     )
 
 
-def _lock_holder(text: str) -> tuple[str, float | None]:
-    """The pid a cluster.lock names ('unknown' if none), and the time (``time.time()``) its
-    start gives up by, if it names one (a stop's, or an older version's, does not)."""
+_STOP_MARK = "stop"  # cluster.lock held by a stop: "<pid> stop"
+
+
+def _lock_holder(text: str) -> tuple[str, float | None, str]:
+    """The pid a cluster.lock names ('unknown' if none), the time (``time.time()``) its
+    start gives up by, if it names one (a stop's, or an older version's, does not), and
+    what the holder does: "stop", or "start" (of the cluster or a worker; an older
+    version's stop too, which the lock does not tell apart)."""
     parts = text.split()
     holder = parts[0] if parts and parts[0].isdigit() else "unknown"
+    if parts[1:2] == [_STOP_MARK]:
+        return holder, None, "stop"
     try:
         gives_up_at = float(parts[1])
     except (IndexError, ValueError):
-        return holder, None
-    return holder, gives_up_at if math.isfinite(gives_up_at) else None
+        return holder, None, "start"
+    return holder, gives_up_at if math.isfinite(gives_up_at) else None, "start"
 
 
 class LocalCluster:
@@ -648,7 +655,7 @@ class LocalCluster:
     def _lock_start(
         self,
         wait: float | None = None,
-        on_wait: Callable[[str], None] | None = None,
+        on_wait: Callable[[str, str], None] | None = None,
         *,
         gives_up_in: float | None = None,
         margin: float | None = None,
@@ -656,10 +663,10 @@ class LocalCluster:
         """Take ``<base_dir>/cluster.lock`` for this start (of the cluster or of a worker),
         or raise ``ClusterError`` if another one (in any process) holds it. The lock file
         names this process's pid and, for a start that gives up in ``gives_up_in`` seconds,
-        the time it gives up by. With ``wait`` (for a stop), wait up to that many seconds
-        for the holder to be done instead, or with ``margin`` too, until the time the
-        holder gives up by, plus ``margin`` (where it names one); and call ``on_wait(holder's
-        pid)`` once if it has to."""
+        the time it gives up by. With ``wait`` (for a stop, which the lock file then says),
+        wait up to that many seconds for the holder to be done instead, or with ``margin``
+        too, until the time the holder gives up by, plus ``margin`` (where it names one);
+        and call ``on_wait(holder's pid, "start" or "stop")`` once if it has to."""
         import fcntl
 
         assert self.base_dir is not None
@@ -674,7 +681,7 @@ class LocalCluster:
                 break
             except BlockingIOError:
                 lock.seek(0)
-                holder, gives_up_at = _lock_holder(lock.read())
+                holder, gives_up_at, doing = _lock_holder(lock.read())
                 pid = f" (pid {holder})" if holder.isdigit() else ""
                 # the holder's time is the wall clock's (another process's monotonic differs)
                 by_holder = margin is not None and gives_up_at is not None
@@ -684,7 +691,7 @@ class LocalCluster:
                     limit = began + (wait or 0.0)
                 if wait is not None and time.monotonic() < limit:
                     if not waited and on_wait is not None:
-                        on_wait(holder)
+                        on_wait(holder, doing)
                     waited = True
                     time.sleep(0.1)
                     continue
@@ -695,6 +702,13 @@ class LocalCluster:
                     time.sleep(0.1)
                     continue
                 lock.close()
+                if wait is not None and doing == "stop":
+                    raise ClusterError(
+                        f"A stop of the cluster in {self.base_dir} is still running in another "
+                        f"process{pid} after {wait:g} s ({path} is locked). Wait until it is "
+                        "done and see what runs (python -m stateful_async.chaos.cluster status "
+                        f"--dir {self.base_dir})."
+                    ) from None
                 if wait is not None:
                     waited_for = (
                         f"{time.monotonic() - began:.0f} s, {time.time() - gives_up_at:.0f} s "
@@ -709,17 +723,23 @@ class LocalCluster:
                         "the stop. Run stop again once it is done (python -m "
                         f"stateful_async.chaos.cluster stop --dir {self.base_dir})."
                     ) from None
+                doing_what = (
+                    "stopping the cluster" if doing == "stop" else "starting a cluster or a worker"
+                )
                 raise ClusterError(
-                    f"Another process{pid} is starting a cluster or a worker in "
+                    f"Another process{pid} is {doing_what} in "
                     f"{self.base_dir} right now ({path} is locked). Wait until it is done and "
                     "see what runs (python -m stateful_async.chaos.cluster status --dir "
                     f"{self.base_dir}), or use another directory."
                 ) from None
         lock.seek(0)
         lock.truncate()
-        lock.write(
-            str(os.getpid()) + ("" if gives_up_in is None else f" {time.time() + gives_up_in:.3f}")
-        )
+        if wait is not None:
+            lock.write(f"{os.getpid()} {_STOP_MARK}")
+        elif gives_up_in is not None:
+            lock.write(f"{os.getpid()} {time.time() + gives_up_in:.3f}")
+        else:
+            lock.write(str(os.getpid()))
         lock.flush()
         return lock
 
@@ -1384,10 +1404,11 @@ class LocalCluster:
         cluster created it). Returns the pids stopped. Safe to call twice.
 
         A start (``start()``, ``start_worker()``) running in the directory, in any process,
-        is waited for first, up to ``wait`` seconds (default: until the time that start
-        gives up by, by its own ``startup_timeout``, plus ``timeout``; for a start that does
-        not say, as an older version's, this object's ``startup_timeout`` plus ``timeout``),
-        calling ``on_wait(its pid)`` if it has to; a cluster from ``attach()``
+        is waited for first (or another stop), up to ``wait`` seconds (default: until the
+        time that start gives up by, by its own ``startup_timeout``, plus ``timeout``; for
+        one that does not say, a stop or an older version's start, this object's
+        ``startup_timeout`` plus ``timeout``), calling ``on_wait(its pid)`` if it has to;
+        a cluster from ``attach()``
         then stops what ``cluster.json`` records by then. Still running after that:
         ``ClusterError``, and nothing is stopped.
 
@@ -1405,10 +1426,11 @@ class LocalCluster:
             return self._stop_locked(timeout)
         # Without the lock, a stop during a start killed what had started and removed
         # cluster.json, and the start then recorded its cluster again.
+        waiting = None if on_wait is None else lambda pid, _doing: on_wait(pid)
         if wait is None:  # as long as the start may take, plus this stop's own timeout
-            lock = self._lock_start(self.startup_timeout + timeout, on_wait, margin=timeout)
+            lock = self._lock_start(self.startup_timeout + timeout, waiting, margin=timeout)
         else:
-            lock = self._lock_start(wait, on_wait)
+            lock = self._lock_start(wait, waiting)
         try:
             if self._attached:
                 self._reload()

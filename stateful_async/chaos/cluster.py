@@ -49,8 +49,10 @@ def default_dir() -> Path:
 _STOP_MARGIN = 15.0  # the stop a failed start makes takes this long (its timeout)
 
 
-def _waiting(base_dir: Path, pid: str) -> None:
-    print(f"waiting for the start running in {base_dir} (pid {pid}) to be done...", file=sys.stderr)
+def _waiting(base_dir: Path, pid: str, doing: str) -> None:
+    print(
+        f"waiting for the {doing} running in {base_dir} (pid {pid}) to be done...", file=sys.stderr
+    )
 
 
 def _stop(base_dir: Path, wait: float | None) -> list[int]:
@@ -68,7 +70,7 @@ def _stop(base_dir: Path, wait: float | None) -> list[int]:
         probe = LocalCluster(base_dir=base_dir, stop_at_exit=False)
     lock = probe._lock_start(
         probe.startup_timeout + _STOP_MARGIN if wait is None else wait,
-        lambda pid: _waiting(base_dir, pid),
+        lambda pid, doing: _waiting(base_dir, pid, doing),
         margin=_STOP_MARGIN if wait is None else None,
     )
     try:
