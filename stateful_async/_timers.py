@@ -130,8 +130,9 @@ class VirtualClock:
         A wake-up that raises stops neither time nor the others, as on ``SystemClock``,
         whose loop reports a callback's exception and keeps going: every wake-up due by
         the target runs, the clock reaches the target, and then ``advance`` raises the
-        first exception a wake-up raised during it, so that a test sees it; the ones
-        raised after it are listed in its notes (``__notes__``). ``KeyboardInterrupt``
+        first exception a wake-up raised during it, so that a test sees it (a
+        ``CancelledError`` in a ``RuntimeError``, so that the advance does not look
+        cancelled); the ones raised after it are listed in its notes (``__notes__``). ``KeyboardInterrupt``
         and ``SystemExit`` propagate at once, as the loop lets them: the clock stays at
         the deadline of the wake-up that raised, and the next ``advance`` starts there
         (so does one after an ``advance`` that was cancelled). An ``advance`` that ends so,
@@ -202,8 +203,18 @@ class VirtualClock:
 
 
 def _first_of(errors: list[BaseException], target: float) -> BaseException:
-    """The first of the exceptions wake-ups raised in one ``advance``, noting the others."""
+    """The first of the exceptions wake-ups raised in one ``advance``, noting the others.
+    A ``CancelledError`` a wake-up raised (``fut.result()`` of a cancelled future) comes in
+    a ``RuntimeError``: raised as it is, it would make ``advance`` look cancelled."""
     first = errors[0]
+    if isinstance(first, asyncio.CancelledError):
+        wrapped = RuntimeError(
+            f"A VirtualClock wake-up due by {target:.15g} raised CancelledError (the "
+            "wake-up's own exception, such as result() of a cancelled future; advance() was "
+            "not cancelled, and the clock reached its target)."
+        )
+        wrapped.__cause__ = first
+        first = wrapped
     if len(errors) > 1:
         others = "; ".join(f"{type(e).__name__}: {e}" for e in errors[1:])
         note = (

@@ -1250,6 +1250,31 @@ async def test_a_virtual_clock_reaches_its_target_when_a_wake_up_raises() -> Non
     assert not hasattr(info.value, "__notes__")  # the only one: nothing to add
 
 
+async def test_a_virtual_clock_wake_up_raising_cancelled_error_is_not_a_cancelled_advance() -> None:
+    # before: advance raised the wake-up's CancelledError as it was, so the awaiting task
+    # ended as cancelled, as if the advance itself had been
+    clock = VirtualClock()
+    gone = asyncio.get_running_loop().create_future()
+    gone.cancel()
+    clock.call_at(0.5, gone.result)  # raises CancelledError
+    clock.call_at(0.75, lambda: 1 / 0)
+    advancing = asyncio.ensure_future(clock.advance(1))
+    with pytest.raises(RuntimeError) as info:
+        await advancing
+    assert not advancing.cancelled()
+    assert str(info.value) == (
+        "A VirtualClock wake-up due by 1 raised CancelledError (the wake-up's own "
+        "exception, such as result() of a cancelled future; advance() was not cancelled, "
+        "and the clock reached its target)."
+    )
+    assert isinstance(info.value.__cause__, asyncio.CancelledError)
+    assert info.value.__notes__ == [  # type: ignore[attr-defined]
+        "1 more wake-up(s) due by 1 raised after it (each ran, and the clock reached 1): "
+        "ZeroDivisionError: division by zero"
+    ]
+    assert clock.now() == 1.0
+
+
 async def test_a_virtual_clock_whose_advance_was_cancelled_advances_from_there() -> None:
     clock = VirtualClock()
     advancing = asyncio.ensure_future(clock.advance(1))
