@@ -132,12 +132,12 @@ class VirtualClock:
         the target runs, the clock reaches the target, and then ``advance`` raises the
         first exception a wake-up raised during it, so that a test sees it (a
         ``CancelledError`` in a ``RuntimeError``, so that the advance does not look
-        cancelled); the ones raised after it are listed in its notes (``__notes__``). ``KeyboardInterrupt``
-        and ``SystemExit`` propagate at once, as the loop lets them: the clock stays at
-        the deadline of the wake-up that raised, and the next ``advance`` starts there
-        (so does one after an ``advance`` that was cancelled). An ``advance`` that ends so,
-        or is cancelled, hands what its wake-ups raised before to the loop's exception
-        handler, as ``SystemClock``'s loop would have.
+        cancelled); the ones raised after it are listed in its notes (``__notes__``).
+        ``KeyboardInterrupt`` and ``SystemExit`` propagate at once, as the loop lets them:
+        the clock stays at the deadline of the wake-up that raised, and the next ``advance``
+        starts there (so does one after an ``advance`` that was cancelled). An ``advance``
+        that ends so, or is cancelled, hands what its wake-ups raised before to the loop's
+        exception handler, as ``SystemClock``'s loop would have.
 
         One ``advance`` at a time: another started while one runs (in another task)
         raises ``RuntimeError``.
