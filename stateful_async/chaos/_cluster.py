@@ -683,19 +683,20 @@ class LocalCluster:
                 lock.seek(0)
                 holder, gives_up_at, doing = _lock_holder(lock.read())
                 pid = f" (pid {holder})" if holder.isdigit() else ""
-                # the holder's time is the wall clock's (another process's monotonic differs)
-                by_holder = margin is not None and gives_up_at is not None
-                if margin is not None and gives_up_at is not None:
-                    limit = time.monotonic() + gives_up_at - time.time() + margin
-                else:
+                # until the holder's give-up time plus margin, where both are known: on the
+                # wall clock (another process's monotonic clock differs from this one's)
+                until = None if margin is None or gives_up_at is None else gives_up_at + margin
+                if until is None:
                     limit = began + (wait or 0.0)
+                else:
+                    limit = time.monotonic() + until - time.time()
                 if wait is not None and time.monotonic() < limit:
                     if not waited and on_wait is not None:
                         on_wait(holder, doing)
                     waited = True
                     time.sleep(0.1)
                     continue
-                if by_holder and not rechecked:
+                if until is not None and not rechecked:
                     # What a start that has just taken the lock has not yet replaced (its
                     # predecessor's pid and time) is read once more before giving up on it
                     rechecked = True
@@ -713,7 +714,7 @@ class LocalCluster:
                     waited_for = (
                         f"{time.monotonic() - began:.0f} s, {time.time() - gives_up_at:.0f} s "
                         "past the time it said it would give up by"
-                        if by_holder and gives_up_at is not None
+                        if until is not None and gives_up_at is not None
                         else f"{wait:g} s"
                     )
                     raise ClusterError(
@@ -1408,9 +1409,8 @@ class LocalCluster:
         time that start gives up by, by its own ``startup_timeout``, plus ``timeout``; for
         one that does not say, a stop or an older version's start, this object's
         ``startup_timeout`` plus ``timeout``), calling ``on_wait(its pid)`` if it has to;
-        a cluster from ``attach()``
-        then stops what ``cluster.json`` records by then. Still running after that:
-        ``ClusterError``, and nothing is stopped.
+        a cluster from ``attach()`` then stops what ``cluster.json`` records by then. Still
+        running after that: ``ClusterError``, and nothing is stopped.
 
         ``timeout`` is a finite number of seconds above 0, and ``wait`` (if given) one of 0
         or more: anything else raises ``ClusterError`` before anything is stopped."""
@@ -1427,16 +1427,23 @@ class LocalCluster:
         # Without the lock, a stop during a start killed what had started and removed
         # cluster.json, and the start then recorded its cluster again.
         waiting = None if on_wait is None else lambda pid, _doing: on_wait(pid)
-        if wait is None:  # as long as the start may take, plus this stop's own timeout
-            lock = self._lock_start(self.startup_timeout + timeout, waiting, margin=timeout)
-        else:
-            lock = self._lock_start(wait, waiting)
+        lock = self._lock_stop(wait, timeout, waiting)  # by default, the start's time + ours
         try:
             if self._attached:
                 self._reload()
             return self._stop_holding(lock, timeout)
         finally:
             lock.close()
+
+    def _lock_stop(
+        self, wait: float | None, margin: float, on_wait: Callable[[str, str], None] | None
+    ) -> IO[str]:
+        """Take ``cluster.lock`` for a stop once the start (or stop) holding it is done: up
+        to ``wait`` seconds, or by default until the time that start gives up by, plus
+        ``margin``; for a holder naming none, ``startup_timeout`` plus ``margin``."""
+        if wait is None:
+            return self._lock_start(self.startup_timeout + margin, on_wait, margin=margin)
+        return self._lock_start(wait, on_wait)
 
     def _stop_holding(self, lock: IO[str], timeout: float = 15.0) -> list[int]:
         """``stop()`` for a caller holding ``cluster.lock`` already (``stop()`` itself; the

@@ -68,11 +68,7 @@ def _stop(base_dir: Path, wait: float | None) -> list[int]:
         probe = LocalCluster.attach(base_dir)
     except ClusterError:  # none recorded yet (or refused: attach says why after the wait)
         probe = LocalCluster(base_dir=base_dir, stop_at_exit=False)
-    lock = probe._lock_start(
-        probe.startup_timeout + _STOP_MARGIN if wait is None else wait,
-        lambda pid, doing: _waiting(base_dir, pid, doing),
-        margin=_STOP_MARGIN if wait is None else None,
-    )
+    lock = probe._lock_stop(wait, _STOP_MARGIN, lambda pid, doing: _waiting(base_dir, pid, doing))
     try:
         return LocalCluster.attach(base_dir)._stop_holding(lock)
     finally:
