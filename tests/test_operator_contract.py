@@ -831,6 +831,30 @@ def test_numpy_numbers_are_taken_as_plain_ones() -> None:
     assert ThreadPoolAsyncFunction(lambda v: [v], max_workers=np.int64(3)).max_workers == 3
 
 
+class _Numpy22Bool:
+    """A bool scalar as numpy < 2.3 makes it (2.2 is the newest for Python 3.10): an
+    index (its __index__ only warns), though no number."""
+
+    dtype = type("dtype", (), {"kind": "b"})()
+
+    def __index__(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return "np.True_"
+
+
+def test_a_numpy_bool_is_refused_where_numpy_takes_it_as_an_index() -> None:
+    # Under numpy 2.2 capacity=np.bool_(True) was taken as 1 and a watermark at np.True_ as
+    # 1: only numpy 2.3 stopped operator.index() from taking a numpy bool.
+    with pytest.raises(ConfigurationError, match="capacity must be an integer >= 1"):
+        AsyncWaitOperator(_noop, lambda e: None, capacity=_Numpy22Bool())
+    with pytest.raises(ConfigurationError, match="Watermark timestamp must be an integer"):
+        Watermark(_Numpy22Bool())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="StreamRecord timestamp must be an integer"):
+        StreamRecord("a", _Numpy22Bool())  # type: ignore[arg-type]
+
+
 def _not_integers() -> list:
     import datetime
 
