@@ -678,6 +678,7 @@ def _forbidden_null_row(
     children = _children(arrow_type)
     if not children or not requires(children[0]):
         return None
+    lengths: np.ndarray  # the shape numpy's stubs give np.full and np.diff differs by version
     if pa.types.is_fixed_size_list(arrow_type):
         size = arrow_type.list_size
         values = array.values.slice(array.offset * size, len(array) * size)
