@@ -128,10 +128,30 @@ def storage_schema(schema: pa.Schema) -> pa.Schema:
 
 
 def to_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
-    """Cast ``array`` (of type ``original``) to its storage type; exact by construction."""
+    """Cast ``array`` (of type ``original``) to its storage type; exact by construction.
+
+    Structs, maps and lists are rebuilt child by child, as ``from_storage`` does: pyarrow
+    before 26 casts a map whose key type changes (a struct key with NOT NULL fields, as
+    Spark gives them, or uint8 keys) into an array that concatenates into an invalid one
+    ("Map array keys array should have no nulls"), and a snapshot's columns are
+    concatenated. (Large and fixed-size lists, which Spark does not give, are cast.)
+    """
     target = storage_type(original)
     if array.type == target:
         return array
+    if pt.is_struct(original) or pt.is_map(original) or pt.is_list(original):
+        if array.offset:
+            array = pa.concat_arrays([array])  # from_arrays takes no sliced null bitmaps
+        mask = array.is_null() if array.null_count else None
+        if pt.is_struct(original):
+            children = [to_storage(array.field(i), f.type) for i, f in enumerate(original)]
+            return pa.StructArray.from_arrays(children, fields=list(target), mask=mask)
+        if pt.is_map(original):
+            keys = to_storage(array.keys, original.key_type)
+            items = to_storage(array.items, original.item_type)
+            return pa.MapArray.from_arrays(array.offsets, keys, items, type=target, mask=mask)
+        values = to_storage(array.values, original.value_type)
+        return pa.ListArray.from_arrays(array.offsets, values, type=target, mask=mask)
     return _cast(array, target)
 
 
