@@ -192,10 +192,11 @@ def from_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
 def _cast(array: pa.Array | pa.ChunkedArray, target: pa.DataType) -> pa.Array:
     try:
         return array.cast(target, safe=True)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
         if pt.is_fixed_size_list(target):
             # Stored as a list; a null entry may hold nulls under NOT NULL fields, which
-            # the cast refuses (see from_storage). Rare enough to go through Python.
+            # the cast refuses (see from_storage), and pyarrow 18 (not 25) refuses a nullable
+            # field cast to a NOT NULL one outright. Rare enough to go through Python.
             try:
                 return pa.array(array.to_pylist(), type=target)
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
