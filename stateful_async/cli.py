@@ -34,6 +34,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
+import click
 import typer
 from rich import box
 from rich.console import Console
@@ -193,8 +194,13 @@ def _check_given_once(ctx: Any, options: list[tuple[Any, str, str]]) -> None:
 def _as_taken(ctx: Any, param: Any, value: str) -> Any:
     """``value`` as the option takes it (so --partition 0 and --partition 00 are one
     partition), or as typed if it does not take it (Click will say so)."""
-    try:  # (Typer's conversion: its parameters carry no Click type)
-        return param.get_runtime_param().coerce(value, param=param, ctx=ctx)
+    try:
+        runtime = getattr(param, "get_runtime_param", None)
+        if runtime is not None:  # newer Typer's conversion: its parameters carry no Click type
+            return runtime().coerce(value, param=param, ctx=ctx)
+        taken = param.type_cast_value(ctx, value)  # Click's, as Typer 0.16 gives it
+        # Typer makes a Path of what Click's path type gives as typed (./out.jsonl)
+        return Path(taken) if isinstance(param.type, click.Path) else taken
     except Exception:
         return value
 
