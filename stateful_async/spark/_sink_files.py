@@ -535,7 +535,9 @@ class TaskFileWriter:
             found = first_forbidden_null(batch, self._required)
         except KeyError as exc:
             raise self._mismatch(batch, exc) from exc
-        empty = [name for name in self._no_empty if pc.any(pc.equal(batch.column(name), ""))]
+        empty = [
+            name for name in self._no_empty if pc.any(pc.equal(batch.column(name), "")).as_py()
+        ]
         if found is not None or empty:
             path = found[1] if found is not None else empty[0]
             what = "column" if path in self._schema.names else "field"
