@@ -98,7 +98,8 @@ def test_crash_during_commit_leaves_its_orphan_file_in_a_file_uri_tables_directo
     # The orphan lies in the table's directory, and the Delta log never took it ...
     [orphan] = table.glob("part-00000-*-c000.snappy.parquet")
     assert not (table / "_delta_log").exists()
-    assert pq.read_table(orphan).column("checkpoint_id").to_pylist()[0] == 1
+    # (ParquetFile: pyarrow 18's read_table takes subtask=0 in the path for a partition)
+    assert pq.ParquetFile(orphan).read().column("checkpoint_id").to_pylist()[0] == 1
     # ... not under a directory named after the URI's scheme, relative to the cwd.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
 
