@@ -183,7 +183,7 @@ def run_demo(
         )
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         raise ConfigurationError(
-            "Spark needs Java (17 or 21), and there is no java on the PATH and no JAVA_HOME. "
+            "Spark needs Java (17, 21 or 25), and there is no java on the PATH and no JAVA_HOME. "
             "Install a JDK (e.g. apt-get install openjdk-17-jre-headless) or set JAVA_HOME."
         )
     # absolute: the Delta sink and the executors do not run in this directory

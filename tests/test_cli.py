@@ -1360,7 +1360,7 @@ def test_demo_without_java_says_so_before_starting_anything(tmp_path) -> None:
         terminal_width=200,
     )
     assert result.exit_code == 2, result.output
-    assert "Spark needs Java (17 or 21), and there is no java on the PATH" in result.output
+    assert "Spark needs Java (17, 21 or 25), and there is no java on the PATH" in result.output
     assert not (tmp_path / "run").exists()
 
 
