@@ -31,6 +31,7 @@ only in case (Delta's column names are case-insensitive).
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.types as pt
 
 from ._exceptions import UnsupportedTypeError
@@ -130,16 +131,17 @@ def storage_schema(schema: pa.Schema) -> pa.Schema:
 def to_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
     """Cast ``array`` (of type ``original``) to its storage type; exact by construction.
 
-    Structs, maps and lists are rebuilt child by child, as ``from_storage`` does: pyarrow
-    before 26 casts a map whose key type changes (a struct key with NOT NULL fields, as
-    Spark gives them, or uint8 keys) into an array that concatenates into an invalid one
-    ("Map array keys array should have no nulls"), and a snapshot's columns are
-    concatenated. (Large and fixed-size lists, which Spark does not give, are cast.)
+    Structs, maps and lists (large and fixed-size ones too) are rebuilt child by child, as
+    ``from_storage`` does: pyarrow before 26 casts a map whose key type changes (a struct
+    key with NOT NULL fields, as Spark gives them, or uint8 keys) into an array that
+    concatenates into an invalid one ("Map array keys array should have no nulls"; a bare
+    concatenation of it can abort the process), and a snapshot's columns are concatenated.
     """
     target = storage_type(original)
     if array.type == target:
         return array
-    if pt.is_struct(original) or pt.is_map(original) or pt.is_list(original):
+    lists = pt.is_list(original) or pt.is_large_list(original) or pt.is_fixed_size_list(original)
+    if pt.is_struct(original) or pt.is_map(original) or lists:
         if array.offset:
             array = pa.concat_arrays([array])  # from_arrays takes no sliced null bitmaps
         mask = array.is_null() if array.null_count else None
@@ -150,8 +152,22 @@ def to_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
             keys = to_storage(array.keys, original.key_type)
             items = to_storage(array.items, original.item_type)
             return pa.MapArray.from_arrays(array.offsets, keys, items, type=target, mask=mask)
-        values = to_storage(array.values, original.value_type)
-        return pa.ListArray.from_arrays(array.offsets, values, type=target, mask=mask)
+        if pt.is_fixed_size_list(original):
+            size = original.list_size
+            values = array.values.slice(0, len(array) * size)
+            offsets = pc.multiply(pa.array(range(len(array) + 1), pa.int64()), size)
+        else:
+            values, offsets = array.values, array.offsets
+        try:
+            offsets = offsets.cast(pa.int32())  # a large list's or a fixed-size list's
+        except pa.ArrowInvalid as exc:
+            raise UnsupportedTypeError(
+                f"Cannot convert values of type {original} to {target} exactly: they hold more "
+                "list elements than a list (32-bit offsets) holds. Checkpoint fewer rows at a "
+                "time, or split the lists, before enriching."
+            ) from exc
+        values = to_storage(values, original.value_type)
+        return pa.ListArray.from_arrays(offsets, values, type=target, mask=mask)
     return _cast(array, target)
 
 
