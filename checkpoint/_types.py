@@ -17,8 +17,9 @@ time32 / time64                    int32 / int64 in the type's unit
 duration                           int64 in the type's unit
 dictionary<value>                  value (decoded)
 decimal256(p <= 38, s)             decimal128(p, s)
-large_string / large_binary /      string / binary / list (delta-rs does this
-large_list, fixed_size_binary      itself; restored by the cast back)
+large_list / fixed_size_list       list (rebuilt with 32-bit offsets)
+large_string / large_binary /      string / binary (delta-rs does this itself;
+fixed_size_binary                  restored by the cast back)
 =================================  ===========================================
 
 The original Arrow schema is kept with the table, and loading casts every column back to
