@@ -31,6 +31,8 @@ only in case (Delta's column names are case-insensitive).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.types as pt
@@ -143,32 +145,7 @@ def to_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
         return array
     lists = pt.is_list(original) or pt.is_large_list(original) or pt.is_fixed_size_list(original)
     if pt.is_struct(original) or pt.is_map(original) or lists:
-        if array.offset:
-            array = pa.concat_arrays([array])  # from_arrays takes no sliced null bitmaps
-        mask = array.is_null() if array.null_count else None
-        if pt.is_struct(original):
-            children = [to_storage(array.field(i), f.type) for i, f in enumerate(original)]
-            return pa.StructArray.from_arrays(children, fields=list(target), mask=mask)
-        if pt.is_map(original):
-            keys = to_storage(array.keys, original.key_type)
-            items = to_storage(array.items, original.item_type)
-            return pa.MapArray.from_arrays(array.offsets, keys, items, type=target, mask=mask)
-        if pt.is_fixed_size_list(original):
-            size = original.list_size
-            values = array.values.slice(0, len(array) * size)
-            offsets = pc.multiply(pa.array(range(len(array) + 1), pa.int64()), size)
-        else:
-            values, offsets = array.values, array.offsets
-        try:
-            offsets = offsets.cast(pa.int32())  # a large list's or a fixed-size list's
-        except pa.ArrowInvalid as exc:
-            raise UnsupportedTypeError(
-                f"Cannot convert values of type {original} to {target} exactly: they hold more "
-                "list elements than a list (32-bit offsets) holds. Checkpoint fewer rows at a "
-                "time, or split the lists, before enriching."
-            ) from exc
-        values = to_storage(values, original.value_type)
-        return pa.ListArray.from_arrays(offsets, values, type=target, mask=mask)
+        return _rebuilt(array, original, target, to_storage)
     return _cast(array, target)
 
 
@@ -185,25 +162,55 @@ def from_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
         return array
     if isinstance(array, pa.ChunkedArray):
         return pa.chunked_array([from_storage(c, original) for c in array.chunks], original)
-    nested = pt.is_struct(original) or pt.is_map(original) or pt.is_list(original)
-    nested = nested or pt.is_large_list(original)
-    if nested and array.offset:
+    stored = array.type
+    if (
+        (pt.is_struct(original) and pt.is_struct(stored))
+        or (pt.is_map(original) and pt.is_map(stored))
+        or ((pt.is_list(original) or pt.is_large_list(original)) and pt.is_list(stored))
+    ):
+        return _rebuilt(array, original, original, from_storage)
+    return _cast(array, original)
+
+
+def _rebuilt(
+    array: pa.Array,
+    original: pa.DataType,
+    target: pa.DataType,
+    convert: Callable[[pa.Array, pa.DataType], pa.Array],
+) -> pa.Array:
+    """A struct, map or list ``array`` (of ``original``, or of its storage type) rebuilt as
+    ``target`` (a struct, a map, a list or a large list) from its children, each converted
+    by ``convert(child, the child's type in original)``: to_storage or from_storage."""
+    if array.offset:
         array = pa.concat_arrays([array])  # from_arrays takes no sliced null bitmaps
     mask = array.is_null() if array.null_count else None
-    if pt.is_struct(original) and pt.is_struct(array.type):
-        children = [from_storage(array.field(i), f.type) for i, f in enumerate(original)]
-        return pa.StructArray.from_arrays(children, fields=list(original), mask=mask)
-    if pt.is_map(original) and pt.is_map(array.type):
-        keys = from_storage(array.keys, original.key_type)
-        items = from_storage(array.items, original.item_type)
-        return pa.MapArray.from_arrays(array.offsets, keys, items, type=original, mask=mask)
-    if (pt.is_list(original) or pt.is_large_list(original)) and pt.is_list(array.type):
-        values = from_storage(array.values, original.value_type)
-        if pt.is_list(original):
-            return pa.ListArray.from_arrays(array.offsets, values, type=original, mask=mask)
-        offsets = array.offsets.cast(pa.int64())
-        return pa.LargeListArray.from_arrays(offsets, values, type=original, mask=mask)
-    return _cast(array, original)
+    if pt.is_struct(original):
+        children = [convert(array.field(i), f.type) for i, f in enumerate(original)]
+        return pa.StructArray.from_arrays(children, fields=list(target), mask=mask)
+    if pt.is_map(original):
+        keys = convert(array.keys, original.key_type)
+        items = convert(array.items, original.item_type)
+        return pa.MapArray.from_arrays(array.offsets, keys, items, type=target, mask=mask)
+    if pt.is_fixed_size_list(array.type):
+        size = array.type.list_size
+        values = array.values.slice(0, len(array) * size)
+        offsets = pc.multiply(pa.array(range(len(array) + 1), pa.int64()), size)
+    else:
+        values, offsets = array.values, array.offsets
+    values = convert(values, original.value_type)
+    if pt.is_large_list(target):
+        return pa.LargeListArray.from_arrays(
+            offsets.cast(pa.int64()), values, type=target, mask=mask
+        )
+    try:
+        offsets = offsets.cast(pa.int32())  # a large list's or a fixed-size list's
+    except pa.ArrowInvalid as exc:
+        raise UnsupportedTypeError(
+            f"Cannot convert values of type {original} to {target} exactly: they hold more "
+            "list elements than a list (32-bit offsets) holds. Checkpoint fewer rows at a "
+            "time, or split the lists, before enriching."
+        ) from exc
+    return pa.ListArray.from_arrays(offsets, values, type=target, mask=mask)
 
 
 def _cast(array: pa.Array | pa.ChunkedArray, target: pa.DataType) -> pa.Array:

@@ -177,7 +177,9 @@ def as_int(value: Any) -> int | None:
     """``value`` as a plain int if it is an integer (numpy's included; bools not, as
     ``capacity=True`` is a mistake; numpy's timedelta64 not, as it is a duration), else
     None, for the caller to refuse with its own message."""
-    if isinstance(value, bool) or _kind(value) == "b":  # numpy < 2.3 takes np.bool_ as an index
+    if (
+        isinstance(value, bool) or numpy_kind(value) == "b"
+    ):  # numpy < 2.3 takes np.bool_ as an index
         return None
     try:
         return operator.index(value)
@@ -185,7 +187,7 @@ def as_int(value: Any) -> int | None:
         return None
 
 
-def _kind(value: Any) -> str | None:
+def numpy_kind(value: Any) -> str | None:
     """The numpy dtype kind of a numpy scalar or array ("b" for a bool), else None."""
     return getattr(getattr(value, "dtype", None), "kind", None)
 

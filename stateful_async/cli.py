@@ -44,7 +44,7 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperCommand
 
-from ._exceptions import StatefulAsyncError, id_ranges
+from ._exceptions import StatefulAsyncError, id_ranges, numpy_kind
 
 app = typer.Typer(
     help="Flink's async I/O operator for PySpark, with durable snapshots in Delta tables.",
@@ -1239,7 +1239,7 @@ def _plain(value: Any) -> Any:
     those."""
     if type(value).__module__ != "numpy" or not hasattr(value, "tolist"):
         return value
-    kind = getattr(getattr(value, "dtype", None), "kind", "")
+    kind = numpy_kind(value)
     if kind not in ("M", "m"):
         return value.tolist()
     if getattr(value, "ndim", 0):  # an array of them: each as a scalar
