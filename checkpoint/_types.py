@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.types as pt
 
 from ._exceptions import UnsupportedTypeError
@@ -131,7 +131,7 @@ def storage_schema(schema: pa.Schema) -> pa.Schema:
     return pa.schema([pa.field(f.name, storage_type(f.type, f.name)) for f in schema])
 
 
-def to_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
+def to_storage(array: pa.Array | pa.ChunkedArray, original: pa.DataType) -> pa.Array:
     """Cast ``array`` (of type ``original``) to its storage type; exact by construction.
 
     Structs, maps and lists (large and fixed-size ones too) are rebuilt child by child, as
@@ -143,13 +143,15 @@ def to_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
     target = storage_type(original)
     if array.type == target:
         return array
+    if isinstance(array, pa.ChunkedArray):
+        return pa.chunked_array([to_storage(c, original) for c in array.chunks], target)
     lists = pt.is_list(original) or pt.is_large_list(original) or pt.is_fixed_size_list(original)
     if pt.is_struct(original) or pt.is_map(original) or lists:
         return _rebuilt(array, original, target, to_storage)
     return _cast(array, target)
 
 
-def from_storage(array: pa.Array, original: pa.DataType) -> pa.Array:
+def from_storage(array: pa.Array | pa.ChunkedArray, original: pa.DataType) -> pa.Array:
     """Cast a stored array back to its original type.
 
     Nested arrays are rebuilt child by child rather than cast: a null struct (or list, or
@@ -194,7 +196,7 @@ def _rebuilt(
     if pt.is_fixed_size_list(array.type):
         size = array.type.list_size
         values = array.values.slice(0, len(array) * size)
-        offsets = pc.multiply(pa.array(range(len(array) + 1), pa.int64()), size)
+        offsets = pa.array(np.arange(len(array) + 1, dtype=np.int64) * size)
     else:
         values, offsets = array.values, array.offsets
     values = convert(values, original.value_type)

@@ -303,6 +303,28 @@ def test_maps_stored_as_another_type_under_large_and_fixed_size_lists_round_trip
     assert snapshot.results.equals(original.slice(1))
 
 
+def test_storage_conversion_takes_chunked_arrays_both_ways() -> None:
+    # Before, to_storage() failed on a ChunkedArray ("no attribute 'offset'") where
+    # from_storage() took one.
+    from checkpoint._types import from_storage, storage_type, to_storage
+
+    rows = [
+        {"id": 0, "large": [[({"p": 0}, 1)], None, []], "fixed": [[(255, "x")], None]},
+        {"id": 1, "large": [], "fixed": None},
+        {"id": 2, "large": None, "fixed": [[], [(0, None), (1, "y")]]},
+    ]
+    table = pa.Table.from_batches(
+        [pa.RecordBatch.from_pylist([row], schema=MAPS_UNDER_OTHER_LISTS) for row in rows]
+    )
+    for field in MAPS_UNDER_OTHER_LISTS:
+        column = table.column(field.name)
+        assert column.num_chunks == 3
+        stored = to_storage(column, field.type)
+        assert stored.type == storage_type(field.type)
+        assert stored.num_chunks == 3
+        assert from_storage(stored, field.type).equals(column)
+
+
 @pytest.mark.parametrize(
     ("gap_type", "message"),
     [
