@@ -19,6 +19,7 @@ import base64
 import datetime as dt
 import decimal
 import importlib
+import inspect
 import json
 import math
 import os
@@ -1295,6 +1296,19 @@ def _this_program() -> str:
     if script.exists():
         return "stateful-async" if shutil.which("stateful-async") == str(script) else str(script)
     return f"{sys.executable} -m stateful_async.cli"
+
+
+def _summaries_on_one_line(*apps: typer.Typer) -> None:
+    """Set each command's summary, which a group's help lists, to its help's first paragraph
+    on one line: Typer's rich help keeps that paragraph's line breaks there, so a docstring
+    wrapped in the source showed as ragged lines, broken mid-sentence."""
+    for typer_app in apps:
+        for info in typer_app.registered_commands:
+            text = info.help or inspect.getdoc(info.callback) or ""
+            info.short_help = info.short_help or " ".join(text.split("\n\n")[0].split())
+
+
+_summaries_on_one_line(app, checkpoints_app)
 
 
 def main() -> None:

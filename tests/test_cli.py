@@ -1330,6 +1330,27 @@ def test_help_names_every_command() -> None:
         assert command in result.output
 
 
+def test_help_lists_each_command_by_its_summary_on_one_line() -> None:
+    # Before, Typer's rich help kept the line breaks of a docstring wrapped in the source:
+    # "...against the mock service (a child process)," then "with checkpoints; ..." below it.
+    for group, summary in [
+        (
+            [],
+            "Enrich a generated dataset on local Spark against the mock service (a child "
+            "process), with checkpoints; crash one task mid-way, recover, and check the "
+            "output is exactly once.",
+        ),
+        (
+            ["checkpoints"],
+            "Keep the newest N checkpoints of every partition; drop and vacuum the rest, and "
+            "delete the files no checkpoint uses once older than --orphans-older-than.",
+        ),
+    ]:
+        result = runner.invoke(app, [*group, "--help"], env={"COLUMNS": "300"})
+        assert result.exit_code == 0, result.output
+        assert summary in result.output
+
+
 # -- demo (what is refused before Spark starts; the run itself is in tests/spark) ------------
 
 
