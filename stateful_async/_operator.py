@@ -80,7 +80,18 @@ class _State(enum.Enum):
 
 
 class OperatorMetrics:
-    """Counters of one operator, read at any time on the loop thread."""
+    """Counters of one operator (``op.metrics``), read at any time on the loop thread.
+
+    * ``records_in``: records whose first call has started (restored ones included);
+    * ``watermarks_in``: watermarks accepted;
+    * ``restored``: elements (records and watermarks) that ``open(restored)`` re-added;
+    * ``results_out``, ``watermarks_out``: results and watermarks handed to ``output``;
+    * ``retries``: calls started again after an attempt failed or its result was rejected;
+    * ``timeouts``: records whose deadline passed (the timeout handler decided them);
+    * ``attempts``: calls of the async function, ``records_in + retries``.
+
+    ``as_dict()`` returns them all by name.
+    """
 
     __slots__ = (
         "records_in",
@@ -261,7 +272,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
 
     Lifecycle: ``await open(restored)``, ``await process_element`` /
     ``process_watermark`` ..., ``snapshot_state(id)`` at any point, ``await finish()``
-    to drain, ``await close()`` always (also usable as ``async with``).
+    to drain, ``await close()`` always (also usable as ``async with``). ``metrics`` (an
+    ``OperatorMetrics``) counts records, results, retries and timeouts as they happen.
     """
 
     def __init__(
