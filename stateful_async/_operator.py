@@ -271,8 +271,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
     queue entry per mail so the loop is never hogged.
 
     Lifecycle: ``await open(restored)``, ``await process_element`` /
-    ``process_watermark`` ..., ``snapshot_state(id)`` at any point, ``await finish()``
-    to drain, ``await close()`` always (also usable as ``async with``). ``metrics`` (an
+    ``process_watermark`` ..., ``snapshot_state(id)`` at any point between ``open()``
+    returning and ``close()`` unless the operator has failed, ``await finish()`` to drain,
+    ``await close()`` always (also usable as ``async with``). ``metrics`` (an
     ``OperatorMetrics``) counts records, results, retries and timeouts as they happen.
     """
 
@@ -664,6 +665,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         snapshot stands alone: it replaces, never extends, the previous one. Never blocks,
         even on a full queue; a record whose ``process_element`` is still waiting for room
         is not in the queue yet, so not in the snapshot: count it as not yet consumed.
+
+        Raises ``OperatorStateError`` before ``open()`` has returned (while it re-adds
+        restored elements, too), after ``close()``, and once the operator has failed.
         """
         self._check_thread("snapshot_state()")
         if self._failure is not None:
