@@ -3,6 +3,20 @@
 The public surface is re-exported here; everything in underscore modules is private.
 The PySpark adapter lives in ``stateful_async.spark`` (imported on demand, so the core
 works without Spark installed).
+
+* ``AsyncWaitOperator`` — the operator, with ``OutputMode`` (``ORDERED``, ``UNORDERED``),
+  ``RetryStrategy`` and its counters, ``OperatorMetrics`` (``op.metrics``);
+* ``AsyncFunction``, ``ThreadPoolAsyncFunction`` — what it calls;
+* ``StreamRecord``, ``Watermark`` — its elements; ``StreamElement`` is either one (what
+  ``snapshot_state`` returns and ``open(restored)`` takes);
+* ``Clock`` — the processing time it runs on (``clock=``): ``SystemClock`` by default,
+  ``VirtualClock`` in tests (``stateful_async.testing``);
+* ``StatefulAsyncError`` — the base of every error: ``ConfigurationError`` (and its
+  ``FunctionNotSerializableError``), ``OperatorStateError``, ``ElementFailedError`` (with
+  ``AsyncFunctionError``, ``InvalidResultError``, ``AsyncTimeoutError``,
+  ``TimeoutHandlerError``), ``ResultSchemaError``, ``InputMismatchError`` and
+  ``DeltaSinkError`` (with ``SinkSchemaMismatchError``); the ``checkpoint`` package's
+  ``CheckpointError`` is one too.
 """
 
 from ._elements import StreamElement, StreamRecord, Watermark
