@@ -10,11 +10,18 @@
 * ``DelayCommit`` — holds a checkpoint commit back, so it lands late (a zombie).
 * ``ZombieCommit`` — holds it until a newer attempt committed the same checkpoint.
 * ``LocalCluster`` — a Spark standalone cluster (master, workers) on 127.0.0.1 that can
-  kill executors and workers; ``DriverProcess`` — a driver program to kill mid-job.
+  kill executors (``ExecutorProcess``) and workers; ``DriverProcess`` — a driver program
+  to kill mid-job.
 * ``run_job`` / ``JobOptions`` / ``session_for`` — the reference chaos job
-  (``python -m stateful_async.chaos.job``).
-* ``compare_outputs``, ``check_snapshot_store``, ``request_repeats`` — the checks that a
-  run was exactly-once, its snapshot store whole and its repeated requests bounded.
+  (``python -m stateful_async.chaos.job``): ``FaultSpec`` is one of its ``--fault``s,
+  ``to_argv`` gives its options as that command's arguments, and ``JobReport`` (a
+  ``TaskAttempt`` per task attempt) is what ``--report`` writes. Its input is
+  ``generate_input`` (``partition_ids`` tells which ids a partition holds), its output
+  schema ``SCHEMA``, its timeout fallback ``FALLBACK``, and ``expected_output`` what it
+  must write.
+* ``compare_outputs`` (an ``OutputDiff``), ``check_snapshot_store`` (a ``StoreCheck``),
+  ``request_repeats`` — the checks that a run was exactly-once, its snapshot store whole
+  and its repeated requests bounded; ``read_table_rows`` reads an output table.
 
 Their errors are ``stateful_async.StatefulAsyncError``s: a bad setting or option is a
 ``ConfigurationError`` (also a ``ValueError``), refused before anything starts; then
