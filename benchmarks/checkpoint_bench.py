@@ -8,7 +8,7 @@
 2. Commit latency with 1, 8 and 32 processes committing at once, each to its own subtask
    (this store's layout: one Delta table per subtask), against the same processes
    appending to ONE shared Delta table (the layout this store avoids). Committers are paced
-   like periodic checkpoints (one every ``--period`` seconds, random phase), so the figure
+   like periodic checkpoints (one every 2 s, 1 s with ``--quick``, random phase), so the figure
    shows commit contention rather than 32 processes sharing 2 CPU cores.
 3. A long task: one subtask log committing 1,000 checkpoints in a row (100 in-flight
    elements and 20 results each), in a process of its own: commit latency of the first
