@@ -266,7 +266,9 @@ def demo(
     crash: Annotated[bool, typer.Option(help="Crash one task mid-way and recover.")] = True,
     workdir: Annotated[
         Path | None,
-        typer.Option(help="Where output and checkpoints go (default: a new temp dir)."),
+        typer.Option(
+            help="Where the output, checkpoints and Spark's log go (default: a new temp dir)."
+        ),
     ] = None,
 ) -> None:
     """Enrich a generated dataset on local Spark against the mock service (a child process),
