@@ -365,6 +365,50 @@ def _variant_field(data_type: Any) -> str | None:
     return next((p for p, t in _nested_types(data_type) if isinstance(t, VariantType)), None)
 
 
+def _char_field(struct: Any) -> tuple[Any, str, Any] | None:
+    """The first CHAR or VARCHAR inside ``struct``: the top-level field holding it, its
+    path and its type; None if it holds none."""
+    from pyspark.sql.types import CharType, VarcharType
+
+    for field in struct.fields:
+        for path, data_type in _nested_types(field.dataType, field.name):
+            if isinstance(data_type, (CharType, VarcharType)):
+                return field, path, data_type
+    return None
+
+
+def _with_strings(data_type: Any) -> Any:
+    """``data_type`` with STRING in place of each CHAR and VARCHAR inside it."""
+    from pyspark.sql.types import (
+        ArrayType,
+        CharType,
+        MapType,
+        StringType,
+        StructField,
+        StructType,
+        VarcharType,
+    )
+
+    if isinstance(data_type, (CharType, VarcharType)):
+        return StringType()
+    if isinstance(data_type, StructType):
+        return StructType(
+            [
+                StructField(f.name, _with_strings(f.dataType), f.nullable, f.metadata)
+                for f in data_type.fields
+            ]
+        )
+    if isinstance(data_type, ArrayType):
+        return ArrayType(_with_strings(data_type.elementType), data_type.containsNull)
+    if isinstance(data_type, MapType):
+        return MapType(
+            _with_strings(data_type.keyType),
+            _with_strings(data_type.valueType),
+            data_type.valueContainsNull,
+        )
+    return data_type
+
+
 def _year_month_field(data_type: Any) -> tuple[str, Any] | None:
     """The path and type of a YEAR-MONTH interval inside ``data_type``, if it holds one."""
     from pyspark.sql.types import YearMonthIntervalType
@@ -416,6 +460,21 @@ def _arrow_schema(struct: Any, what: str) -> pa.Schema:
                 "Pass it as JSON text instead: select to_json(col) AS col first."
                 if what == "input"
                 else "Return JSON text in a STRING field instead, and parse_json() it after."
+            )
+        )
+    char = _char_field(struct)
+    if char is not None:  # a DDL string's char(n), or a table's with preserveCharVarcharTypeInfo
+        top, path, char_type = char
+        name = "`" + top.name.replace("`", "``") + "`"
+        as_string = _with_strings(top.dataType).simpleString()
+        raise ConfigurationError(
+            f"The {what} field {path!r} is a {char_type.simpleString()}, which Spark cannot "
+            "hand to Arrow (mapInArrow, which the adapter runs on, needs Arrow-compatible "
+            "columns); a CHAR or VARCHAR is a STRING whose length Spark checks. "
+            + (
+                f"Cast it to a string first: select cast({name} AS {as_string}) AS {name}."
+                if what == "input"
+                else f"Declare it a string instead: {name} {as_string}."
             )
         )
     interval = _year_month_field(struct)

@@ -2920,6 +2920,42 @@ def test_a_variant_input_column_is_refused_asking_for_json_text(spark) -> None:
         ordered_wait(df, f, "id long")
 
 
+def test_char_and_varchar_fields_are_refused_with_the_string_type_to_use(spark) -> None:
+    # The refusal said only that Arrow cannot carry VarcharType(5), not what to do instead.
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [{"out": repr(sorted(row.items()))}]
+
+    spark.conf.set("spark.sql.preserveCharVarcharTypeInfo", "true")  # a table's keep theirs
+    try:
+        df = spark.sql(
+            "SELECT cast('ab' AS varchar(5)) AS v, named_struct('c', cast('x' AS char(3))) AS s"
+        )
+        cases = [
+            (df.drop("s"), "out string", "input field 'v' is a varchar(5)",
+             "Cast it to a string first: select cast(`v` AS string) AS `v`."),
+            (df.drop("v"), "out string", "input field 's.c' is a char(3)",
+             "Cast it to a string first: select cast(`s` AS struct<c:string>) AS `s`."),
+            (spark.range(1), "out varchar(10), n long", "output field 'out' is a varchar(10)",
+             "Declare it a string instead: `out` string."),
+            (spark.range(1), "`o.k` array<char(2)>", "output field 'o.k[]' is a char(2)",
+             "Declare it a string instead: `o.k` array<string>."),
+        ]  # fmt: skip
+        for frame, schema, field, advice in cases:
+            with pytest.raises(ConfigurationError) as refused:
+                ordered_wait(frame, f, schema)
+            text = str(refused.value)
+            assert f"The {field}, which Spark cannot hand to Arrow" in text
+            assert "a CHAR or VARCHAR is a STRING whose length Spark checks" in text
+            assert text.endswith(advice)
+        # The advice, followed.
+        casted = df.selectExpr("cast(`v` AS string) AS `v`", "cast(`s` AS struct<c:string>) AS `s`")
+        assert ordered_wait(casted, f, "`out` string").collect() == [
+            ("[('s', {'c': 'x  '}), ('v', 'ab')]",)
+        ]
+    finally:
+        spark.conf.unset("spark.sql.preserveCharVarcharTypeInfo")
+
+
 def test_event_time_names_its_column_as_spark_does_ignoring_case(spark, tmp_path) -> None:
     # It was refused as "not in the DataFrame", although Spark resolves "TS" to ts.
     async def f(row):  # type: ignore[no-untyped-def]
