@@ -69,7 +69,7 @@ def to_batch(
             row_index, required, problem = found
             raise _refusal(required.name, problem, described(sources[row_index]))
         return batch
-    checks = {name: check for name, check, _ in _lossy_checks(schema, units)}
+    checks = {name: check for name, check, _ in _lossy_checks(schema, units, refused=True)}
     for row, source in zip(rows, sources, strict=True):  # find the culprit, for the message
         for field in schema:
             value = row.get(field.name)
@@ -174,14 +174,15 @@ Units = Any
 
 @functools.lru_cache(maxsize=64)
 def _lossy_checks(
-    schema: pa.Schema, units: Units = None
+    schema: pa.Schema, units: Units = None, refused: bool = False
 ) -> tuple[tuple[str, _Check, frozenset[type]], ...]:
     """The top-level fields whose values pyarrow might convert with loss, with their checks
-    and the types of value their checks always pass (None's included)."""
+    and the types of value their checks always pass (None's included). ``refused``: with
+    the checks that only say why pyarrow refused a value (see ``_check_for``)."""
     return tuple(
         (field.name, check, frozenset({type(None), *_plain_types(field.type)}))
         for i, field in enumerate(schema)
-        if (check := _check_for(field.type, _child(units, i))) is not None
+        if (check := _check_for(field.type, _child(units, i), refused)) is not None
     )
 
 
@@ -218,7 +219,12 @@ def is_list_type(arrow_type: pa.DataType) -> bool:
     )
 
 
-def _check_for(arrow_type: pa.DataType, units: Units = None) -> _Check | None:
+def _check_for(
+    arrow_type: pa.DataType, units: Units = None, refused: bool = False
+) -> _Check | None:
+    """The check of values of ``arrow_type``. With ``refused``, for values pyarrow refused,
+    it also finds what it says in words no one could act on, for types whose values it
+    never converts with loss (a DECIMAL's): checks a batch that converted has no need of."""
     if pa.types.is_integer(arrow_type):
 
         def check_integer(value: Any) -> _Loss | None:
@@ -243,7 +249,7 @@ def _check_for(arrow_type: pa.DataType, units: Units = None) -> _Check | None:
         order = [child.name for child in children]
         names = frozenset(order)
         checks = [
-            (child.name, _check_for(child.type, _child(units, i)))
+            (child.name, _check_for(child.type, _child(units, i), refused))
             for i, child in enumerate(children)
         ]
 
@@ -281,7 +287,7 @@ def _check_for(arrow_type: pa.DataType, units: Units = None) -> _Check | None:
 
         return check_struct
     if is_list_type(arrow_type):
-        check_element = _check_for(arrow_type.value_type, _child(units, 0))
+        check_element = _check_for(arrow_type.value_type, _child(units, 0), refused)
 
         def check_list(value: Any) -> _Loss | None:
             if isinstance(value, (set, frozenset)):  # pyarrow takes a set in its iteration order
@@ -301,6 +307,8 @@ def _check_for(arrow_type: pa.DataType, units: Units = None) -> _Check | None:
         return check_list
     if pa.types.is_timestamp(arrow_type) or pa.types.is_date(arrow_type):
         return _check_datetime(arrow_type)
+    if pa.types.is_decimal(arrow_type):
+        return _check_decimal(arrow_type) if refused else None
     if pa.types.is_time(arrow_type):  # Spark's TIME, as time64[ns]
         units = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
         time_reason = (
@@ -377,8 +385,8 @@ def _check_for(arrow_type: pa.DataType, units: Units = None) -> _Check | None:
 
         return check_binary
     if pa.types.is_map(arrow_type):
-        key = _check_for(arrow_type.key_type, _child(units, 0))
-        item = _check_for(arrow_type.item_type, _child(units, 1))
+        key = _check_for(arrow_type.key_type, _child(units, 0), refused)
+        item = _check_for(arrow_type.item_type, _child(units, 1), refused)
 
         def check_map(value: Any) -> _Loss | None:
             # pairs (not a dict) can repeat a key, and Spark's maps cannot: pyarrow would
@@ -455,6 +463,61 @@ def _zoned_time(value: dt.time) -> str:
         "tzinfo (value.replace(tzinfo=None) keeps its wall-clock time; convert it to the zone "
         "you mean first, through a datetime on its date, if it is another)"
     )
+
+
+_DECIMAL_DIGITS = 38  # the most a Spark DECIMAL holds
+
+
+def _check_decimal(arrow_type: pa.DataType) -> _Check:
+    """pyarrow refuses a value a DECIMAL cannot hold, saying 'Decimal type with precision
+    31 does not fit into precision inferred from first array element: 38' for one with too
+    many digits before the point, 'Rescaling Decimal value would cause data loss' for too
+    many after it, and 'The string 'True' is not a valid decimal128 number' for a boolean:
+    say which, and what to do."""
+    precision, scale = arrow_type.precision, arrow_type.scale
+    declared = f"a DECIMAL({precision},{scale}) field"
+
+    def check_decimal(value: Any) -> _Loss | None:
+        if isinstance(value, bool):
+            reason = f"{declared} takes a Decimal or an int, not a boolean"
+        elif isinstance(value, decimal.Decimal) and not value.is_finite():
+            reason = f"{declared} holds no NaN or infinity: return None for a missing value"
+        elif isinstance(value, (decimal.Decimal, int)):
+            _, digits, exponent = decimal.Decimal(value).as_tuple()
+            number, places = int("".join(map(str, digits))), -int(exponent)
+            while number and number % 10 == 0:  # 1.200 needs 1 place, 1E+3 none
+                number, places = number // 10, places - 1
+            if not number:  # 0.00000 is 0
+                places = 0
+            whole = len(str(number)) - places if number else 0  # digits before the point
+            if places > scale:
+                reason = (
+                    f"{declared} holds {scale} digit(s) after the point, and it has "
+                    f"{places}: round it first, e.g. value.quantize(Decimal('1e-{scale}')), "
+                    "or declare more places"
+                )
+            elif whole > precision - scale:
+                before = f"{declared} holds {precision - scale} digit(s) before the point"
+                if whole + scale <= _DECIMAL_DIGITS:
+                    advice = f"declare DECIMAL({whole + scale},{scale}) or wider"
+                elif whole <= _DECIMAL_DIGITS:
+                    advice = (
+                        f"declare fewer places after the point, e.g. "
+                        f"DECIMAL({_DECIMAL_DIGITS},{_DECIMAL_DIGITS - whole})"
+                    )
+                else:
+                    advice = (
+                        f"no DECIMAL holds it (Spark's hold {_DECIMAL_DIGITS} digits at most): "
+                        "declare the field DOUBLE, or STRING to keep every digit"
+                    )
+                reason = f"{before}, and it has {whole}: {advice}"
+            else:
+                return None
+        else:
+            return None
+        return _Loss("", arrow_type, value, reason)
+
+    return check_decimal
 
 
 def _is_number(value: Any) -> bool:

@@ -19,6 +19,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -2489,6 +2490,43 @@ def test_a_numpy_uint64_beyond_int64_is_not_wrapped_to_a_negative_number(arrow_t
 )
 def test_a_binary_field_refuses_a_str_as_spark_does(arrow_type, value, problem) -> None:
     _converted(arrow_type, value, problem and problem + r".*value.encode\(\)")
+
+
+@pytest.mark.parametrize(
+    ("arrow_type", "value", "problem"),
+    [
+        # pyarrow's words: "Decimal type with precision 31 does not fit into precision
+        # inferred from first array element: 38", for a Decimal the field cannot hold
+        (pa.decimal128(38, 10), Decimal("1e30"), "holds 28 digit.s. before the point, and "
+         r"it has 31: declare fewer places after the point, e.g. DECIMAL\(38,7\)"),
+        (pa.decimal128(5, 2), Decimal("12345.1"), "holds 3 digit.s. before the point, and it "
+         r"has 5: declare DECIMAL\(7,2\) or wider"),
+        (pa.decimal128(5, 2), -1000, r"has 4: declare DECIMAL\(6,2\) or wider"),
+        (pa.decimal128(38, 0), 10**39, r"has 40: no DECIMAL holds it .*declare the field DOUBLE"),
+        # "Rescaling Decimal value would cause data loss"
+        (pa.decimal128(5, 2), Decimal("1.2345"), r"holds 2 digit.s. after the point, and it "
+         r"has 4: round it first, e.g. value.quantize\(Decimal\('1e-2'\)\)"),
+        (pa.list_(pa.decimal128(5, 2)), [Decimal("1.234")], r"'r\[0\]' .*it has 3: round"),
+        # "The string 'NaN' is not a valid decimal128 number", and 'True' for True
+        (pa.decimal128(5, 2), Decimal("NaN"), "holds no NaN or infinity: return None"),
+        (pa.decimal128(5, 2), True, "takes a Decimal or an int, not a boolean"),
+        # what fits converts as it is, and 0 with any number of places is 0
+        (pa.decimal128(5, 2), Decimal("1.200"), None),
+        (pa.decimal128(5, 2), Decimal("1E+2"), None),
+        (pa.decimal128(5, 2), Decimal("0.00000"), None),
+    ],
+)  # fmt: skip
+def test_a_decimal_field_says_why_it_cannot_hold_a_number(arrow_type, value, problem) -> None:
+    named = "" if problem is None or problem.startswith("'r") else r"'r' \(decimal128.*"
+    refused = problem and named + problem
+    converted = _converted(arrow_type, value, refused)
+    assert problem is not None or Decimal(converted) == Decimal(value)
+
+
+def test_a_decimal_that_fits_is_not_blamed_for_a_struct_it_shares_with_a_wrong_value() -> None:
+    struct = pa.struct([("a", pa.decimal128(5, 2)), ("b", pa.string())])
+    with pytest.raises(ResultSchemaError, match=r"\{'id': 0\}: Expected bytes, got a 'int'"):
+        _converted(struct, {"a": Decimal("0.00000"), "b": 5}, None)
 
 
 @pytest.mark.parametrize(
