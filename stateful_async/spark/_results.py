@@ -551,6 +551,18 @@ def _check_datetime(arrow_type: pa.DataType) -> _Check:
                     )
             elif _is_number(value):
                 reason = "a DATE field would read a number as days since 1970: return a date"
+            elif isinstance(value, np.datetime64):  # pyarrow refuses each, in any unit
+                reason = (
+                    "NaT is not a date: return None"
+                    if np.isnat(value)
+                    else "pyarrow cannot take a numpy datetime64 for a DATE: return a date, "
+                    "e.g. value.astype('datetime64[D]').item() (.tolist() for a numpy array)"
+                )
+            elif isinstance(value, str):  # pyarrow refuses it, as 'cannot be converted to int'
+                reason = (
+                    "a DATE field takes a date, not text: parse it first, e.g. "
+                    "date.fromisoformat(value)"
+                )
             else:
                 return None
             return _Loss("", arrow_type, value, reason)
@@ -585,6 +597,24 @@ def _check_datetime(arrow_type: pa.DataType) -> _Check:
             reason = (
                 "a timestamp field would read a number as microseconds since 1970: return a "
                 "datetime, e.g. datetime.fromtimestamp(seconds, timezone.utc)"
+            )
+        # pyarrow refuses these, saying only that it "cannot be converted to int"
+        elif isinstance(value, dt.date):  # a date, not a datetime
+            reason = (
+                "a timestamp field takes a datetime, not a date: return one, e.g. "
+                f"datetime.combine(value, time(){', tzinfo=timezone.utc' if zoned else ''}), "
+                "or declare the field DATE"
+            )
+        elif isinstance(value, dt.time):
+            reason = (
+                "a timestamp field takes a datetime, not a time of day: combine it with its "
+                "date, e.g. datetime.combine(day, value), or declare the field TIME"
+            )
+        elif isinstance(value, str):
+            reason = (
+                "a timestamp field takes a datetime, not text: parse it first, e.g. "
+                "datetime.fromisoformat(value)"
+                + (" (with its UTC offset, such as +00:00 or Z)" if zoned else "")
             )
         else:
             return None

@@ -2313,6 +2313,32 @@ def test_a_numpy_timedelta64_in_an_interval_field_is_not_taken_for_a_number() ->
         to_batch([{"r": np.timedelta64(5, "ns")}], [{"id": 0}], schema)
 
 
+@pytest.mark.parametrize(
+    ("arrow_type", "value", "problem"),
+    [
+        # pyarrow's words: "object of type <class 'datetime.date'> cannot be converted to int"
+        (UTC_TS, date(2024, 1, 1), r"takes a datetime, not a date: return one, e.g. "
+         r"datetime.combine\(value, time\(\), tzinfo=timezone.utc\), or declare the field DATE"),
+        (pa.list_(pa.timestamp("us")), [date(2024, 1, 1)],
+         r"'r\[0\]'.*not a date: return one, e.g. datetime.combine\(value, time\(\)\), or"),
+        (UTC_TS, datetime(2024, 1, 1).time(), "takes a datetime, not a time of day: combine it"),
+        (UTC_TS, "2024-01-01T00:00:00Z", r"not text: parse it first, e.g. "
+         r"datetime.fromisoformat\(value\) \(with its UTC offset"),
+        (pa.date32(), "2024-01-01", r"takes a date, not text: .* date.fromisoformat\(value\)"),
+        # "int() argument must be ... not 'datetime.date'", in any unit, and 'NoneType' for NaT
+        (pa.date32(), np.datetime64("2024-01-01"), r"cannot take a numpy datetime64 for a "
+         r"DATE: return a date, e.g. value.astype\('datetime64\[D\]'\).item\(\)"),
+        (pa.list_(pa.date32()), np.array(["2024-01-01T10"], dtype="datetime64[s]"),
+         r"'r\[0\]'.*\.tolist\(\) for a numpy array"),
+        (pa.date32(), np.datetime64("NaT", "D"), "NaT is not a date: return None"),
+    ],
+)  # fmt: skip
+def test_a_date_or_timestamp_field_says_what_to_return_for_text_or_another_kind_of_time(
+    arrow_type, value, problem
+) -> None:
+    _converted(arrow_type, value, problem)
+
+
 def test_pandas_nat_in_a_date_field_is_refused_naming_the_field_and_the_row() -> None:
     # pyarrow stores pandas' NaT in a DATE as 0001-01-01; the time-of-day check then failed
     # the task with a bare "ValueError: NaTType does not support time", naming neither.
