@@ -278,8 +278,14 @@ def _check_for(
                     (name, check, child)
                     for (name, check), child in zip(checks, value, strict=False)
                 )
-            else:
+            elif not refused or _pairs(value):  # pyarrow takes [(name, value), ...] too
                 return None  # pyarrow refuses it outright
+            else:  # pyarrow: "was expecting tuple of (key, value) pair" for a list
+                reason = (
+                    f"a STRUCT field takes a dict keyed by its field names {order}, or a tuple "
+                    "of its fields in order"
+                )
+                return _Loss("", arrow_type, value, reason)
             for name, check, child in fields:
                 if check is not None and child is not None and (loss := check(child)):
                     return loss.under(f".{name}")
@@ -298,6 +304,9 @@ def _check_for(
                     "return a list, e.g. [value]"
                 )
                 return _Loss("", arrow_type, value, reason)
+            if isinstance(value, dict):  # pyarrow refuses it; iterated, its keys would be blamed
+                reason = "an array field takes a list, not a dict: return [value] for one element"
+                return _Loss("", arrow_type, value, reason) if refused else None
             if check_element is not None:
                 for i, element in enumerate(value):
                     if element is not None and (loss := check_element(element)):
@@ -686,6 +695,13 @@ def _numpy_unit(value: np.datetime64 | np.timedelta64, arrow_type: pa.DataType) 
         f"pyarrow would read a numpy {kind}[{unit if count == 1 else f'{count}{unit}'}] as a "
         f"count of {arrow_type.unit} (or refuse it): convert it first, e.g. "
         f"values.astype('{kind}[{arrow_type.unit}]') for a numpy array"
+    )
+
+
+def _pairs(value: Any) -> bool:
+    """A list of (name, value) pairs, which pyarrow takes for a struct."""
+    return isinstance(value, list) and all(
+        isinstance(pair, tuple) and len(pair) == 2 for pair in value
     )
 
 

@@ -2549,6 +2549,39 @@ def test_a_decimal_field_says_why_it_cannot_hold_a_number(arrow_type, value, pro
     assert problem is not None or Decimal(converted) == Decimal(value)
 
 
+PAIR = pa.struct([("a", pa.int64()), ("b", pa.string())])
+
+
+@pytest.mark.parametrize(
+    ("arrow_type", "value", "problem"),
+    [
+        # before, pyarrow's words: "was expecting tuple of (key, value) pair"
+        (
+            PAIR,
+            [1, "x"],
+            r"'r' .*a STRUCT field takes a dict keyed by its field names \['a', 'b'\]",
+        ),
+        (PAIR, 5, r"'r' .*a STRUCT field takes a dict keyed by its field names"),
+        # before, the dict's keys were iterated and blamed: "'r[0]' ... cannot hold 'a' (str)"
+        (
+            pa.list_(PAIR),
+            {"a": 1},
+            r"'r' .*an array field takes a list, not a dict: return \[value\]",
+        ),
+        (pa.list_(PAIR), [1], r"'r\[0\]' .*a STRUCT field takes a dict"),
+        # the forms pyarrow takes convert, and a wrong value in one still gets pyarrow's words
+        (PAIR, [("a", 1), ("b", "x")], None),
+        (PAIR, (1, "x"), None),
+        (pa.list_(PAIR), [{"a": 1}], None),
+        (PAIR, [("a", "bad")], r"cannot hold \[\('a', 'bad'\)\] \(list\), returned"),
+    ],
+)
+def test_a_struct_or_array_field_says_what_form_it_takes(arrow_type, value, problem) -> None:
+    converted = _converted(arrow_type, value, problem)
+    if problem is None:
+        assert converted == pa.array([value], arrow_type).to_pylist()[0]
+
+
 def test_a_decimal_that_fits_is_not_blamed_for_a_struct_it_shares_with_a_wrong_value() -> None:
     struct = pa.struct([("a", pa.decimal128(5, 2)), ("b", pa.string())])
     with pytest.raises(ResultSchemaError, match=r"\{'id': 0\}: Expected bytes, got a 'int'"):
