@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Generic, Iterable, TypeVar, Union
 
@@ -261,9 +262,14 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
 
 def not_a_result_list(results: Any) -> bool:
     """Whether a function's return value is one that ``list()`` would take but that is not
-    a collection of results (None, a str split into characters, a dict into its keys, a
-    pandas or polars DataFrame into its column labels)."""
-    return results is None or isinstance(results, (str, bytes, dict)) or is_data_frame(results)
+    a collection of results (None, a str split into characters, bytes or a bytearray into
+    integers, a dict or any other mapping into its keys, a pandas or polars DataFrame into
+    its column labels)."""
+    return (
+        results is None
+        or isinstance(results, (str, bytes, bytearray, memoryview, Mapping))
+        or is_data_frame(results)
+    )
 
 
 def is_data_frame(value: Any) -> bool:

@@ -108,8 +108,8 @@ class ControlledTimeoutFunction(ControlledFunction):
 
 def _result_list(method: str, fail: str, results: Iterable[Any]) -> list[Any]:
     """``results`` as the list the call returns; a str (which ``list`` would split into
-    characters), None, a dict or a number is refused, as the operator refuses it from a
-    function, but here at the test's line."""
+    characters), bytes or a bytearray, None, a dict or other mapping, or a number is refused,
+    as the operator refuses it from a function, but here at the test's line."""
     if not_a_result_list(results) or not isinstance(results, Iterable):
         raise TypeError(
             f"{method}() takes an iterable of results ([result] for one, [] for none); got "

@@ -13,6 +13,7 @@ import linecache
 import re
 import sys
 import time
+import types
 
 import pytest
 
@@ -27,6 +28,7 @@ from stateful_async import (
     ResultSchemaError,
     RetryStrategy,
     StreamRecord,
+    ThreadPoolAsyncFunction,
     TimeoutHandlerError,
     Watermark,
 )
@@ -616,6 +618,31 @@ async def test_a_result_that_is_not_an_iterable_of_results_is_a_clear_error(bad)
     await settle()
     with pytest.raises(InvalidResultError, match="Return a list: \\[result\\]"):
         await op.finish()
+    await op.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [bytearray(b"ab"), memoryview(b"ab"), types.MappingProxyType({"k": 1})],
+    ids=["bytearray", "memoryview", "mapping"],
+)
+@pytest.mark.parametrize("through_threads", [False, True], ids=["async", "thread_pool"])
+async def test_bytes_like_and_mapping_results_are_refused_not_split(bad, through_threads) -> None:
+    # bytes and dicts were refused, but a bytearray or memoryview was emitted as its
+    # integers, and a mapping that is not a dict as its keys.
+    async def wrong(value):
+        return bad
+
+    fn = ThreadPoolAsyncFunction(lambda value: bad, max_workers=1) if through_threads else wrong
+    out: list = []
+    op = AsyncWaitOperator(fn, out.append, capacity=2)
+    await op.open()
+    await op.process_element(StreamRecord(1))
+    with pytest.raises(InvalidResultError) as info:
+        await asyncio.wait_for(op.finish(), 5.0)
+    assert f"returned {type(bad).__name__} instead of an iterable of results" in str(info.value)
+    assert "Return a list: [result] for one result" in str(info.value)
+    assert out == []
     await op.close()
 
 
