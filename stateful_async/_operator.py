@@ -394,6 +394,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         # Calls and timeout handlers _release cancelled, until they have ended: close()
         # waits for them as for the calls it cancels itself.
         self._cancelled: set[asyncio.Future[Any]] = set()
+        self._closing: asyncio.Future[None] | None = None  # done once close() has returned
         self.metrics = OperatorMetrics()
 
     def _set_state(self, state: _State) -> None:
@@ -725,22 +726,29 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         in-flight elements are discarded), waits up to 5 s (wall clock) for the cancelled
         calls to end, those cancelled earlier because another outcome decided their element
         included (one that ignores its cancellation is left running, its outcome dropped),
-        then closes the function. Idempotent."""
+        then closes the function. Idempotent: a call made while another is still closing
+        waits until that one has returned (its function closed)."""
         if self._state is _State.CLOSED:
+            if self._closing is not None:
+                await asyncio.shield(self._closing)
             return
         self._set_state(_State.CLOSED)
-        self._spare.clear()
-        self._timers.cancel_all()
-        tasks = set(self._cancel_in_flight())
-        tasks.update(task for task in self._cancelled if not task.done())
-        self._wake_waiters(
-            OperatorStateError("The operator was closed while a call was waiting on it.")
-        )
-        if tasks:
-            await asyncio.wait(tasks, timeout=5.0)
-        if self._fn_opened:
-            self._fn_opened = False
-            await self._fn.close()
+        self._closing = closing = asyncio.get_running_loop().create_future()
+        try:
+            self._spare.clear()
+            self._timers.cancel_all()
+            tasks = set(self._cancel_in_flight())
+            tasks.update(task for task in self._cancelled if not task.done())
+            self._wake_waiters(
+                OperatorStateError("The operator was closed while a call was waiting on it.")
+            )
+            if tasks:
+                await asyncio.wait(tasks, timeout=5.0)
+            if self._fn_opened:
+                self._fn_opened = False
+                await self._fn.close()
+        finally:
+            closing.set_result(None)
 
     # -- attempts, retries, timeouts ---------------------------------------------------
 

@@ -1044,6 +1044,37 @@ async def test_close_without_finish_cancels_in_flight_calls() -> None:
     assert out == []
 
 
+async def test_a_close_while_another_close_runs_returns_once_the_function_is_closed() -> None:
+    # The second close() returned at once, while the first still waited for a cancelled
+    # call to clean up: the function was not closed yet, and a caller that then ended its
+    # loop (asyncio.run) cancelled the first close() before it closed the function.
+    log: list = []
+
+    class Fn(AsyncFunction):
+        async def async_invoke(self, value):
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.05)  # a connection handed back to its pool
+                log.append("call cleaned up")
+                raise
+
+        async def close(self):
+            log.append("fn.close")
+
+    op = AsyncWaitOperator(Fn(), lambda e: None)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    first = asyncio.ensure_future(op.close())
+    await settle()  # the first close() waits for the cancelled call
+    await asyncio.wait_for(op.close(), 5.0)
+    assert log == ["call cleaned up", "fn.close"]
+    assert first.done()
+    await op.close()  # and once closed, at once
+    assert log == ["call cleaned up", "fn.close"]
+
+
 @pytest.mark.parametrize("decided_by", ["the timeout handler", "the attempt"])
 async def test_close_waits_for_the_calls_cancelled_when_their_element_was_decided(
     decided_by: str,
