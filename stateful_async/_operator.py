@@ -794,16 +794,18 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         handler.task = None
         self._on_attempt_result(handler, results)
 
-    def _not_awaitable(self, handler: _Element, call: Any) -> InvalidResultError:
+    def _not_awaitable(
+        self, handler: _Element, call: Any, method: str = "async_invoke"
+    ) -> InvalidResultError:
         """The error of a call whose function returned something ``await`` refuses (an
-        ``async_invoke`` that is a callable object or a ``functools.partial`` of a plain
-        function passes the construction check): a programming error, never retried.
-        Checked once ``await`` has raised, so that a call that returns an awaitable, every
-        call, pays nothing for it."""
+        ``async_invoke`` or ``timeout`` that is a callable object or a ``functools.partial``
+        of a plain function passes the construction check): a programming error, never
+        retried. For ``async_invoke``, checked once ``await`` has raised, so that a call that
+        returns an awaitable, every call, pays nothing for it."""
         function = (
             "The async function"
             if isinstance(self._fn, CoroutineFunction)
-            else f"{type(self._fn).__name__}.async_invoke"
+            else f"{type(self._fn).__name__}.{method}"
         )
         return cast(
             InvalidResultError,
@@ -812,8 +814,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 f"{function} returned {type(call).__name__}, not an awaitable",
                 handler.element,
                 handler.attempts,
-                "async_invoke must return an awaitable: is it an async def? Declare it "
-                "'async def async_invoke(self, value)' returning a list of results (a callable "
+                f"{method} must return an awaitable: is it an async def? Declare it "
+                f"'async def {method}(self, value)' returning a list of results (a callable "
                 "object needs an 'async def __call__'; a functools.partial, an async function "
                 "inside).",
             ),
@@ -1057,6 +1059,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         task: asyncio.Future[Any]
         try:
             awaitable = self._fn.timeout(handler.element.value)  # type: ignore[union-attr]
+            if not inspect.isawaitable(awaitable):
+                # A handler that returned its results (or anything) without an awaitable:
+                # it did not raise, as ensure_future's TypeError would have it reported.
+                self._decide_failure(handler, self._not_awaitable(handler, awaitable, "timeout"))
+                return
             task = asyncio.ensure_future(awaitable, loop=self._loop)
         except Exception as exc:
             task = self._loop.create_future()

@@ -1354,6 +1354,33 @@ async def test_a_timeout_handler_of_the_wrong_shape_is_named_as_the_handler() ->
     await op.close()
 
 
+async def test_a_timeout_handler_that_returns_no_awaitable_is_told_so_not_said_to_raise() -> None:
+    # A handler that is a plain callable object (which passes the construction check)
+    # returned its fallback list; the operator reported "The timeout handler raised ...:
+    # TypeError: An asyncio.Future, a coroutine or an awaitable is required", and advised
+    # returning fallback results instead of raising, which it had done.
+    class Fallback:
+        def __call__(self, value):
+            return [f"fallback {value}"]
+
+    class Fn(ControlledFunction):
+        timeout = Fallback()  # not a descriptor: called as fn.timeout(value)
+
+    clock = VirtualClock()
+    op = AsyncWaitOperator(Fn(), lambda e: None, timeout=1, clock=clock)
+    await op.open()
+    await op.process_element(StreamRecord("x"))
+    await clock.advance(1)
+    with pytest.raises(InvalidResultError) as info:
+        await asyncio.wait_for(op.finish(), 5.0)
+    message = str(info.value)
+    assert message.startswith(
+        "Fn.timeout returned list, not an awaitable for element StreamRecord('x')"
+    ), message
+    assert "Declare it 'async def timeout(self, value)'" in message
+    await op.close()
+
+
 async def test_fallback_rows_that_do_not_match_the_schema_are_not_reported_as_raised() -> None:
     # The Spark task checks the handler's fallback rows against the output schema: a
     # mismatch was reported as a TimeoutHandlerError, "the handler raised ... return
