@@ -165,8 +165,11 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
     flight, ``max_in_flight``, which is ``capacity`` unless set).
 
     A timeout decides the element but cannot stop its thread: a call that never returns
-    keeps its thread (and pool slot) until the process exits; give blocking clients their
-    own socket timeouts.
+    keeps its thread (and pool slot), and ``close()`` does not wait for it; but the pool's
+    threads are not daemons, so the interpreter waits for it at exit (``concurrent.futures``
+    joins them) and a script whose call hangs never ends (a Spark Python worker forked by
+    PySpark's daemon, the default outside Windows, leaves with ``os._exit`` and does). Give
+    blocking clients their own socket timeouts.
     """
 
     def __init__(
