@@ -697,8 +697,14 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         (each still bounded by its timeout): for a caller whose timers keep running after
         its input ends, such as a Spark task at the end of its partition, whose last
         elements should be retried like any other.
+
+        A ``finish()`` that was cancelled (``asyncio.wait_for(op.finish(), ...)`` timing out)
+        may be awaited again: the drain goes on from where it was.
         """
-        self._check_accepting("finish()")
+        if self._state is _State.FINISHING and self._failure is None and self._drain_waiter is None:
+            self._check_thread("finish()")  # resuming a cancelled finish(): no input came since
+        else:
+            self._check_accepting("finish()")
         if self._capacity_waiter is not None:  # an element still waits to enter: not lost
             raise self._overtaking("finish()")
         self._retry_while_finishing = keep_retrying

@@ -1034,6 +1034,31 @@ async def test_lifecycle_misuse_is_reported() -> None:
     assert (fn.opened, fn.closed) == (1, 1)
 
 
+async def test_a_cancelled_finish_may_be_awaited_again_and_drains() -> None:
+    # After asyncio.wait_for(op.finish(), ...) timed out, a second finish() was refused:
+    # "finish() was called on an operator that is finishing: ... no more input is
+    # accepted", leaving close(), which discards what is in flight, as the only way out.
+    fn, out, op = make(OutputMode.ORDERED)
+    await op.open()
+    await feed(op, ["a", "b"])
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(op.finish(), 0.01)
+    fn.complete("a", ["A"])
+    with pytest.raises(OperatorStateError, match="no more input is accepted"):
+        await op.process_element(StreamRecord("c"))  # still finishing: no input
+    again = asyncio.ensure_future(op.finish())
+    await settle()
+    assert not again.done()  # "b" is still in flight
+    with pytest.raises(OperatorStateError, match=r"finish\(\) was called on an operator"):
+        await op.finish()  # while another finish() drains: refused as before
+    fn.complete("b", ["B"])
+    await asyncio.wait_for(again, 5.0)
+    assert [e.value for e in out] == ["A", "B"]
+    with pytest.raises(OperatorStateError, match="that is finished"):
+        await op.finish()  # once finished, as before
+    await op.close()
+
+
 async def test_close_without_finish_cancels_in_flight_calls() -> None:
     fn, out, op = make(OutputMode.UNORDERED)
     await op.open()
