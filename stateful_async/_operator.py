@@ -461,7 +461,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         """Open the function, then re-add ``restored`` elements (from ``snapshot_state``)
         in order before any new input: records are invoked again from attempt 1 with a
         fresh timeout, watermarks are replayed. More restored elements than ``capacity``
-        is fine: this waits for room like ``process_element``."""
+        is fine: this waits for room like ``process_element``. If it is cancelled (or
+        raises) before every restored element is back, the operator fails, as a snapshot
+        would miss the rest: close it and restore into a new one."""
         if self._state is not _State.CREATED:
             raise OperatorStateError(
                 f"open() was called on an operator that is {self._state.value}; an operator "
@@ -501,7 +503,21 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 raise OperatorStateError("The operator was closed while its function was opening.")
             self._fn_opened = True
             self._set_state(self._state)  # input is accepted from here (the restore's first)
-            await self._restore(restored or ())
+            try:
+                await self._restore(restored or ())
+            except BaseException as exc:
+                # Cancelled, or refused an element, part-way: the operator holds only some of
+                # the restored elements, and a snapshot of it would lose the others.
+                if self._failure is None and self._state is not _State.CLOSED:
+                    failure = OperatorStateError(
+                        f"open() did not finish re-adding the restored elements "
+                        f"({type(exc).__name__}), so the operator holds only some of them and "
+                        "has failed: a snapshot or new input would lose the others. Close it "
+                        "and restore into a new AsyncWaitOperator."
+                    )
+                    failure.__cause__ = exc
+                    self._fail(failure)
+                raise
         finally:
             self._restoring = False
 

@@ -1059,6 +1059,30 @@ async def test_a_cancelled_finish_may_be_awaited_again_and_drains() -> None:
     await op.close()
 
 
+async def test_an_open_cancelled_while_restoring_fails_the_operator() -> None:
+    # open() was cancelled while it waited for room to re-add restored elements: the
+    # operator stayed open with some of them, took input, and a snapshot returned only
+    # those, silently dropping the rest from the next checkpoint.
+    fn, out, op = make(OutputMode.ORDERED, capacity=1)
+    opening = asyncio.ensure_future(
+        op.open([StreamRecord("a"), StreamRecord("b"), StreamRecord("c")])
+    )
+    await settle()  # "a" re-added; "b" waits for room
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    with pytest.raises(OperatorStateError, match="Cannot take snapshot 1: the operator has failed"):
+        op.snapshot_state(1)
+    with pytest.raises(OperatorStateError) as info:
+        await op.process_element(StreamRecord("d"))
+    assert str(info.value).startswith(
+        "open() did not finish re-adding the restored elements (CancelledError), so the "
+        "operator holds only some of them and has failed"
+    )
+    await op.close()
+    assert fn.closed == 1
+
+
 async def test_close_without_finish_cancels_in_flight_calls() -> None:
     fn, out, op = make(OutputMode.UNORDERED)
     await op.open()
