@@ -153,7 +153,8 @@ def element_error(
     message = f"{what} for element {describe(element)} after {attempts} {plural}"
     if cause is not None:
         message += f": {type(cause).__name__}: {error_text(cause)}{raised_at(cause)}"
-    message += f". {advice}"
+    # a cause's own text may end its sentence ("The timeout handler was cancelled.")
+    message += f"{'' if message.endswith('.') else '.'} {advice}"
     error = kind(message, element=element, attempts=attempts)
     if cause is not None:
         error.__cause__ = cause

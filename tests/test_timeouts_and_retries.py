@@ -277,6 +277,25 @@ async def test_a_timeout_handler_whose_results_raise_fails_the_operator() -> Non
     await op.close()
 
 
+async def test_a_cancelled_timeout_handler_is_reported_in_sentences_with_one_full_stop() -> None:
+    # Before: "... CancelledError: The timeout handler was cancelled.. The timeout handler
+    # ..." (the cause's sentence ended, and the advice added another full stop).
+    class Fallback(ControlledFunction):
+        async def timeout(self, value):
+            raise asyncio.CancelledError
+
+    clock = VirtualClock()
+    op = AsyncWaitOperator(Fallback(), lambda e: None, capacity=2, timeout=1.0, clock=clock)
+    await op.open()
+    await op.process_element(StreamRecord("x"))
+    await clock.advance(1.0)
+    with pytest.raises(TimeoutHandlerError) as info:
+        await asyncio.wait_for(op.finish(), 5.0)
+    assert "CancelledError: The timeout handler was cancelled. " in str(info.value)
+    assert ".." not in str(info.value)
+    await op.close()
+
+
 async def test_max_attempts_counts_total_attempts() -> None:
     clock = VirtualClock()
     fn = Timed(clock)
