@@ -58,7 +58,10 @@ class _DefaultTimeout(Exception):
 
 
 def has_timeout_handler(fn: AsyncFunction[Any, Any]) -> bool:
-    return type(fn).timeout is not AsyncFunction.timeout
+    """Whether ``fn`` has a ``timeout`` of its own: its class's, or one set on the instance
+    (``fn.timeout = fallback``), which the operator calls as it would a method."""
+    handler = getattr(fn, "timeout", None)
+    return getattr(handler, "__func__", handler) is not AsyncFunction.timeout
 
 
 class CoroutineFunction(AsyncFunction[IN, OUT]):

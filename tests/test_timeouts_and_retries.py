@@ -223,6 +223,25 @@ async def test_a_retry_predicate_that_raises_on_a_late_result_fails_the_element(
     await op.close()
 
 
+async def test_a_timeout_handler_set_on_the_instance_gives_the_fallback() -> None:
+    # Before, only a timeout defined on the class counted: one set on the instance was
+    # ignored, and the element failed with AsyncTimeoutError.
+    async def fallback(value):
+        return [f"fallback {value}"]
+
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    fn.timeout = fallback  # type: ignore[method-assign]
+    out, op = make(fn, clock, timeout=1)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(1)
+    await asyncio.wait_for(op.finish(), 5)
+    assert [e.value for e in out] == ["fallback a"]
+    assert op.metrics.timeouts == 1
+    await op.close()
+
+
 async def test_a_failing_timeout_handler_is_not_retried() -> None:
     clock, fn, out, op = await timed_out_a(RetryStrategy.fixed_delay(10, 0.1))
     fn.fail_timeout("a", Flaky("handler broke"))
