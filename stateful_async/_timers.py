@@ -243,7 +243,12 @@ async def settle(max_rounds: int = 10_000) -> None:
             return
     if ready is None:
         return
-    raise RuntimeError(f"The event loop did not settle within {max_rounds} rounds.")
+    raise RuntimeError(
+        f"The event loop did not settle within {max_rounds} rounds: something keeps it busy "
+        "without waiting on anything, such as a task looping on asyncio.sleep(0), or "
+        "retries without a delay of a call that fails at once (give the RetryStrategy a "
+        "delay, which the virtual clock then moves through)."
+    )
 
 
 _MIN_COMPACT = 64  # a heap this small is never compacted

@@ -1345,6 +1345,23 @@ async def test_a_virtual_clock_advance_cancelled_after_a_wake_up_raised_reports_
     ]
 
 
+async def test_an_advance_kept_busy_by_retries_without_delay_says_what_to_change() -> None:
+    # Before: only "The event loop did not settle within 10000 rounds."
+    class FailsAtOnce(AsyncFunction):
+        async def async_invoke(self, value):
+            raise Flaky("down")
+
+    clock = VirtualClock()
+    out, op = make(FailsAtOnce(), clock, timeout=10, retry=RetryStrategy.fixed_delay(100_000, 0))
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    with pytest.raises(RuntimeError, match="did not settle within 10000 rounds") as info:
+        await clock.advance(1)
+    assert "retries without a delay of a call that fails at once" in str(info.value)
+    assert "give the RetryStrategy a delay" in str(info.value)
+    await op.close()
+
+
 async def test_a_virtual_clock_refuses_an_advance_while_another_runs() -> None:
     # before: both ran, each from where time stood when it began (two advance(1) reached
     # 1.0), the first failing with settle()'s "did not settle within 10000 rounds"; and
