@@ -365,6 +365,46 @@ def _variant_field(data_type: Any) -> str | None:
     return next((p for p, t in _nested_types(data_type) if isinstance(t, VariantType)), None)
 
 
+def _udt_field(data_type: Any) -> tuple[str, Any] | None:
+    """The path and type of a user-defined type (an ML vector's) inside ``data_type``."""
+    from pyspark.sql.types import UserDefinedType
+
+    return next(
+        ((p, t) for p, t in _nested_types(data_type) if isinstance(t, UserDefinedType)), None
+    )
+
+
+def _udt_refusal(what: str, path: str, udt: Any) -> ConfigurationError:
+    """Spark hands a user-defined type to Arrow, and so to the function, as its storage
+    type: an ML vector as {type, size, indices, values}, and takes a result only in it."""
+    name = type(udt).__name__
+    if name == "VectorUDT":
+        advice = (
+            "Pass it as an array instead: select vector_to_array(col) AS col first (from "
+            "pyspark.ml.functions), for a list of floats."
+            if what == "input"
+            else "Return a list of floats in an ARRAY<DOUBLE> field instead, and "
+            "array_to_vector(col) of it after (from pyspark.ml.functions)."
+        )
+    else:
+        advice = (
+            "Convert it to plain columns first (the type's own functions, or a UDF)."
+            if what == "input"
+            else "Declare plain types in the schema instead, and convert after."
+        )
+    return ConfigurationError(
+        f"The {what} field {path!r} is a user-defined type ({name}), which Spark hands to "
+        "Arrow (mapInArrow, which the adapter runs on) as its storage type, "
+        f"{udt.sqlType().simpleString()}: "
+        + (
+            "the function would get that struct, not the object. "
+            if what == "input"
+            else "a result would have to be that struct, not the object. "
+        )
+        + advice
+    )
+
+
 def _char_field(struct: Any) -> tuple[Any, str, Any] | None:
     """The first CHAR or VARCHAR inside ``struct``: the top-level field holding it, its
     path and its type; None if it holds none."""
@@ -462,6 +502,9 @@ def _arrow_schema(struct: Any, what: str) -> pa.Schema:
                 else "Return JSON text in a STRING field instead, and parse_json() it after."
             )
         )
+    udt = _udt_field(struct)
+    if udt is not None:
+        raise _udt_refusal(what, *udt)
     char = _char_field(struct)
     if char is not None:  # a DDL string's char(n), or a table's with preserveCharVarcharTypeInfo
         top, path, char_type = char

@@ -3017,6 +3017,53 @@ def test_a_variant_input_column_is_refused_asking_for_json_text(spark) -> None:
         ordered_wait(df, f, "id long")
 
 
+def test_ml_vector_fields_are_refused_with_the_array_functions_to_use(spark) -> None:
+    # Before, an input vector reached the function as its storage struct ({'type': 1,
+    # 'size': None, 'indices': None, 'values': [...]}), and a DenseVector returned for a
+    # vector field failed with pyarrow's "was expecting tuple of (key, value) pair".
+    from pyspark.ml.functions import array_to_vector, vector_to_array
+    from pyspark.ml.linalg import Vectors, VectorUDT
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"], "total": float(sum(row["features"]))}]
+
+    df = spark.createDataFrame(
+        [(1, Vectors.dense([1.0, 2.0])), (2, Vectors.sparse(3, [2], [4.0]))], ["id", "features"]
+    )
+    with pytest.raises(
+        ConfigurationError,
+        match=r"input field 'features' is a user-defined type \(VectorUDT\).*storage type, "
+        r"struct<type:tinyint.*select vector_to_array\(col\) AS col first",
+    ):
+        ordered_wait(df, f, "id long, total double")
+    nested = df.select(F.struct("features").alias("s"))
+    with pytest.raises(ConfigurationError, match=r"input field 's.features' is a user-defined"):
+        ordered_wait(nested, f, "id long, total double")
+    # the advice, followed, works
+    as_arrays = df.select("id", vector_to_array("features").alias("features"))
+    vectors = StructType([StructField("id", LongType()), StructField("v", VectorUDT())])
+    with pytest.raises(
+        ConfigurationError,
+        match=r"output field 'v' is a user-defined type \(VectorUDT\).*ARRAY<DOUBLE> field "
+        r"instead, and array_to_vector\(col\)",
+    ):
+        ordered_wait(as_arrays, features_as_v, vectors)
+    out = ordered_wait(as_arrays, f, "id long, total double").orderBy("id")
+    assert [tuple(r) for r in out.collect()] == [(1, 3.0), (2, 4.0)]
+    back = ordered_wait(as_arrays, features_as_v, "id long, v array<double>").select(
+        "id", array_to_vector("v").alias("v")
+    )
+    assert sorted((r.id, r.v) for r in back.collect()) == [
+        (1, Vectors.dense([1.0, 2.0])),
+        (2, Vectors.dense([0.0, 0.0, 4.0])),
+    ]
+
+
+async def features_as_v(row):  # type: ignore[no-untyped-def]
+    return [{"id": row["id"], "v": row["features"]}]
+
+
 def test_char_and_varchar_fields_are_refused_with_the_string_type_to_use(spark) -> None:
     # The refusal said only that Arrow cannot carry VarcharType(5), not what to do instead.
     async def f(row):  # type: ignore[no-untyped-def]
