@@ -595,6 +595,12 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
         nested = nested_field_advice(
             schema, column, "event_time", "event_time={}", sensitive == "true"
         )
+        unquoted = column[1:-1].replace("``", "`") if len(column) > 1 else ""
+        if column[:1] == column[-1:] == "`" and unquoted in fields:  # as Spark SQL quotes it
+            raise ConfigurationError(
+                f"event_time takes a column's name as it is, without Spark's backticks: "
+                f"event_time={unquoted!r}, not {column!r}."
+            )
         raise ConfigurationError(
             f"event_time {column!r} {nested}"
             if nested is not None

@@ -3245,6 +3245,22 @@ def test_year_to_month_intervals_are_refused_with_an_expression_to_use(spark) ->
     assert [r.iv for r in out.collect()] == ["INTERVAL '3-1' YEAR TO MONTH"] * 3
 
 
+def test_an_event_time_in_backticks_is_refused_saying_to_drop_them(spark) -> None:
+    # It was refused as "not in the DataFrame", listing the column 'a.b' it meant.
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    df = spark.range(3).withColumn("a.b", F.col("id"))
+    with pytest.raises(ConfigurationError) as refused:
+        unordered_wait(df, f, "id long", event_time="`a.b`")
+    assert str(refused.value) == (
+        "event_time takes a column's name as it is, without Spark's backticks: "
+        "event_time='a.b', not '`a.b`'."
+    )
+    out = unordered_wait(df, f, "id long", event_time="a.b", max_out_of_orderness=1)
+    assert sorted(r.id for r in out.collect()) == [0, 1, 2]
+
+
 def test_an_event_time_inside_a_struct_is_refused_saying_how_to_select_it_up(spark) -> None:
     # It was refused as "not in the DataFrame", listing the columns, the struct among them.
     async def f(row):  # type: ignore[no-untyped-def]
