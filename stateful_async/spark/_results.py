@@ -489,6 +489,13 @@ def _check_decimal(arrow_type: pa.DataType) -> _Check:
     def check_decimal(value: Any) -> _Loss | None:
         if isinstance(value, bool):
             reason = f"{declared} takes a Decimal or an int, not a boolean"
+        elif isinstance(value, (float, np.floating)):  # pyarrow: "int or Decimal ... expected"
+            reason = (
+                f"{declared} takes a Decimal or an int, not a float (a binary fraction): "
+                f"return Decimal(str(value)), or declare the field DOUBLE"
+            )
+        elif isinstance(value, np.integer):
+            reason = f"{declared} takes a Decimal or an int, not a numpy integer: return int(value)"
         elif isinstance(value, decimal.Decimal) and not value.is_finite():
             reason = f"{declared} holds no NaN or infinity: return None for a missing value"
         elif isinstance(value, (decimal.Decimal, int)):

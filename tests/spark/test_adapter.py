@@ -2536,6 +2536,10 @@ def test_a_binary_field_refuses_a_str_as_spark_does(arrow_type, value, problem) 
         # "The string 'NaN' is not a valid decimal128 number", and 'True' for True
         (pa.decimal128(5, 2), Decimal("NaN"), "holds no NaN or infinity: return None"),
         (pa.decimal128(5, 2), True, "takes a Decimal or an int, not a boolean"),
+        # "int or Decimal object expected, got float" (or numpy.int64): say how to convert
+        (pa.decimal128(5, 2), 1.5, r"not a float .*return Decimal\(str\(value\)\)"),
+        (pa.decimal128(5, 2), np.float64(1.5), r"not a float .*or declare the field DOUBLE"),
+        (pa.decimal128(5, 2), np.int64(3), r"not a numpy integer: return int\(value\)"),
         # what fits converts as it is, and 0 with any number of places is 0
         (pa.decimal128(5, 2), Decimal("1.200"), None),
         (pa.decimal128(5, 2), Decimal("1E+2"), None),
