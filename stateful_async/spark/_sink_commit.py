@@ -170,16 +170,33 @@ def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) 
     ours = delta_schema(schema)
     table_fields = _fields(table.schema())
     data_fields = _fields(ours)
+    # Delta column names are case-insensitive: a data column 'ID' is the table's 'id' spelt
+    # otherwise, not a new column that mergeSchema could add.
+    in_other_case = {
+        name: other
+        for name in table_fields
+        if name not in data_fields
+        for other in data_fields
+        if other not in table_fields and other.lower() == name.lower()
+    }
     problems = []
     for name, table_type in table_fields.items():
-        if name not in data_fields:
+        if name in in_other_case:
+            problems.append(
+                f"the table column {name!r} is {in_other_case[name]!r} in the data (Delta "
+                f"column names are case-insensitive, but a write must spell them as the "
+                f"table does: rename it with withColumnRenamed({in_other_case[name]!r}, "
+                f"{name!r}))"
+            )
+        elif name not in data_fields:
             problems.append(f"the table column {name!r} is missing from the data")
         elif data_fields[name] != table_type:
             problems.append(
                 f"the column {name!r} is {_type_name(table_type)} in the table but "
                 f"{_type_name(data_fields[name])} in the data"
             )
-    extra = [name for name in data_fields if name not in table_fields]
+    renamed = set(in_other_case.values())
+    extra = [name for name in data_fields if name not in table_fields and name not in renamed]
     if extra and not merge:
         problems.extend(f"the data column {name!r} is not in the table" for name in extra)
     if problems:

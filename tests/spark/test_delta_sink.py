@@ -888,6 +888,27 @@ def test_batch_append_overwrite_and_schema_rules(sink: Any, tmp_path: Path) -> N
     assert merged.column("tripled").to_pylist() == [None] * 100 + [i * 3 for i in range(9000, 9010)]
 
 
+def test_a_column_spelt_in_another_case_is_named_not_offered_to_merge_schema(
+    tmp_path: Path,
+) -> None:
+    # The data's 'ID' was reported as a new column, with the advice to set mergeSchema=true,
+    # and with it as the table's 'id' missing from the data: neither says what is wrong.
+    table = str(tmp_path / "t")
+    write_deltalake(table, pa.table({"id": [1], "label": ["a"]}))
+    data = pa.schema([("ID", pa.int64()), ("label", pa.string())])
+    for merge in ("false", "true"):
+        options = SinkOptions.parse({"path": table, "mergeSchema": merge}, streaming=False)
+        with pytest.raises(SinkSchemaMismatchError) as caught:
+            plan_write(options, data)
+        assert str(caught.value) == (
+            f"The data's schema does not match the Delta table at {table}: the table column "
+            "'id' is 'ID' in the data (Delta column names are case-insensitive, but a write "
+            "must spell them as the table does: rename it with withColumnRenamed('ID', "
+            "'id')). Select and cast the columns to match the table."
+        )
+    assert DeltaTable(table).schema().to_arrow().names == ["id", "label"]
+
+
 @pytest.mark.spark
 def test_idempotent_batch_write_with_txn_options(sink: Any, tmp_path: Path) -> None:
     table = str(tmp_path / "table")
