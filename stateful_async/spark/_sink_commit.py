@@ -111,6 +111,15 @@ def delta_schema(schema: pa.Schema) -> Any:
     try:
         return DeltaSchema.from_arrow(schema)
     except Exception as exc:  # deltalake raises plain Exception subclasses here
+        twins = list(_names_differing_in_case(list(schema), ""))
+        if twins:
+            raise ConfigurationError(
+                "The data cannot be stored in a Delta table: "
+                + "; ".join(f"{a!r} and {b!r}" for a, b in twins)
+                + " differ only in case, and Delta column and field names are "
+                "case-insensitive. Rename one of each pair before writing (withColumnRenamed "
+                "for a column; for a field, rebuild its struct with named_struct)."
+            ) from exc
         bad = [f"{f.name!r} ({f.type})" for f in schema if not _delta_can_hold(f)]
         raise ConfigurationError(
             "The data cannot be stored in a Delta table: "
@@ -118,6 +127,21 @@ def delta_schema(schema: pa.Schema) -> Any:
             + ". Cast them to a Delta type before writing (an interval to a bigint count "
             "of seconds, or to a string, for example)."
         ) from exc
+
+
+def _names_differing_in_case(fields: list[pa.Field], prefix: str) -> Iterator[tuple[str, str]]:
+    """Pairs of sibling names (dotted paths, at any depth) equal but for their case."""
+    seen: dict[str, str] = {}
+    for f in fields:
+        path = prefix + f.name
+        first = seen.setdefault(f.name.lower(), path)
+        if first != path:
+            yield first, path
+        kind = f.type
+        while pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_map(kind):
+            kind = kind.item_type if pa.types.is_map(kind) else kind.value_type
+        if pa.types.is_struct(kind):
+            yield from _names_differing_in_case(list(kind), path + ".")
 
 
 def _delta_can_hold(field: pa.Field) -> bool:

@@ -1124,6 +1124,36 @@ def test_a_column_delta_cannot_hold_is_named_before_anything_is_written(
     assert not (tmp_path / "t").exists()
 
 
+def test_names_differing_only_in_case_are_named_not_blamed_on_their_types(
+    tmp_path: Path,
+) -> None:
+    # delta-rs refuses them; the sink said to cast 'them' to a Delta type (for a struct,
+    # that it had no Delta type), which no cast fixes.
+    options = SinkOptions.parse({"path": str(tmp_path / "t")}, streaming=False)
+    advice = (
+        " differ only in case, and Delta column and field names are case-insensitive. "
+        "Rename one of each pair before writing (withColumnRenamed for a column; for a "
+        "field, rebuild its struct with named_struct)."
+    )
+    for schema, pairs in [
+        (pa.schema([("a", pa.int64()), ("A", pa.int64())]), "'a' and 'A'"),
+        (
+            pa.schema(
+                [("s", pa.struct([("a", pa.int32()), ("A", pa.int32())])), ("id", pa.int64())]
+            ),
+            "'s.a' and 's.A'",
+        ),
+        (
+            pa.schema([("l", pa.list_(pa.struct([("x", pa.int32()), ("X", pa.int32())])))]),
+            "'l.x' and 'l.X'",
+        ),
+    ]:
+        with pytest.raises(ConfigurationError) as caught:
+            plan_write(options, schema)
+        assert str(caught.value) == (f"The data cannot be stored in a Delta table: {pairs}{advice}")
+    assert not (tmp_path / "t").exists()
+
+
 def test_a_thread_that_registers_the_sink_can_write(sink: Any, tmp_path: Path) -> None:
     # Spark looks Python data sources up in the JVM thread's active session, which another
     # Python thread lacks: its write failed with DATA_SOURCE_NOT_FOUND, registered or not.
