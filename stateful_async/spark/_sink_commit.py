@@ -519,6 +519,16 @@ def commit_write(
             commit_properties=props,
         )
     except CommitFailedError as exc:
+        if "Unsupported table features" in str(exc):
+            # Not a conflict: every re-run fails the same way, after writing its files.
+            raise DeltaSinkError(
+                f"The Delta table at {uri} needs writer features that delta-rs (deltalake "
+                f"{_deltalake_version()}) cannot write ({exc}), so the commit of {what} was "
+                "refused: nothing was committed and Spark removes the write's files. "
+                "Re-running the write or restarting the query fails the same way: write to "
+                "this table with Spark and the Delta Lake jars (delta-spark), or to another "
+                "table."
+            ) from exc
         raise DeltaSinkError(
             f"The commit of {what} to the Delta table at {uri} failed: {exc}. Spark "
             "aborts this write and removes its files. If another writer committed a "
@@ -545,6 +555,12 @@ def commit_write(
         ) from exc
     log.info("Committed %s to %s.", what, uri)
     return Outcome.COMMITTED
+
+
+def _deltalake_version() -> str:
+    from importlib.metadata import version
+
+    return version("deltalake")
 
 
 def _describe(files: Sequence[DataFile], app_id: str | None, version: int | None) -> str:

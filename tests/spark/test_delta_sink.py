@@ -1377,6 +1377,49 @@ def test_an_empty_string_for_a_not_null_partition_column_is_refused_in_the_task(
     assert _table_files(Path(table)) == set()
 
 
+def test_a_table_needing_writer_features_delta_rs_lacks_is_refused_as_no_conflict(
+    tmp_path: Path,
+) -> None:
+    # Row tracking (Delta Spark's, or Databricks'): the commit failed with the advice for a
+    # concurrent commit, 'restart the query or re-run the write', which fails again.
+    from deltalake import TableFeatures
+
+    table = str(tmp_path / "t")
+    data = pa.table({"id": [1, 2]})
+    write_deltalake(table, data)
+    DeltaTable(table).alter.add_feature(
+        [TableFeatures.RowTracking], allow_protocol_versions_increase=True
+    )
+    version = DeltaTable(table).version()
+    opts = SinkOptions.parse({"path": table}, streaming=False)
+    plan = plan_write(opts, data.schema)
+    message = write_task_files(
+        opts,
+        plan,
+        iter(data.to_batches()),
+        partition_id=0,
+        attempt=0,
+        batch_id=None,
+        query_id=None,
+    )
+    with pytest.raises(DeltaSinkError) as caught:
+        commit_write(opts, plan, message.files, mode="append", app_id=None, version=None)
+    text = str(caught.value)
+    assert text.startswith(
+        f"The Delta table at {table} needs writer features that delta-rs (deltalake 1.6."
+    ), text
+    assert "cannot write (Unsupported table features required: [RowTracking])" in text
+    assert text.endswith(
+        "so the commit of 1 file(s) holding 2 row(s) was refused: nothing was committed "
+        "and Spark removes the write's files. Re-running the write or restarting the query "
+        "fails the same way: write to this table with Spark and the Delta Lake jars "
+        "(delta-spark), or to another table."
+    ), text
+    assert "concurrent" not in text
+    assert DeltaTable(table).version() == version
+    assert abort_write(opts, message.files) == [f.path for f in message.files]
+
+
 def test_tables_with_rules_the_sink_cannot_check_are_refused_before_any_file(
     tmp_path: Path,
 ) -> None:
