@@ -1226,6 +1226,30 @@ def test_options_are_validated_with_clear_errors() -> None:
     assert opts.partition_by == ("a", "b")
 
 
+def test_a_local_table_path_holding_a_percent_escape_is_refused_up_front(
+    tmp_path: Path,
+) -> None:
+    # delta-rs created the table in 'a%20b', then looked for its log in 'a b': the first
+    # write succeeded and every later one failed with 'could not read the Delta table ...
+    # File not found: .../a b/_delta_log/...'. A file:// URI decodes to the same directory.
+    for path, escape in [
+        (str(tmp_path / "a%20b"), "%20"),
+        (f"file://{tmp_path}/a%2520b", "%20"),
+        (str(tmp_path / "x%2Fy" / "t"), "%2F"),
+    ]:
+        with pytest.raises(ConfigurationError) as caught:
+            SinkOptions.parse({"path": path}, streaming=False)
+        assert str(caught.value) == (
+            f"The table path {path!r} names a local directory whose path holds {escape!r}, "
+            "which delta-rs decodes (as an escaped character) when it reads the table, so it "
+            "would not find the table it wrote there. Use a directory whose path has no '%' "
+            "followed by two hexadecimal digits."
+        )
+    # '%' without two hex digits, an escape a file:// URI decodes, an object store's key
+    for path in [str(tmp_path / "100%"), f"file://{tmp_path}/a%20b", "s3://bucket/a%20b"]:
+        assert SinkOptions.parse({"path": path}, streaming=False).table_uri == path
+
+
 def test_clean_orphan_files_refuses_a_path_without_a_table(tmp_path: Path) -> None:
     (tmp_path / "data.parquet").write_bytes(b"not really parquet")
     with pytest.raises(DeltaSinkError, match="There is no Delta table at .*nothing was deleted"):
