@@ -51,6 +51,26 @@ def is_local(location: str) -> bool:
     return scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt")
 
 
+#: A percent escape, which delta-rs decodes in a local table path.
+_ESCAPE = re.compile("%[0-9A-Fa-f]{2}")
+
+
+def local_path_escape(location: str) -> tuple[str, str] | None:
+    """For a local ``location`` (a path, or a file: URI, decoded as URIs are) whose path
+    holds a percent escape: that path and the escape. delta-rs creates a table in the
+    directory as named but reads its log from the name decoded ('a%20b' as 'a b'), so the
+    first commit fails ("File not found") or a later one does not find the table."""
+    parsed = urlparse(location)
+    if parsed.scheme == "file":
+        path = unquote(parsed.path)
+    elif is_local(location):
+        path = location
+    else:
+        return None
+    escape = _ESCAPE.search(path)
+    return None if escape is None else (path, escape.group())
+
+
 def normalize(location: str | os.PathLike[str]) -> str:
     """``location`` as the store keeps it: a local path made absolute, or a URI without a
     trailing slash. Anything but a non-blank path or URI is refused."""
@@ -76,7 +96,16 @@ def normalize(location: str | os.PathLike[str]) -> str:
                 f"machine: write file:///{parsed.netloc}{parsed.path} (three slashes) or "
                 f"the path /{parsed.netloc}{parsed.path}."
             )
-        path = parsed.path if parsed.scheme == "file" else text
+        escaped = local_path_escape(text)
+        if escaped is not None:
+            raise CheckpointLocationError(
+                f"The checkpoint location {text!r} is a local directory whose path holds "
+                f"{escaped[1]!r}, which delta-rs decodes (as an escaped character) when it "
+                "reads a checkpoint table, so it would not find the tables it writes there. "
+                "Use a directory whose path has no '%' followed by two hexadecimal digits."
+            )
+        # a file: URI's path is percent-decoded, as delta-rs decodes it: file:///a%20b is a b
+        path = unquote(parsed.path) if parsed.scheme == "file" else text
         # "~/chk" means the home directory, not a directory named "~" in the working one
         return os.path.abspath(os.path.expanduser(path))
     return text.rstrip("/")

@@ -1009,6 +1009,36 @@ def test_a_file_uri_with_a_host_is_refused_not_taken_for_another_path(tmp_path: 
     assert SnapshotStore(f"file://{tmp_path}/").location == str(tmp_path)
 
 
+def test_a_location_holding_a_percent_escape_is_refused_and_a_file_uri_decoded(
+    tmp_path: Path,
+) -> None:
+    # delta-rs decodes '%20' when it reads a table: before, the first commit to
+    # <tmp>/a%20b failed with "Kernel error: File not found: <tmp>/a b/..._delta_log/...",
+    # leaving its files, and file:///<tmp>/c%20d was taken as the directory 'c%20d' (so too).
+    from stateful_async.spark import CheckpointConfig
+
+    for location, escape in [(f"{tmp_path}/a%20b", "%20"), (f"file://{tmp_path}/e%2520f", "%20")]:
+        with pytest.raises(CheckpointLocationError) as info:
+            SnapshotStore(location)
+        assert str(info.value) == (
+            f"The checkpoint location {location!r} is a local directory whose path holds "
+            f"{escape!r}, which delta-rs decodes (as an escaped character) when it reads a "
+            "checkpoint table, so it would not find the tables it writes there. Use a "
+            "directory whose path has no '%' followed by two hexadecimal digits."
+        )
+        with pytest.raises(ConfigurationError, match="which delta-rs decodes"):
+            CheckpointConfig(location, "job")
+    assert os.listdir(tmp_path) == []
+    store = SnapshotStore(f"file://{tmp_path}/c%20d")
+    assert store.location == f"{tmp_path}/c d"
+    log = store.subtask("job", "op", 0)
+    commit(log, "run", 1)
+    commit(log, "run", 2)
+    assert (
+        SnapshotStore(f"{tmp_path}/c d").subtask("job", "op", 0).load(2).metadata.checkpoint_id == 2
+    )
+
+
 def test_a_schema_change_between_runs_is_refused(tmp_path: Path) -> None:
     log = SnapshotStore(tmp_path).subtask("job", "op", 0)
     commit(log, "run", 1)

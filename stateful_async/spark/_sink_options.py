@@ -8,10 +8,11 @@ here is compared in lower case.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
+
+from checkpoint._layout import local_path_escape
 
 from .._exceptions import ConfigurationError
 
@@ -33,9 +34,6 @@ CODECS = {
 _SPARK_OPTIONS = {"path", "checkpointlocation", "queryname"}
 
 _BOOLEAN = {"true": True, "false": False}
-
-#: A percent escape, which delta-rs decodes in a local table path (see ``_table_uri``).
-_ESCAPE = re.compile("%[0-9A-Fa-f]{2}")
 
 #: The largest Delta app-transaction version (a signed 64-bit long, as Spark's batch ids)
 #: and the bound of maxCommitRetries (delta-rs fails from 2**64 - 1): past them delta-rs
@@ -165,15 +163,11 @@ def _table_uri(path: str | None) -> str:
             ".save('/abs/path/to/table') or writeStream...start('/abs/path/to/table')."
         )
     path = os.path.expanduser(path.strip())  # on the driver: its home, as CheckpointConfig's
-    is_file_uri = urlparse(path).scheme == "file"
-    local = unquote(urlparse(path).path) if is_file_uri else path
-    escape = _ESCAPE.search(local) if is_file_uri or not is_uri(path) else None
-    if escape is not None:
-        # delta-rs creates the table in the directory as named, then reads its log from the
-        # name decoded ('a%20b' as 'a b'): every later write and read fails to find it.
+    escaped = local_path_escape(path)
+    if escaped is not None:
         raise ConfigurationError(
             f"The table path {path!r} names a local directory whose path holds "
-            f"{escape.group()!r}, which delta-rs decodes (as an escaped character) when it "
+            f"{escaped[1]!r}, which delta-rs decodes (as an escaped character) when it "
             "reads the table, so it would not find the table it wrote there. Use a directory "
             "whose path has no '%' followed by two hexadecimal digits."
         )
