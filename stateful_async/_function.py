@@ -59,8 +59,12 @@ class _DefaultTimeout(Exception):
 
 def has_timeout_handler(fn: AsyncFunction[Any, Any]) -> bool:
     """Whether ``fn`` has a ``timeout`` of its own: its class's, or one set on the instance
-    (``fn.timeout = fallback``), which the operator calls as it would a method."""
+    (``fn.timeout = fallback``), which the operator calls as it would a method. An instance
+    attribute that is not callable (``self.timeout = 5.0``, a client's own setting) is no
+    handler: the class's ``timeout`` decides, as before instance handlers counted."""
     handler = getattr(fn, "timeout", None)
+    if not callable(handler):
+        handler = getattr(type(fn), "timeout", None)
     return getattr(handler, "__func__", handler) is not AsyncFunction.timeout
 
 

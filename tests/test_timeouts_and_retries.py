@@ -242,6 +242,29 @@ async def test_a_timeout_handler_set_on_the_instance_gives_the_fallback() -> Non
     await op.close()
 
 
+async def test_a_timeout_setting_on_the_instance_is_not_taken_for_a_handler() -> None:
+    # A function keeping its client's timeout as self.timeout = 5.0 failed its late element
+    # with "TimeoutHandlerError: The timeout handler raised ...: TypeError: 'float' object
+    # is not callable", once instance handlers counted, instead of AsyncTimeoutError.
+    class Fetch(ControlledFunction):
+        def __init__(self) -> None:
+            super().__init__()
+            self.timeout = 5.0  # type: ignore[assignment]
+
+    clock = VirtualClock()
+    out, op = make(Fetch(), clock, timeout=1)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await clock.advance(1)
+    with pytest.raises(AsyncTimeoutError) as info:
+        await asyncio.wait_for(op.finish(), 5)
+    assert str(info.value).startswith(
+        "The element did not complete within the 1 s timeout for element StreamRecord('a')"
+    )
+    assert out == []
+    await op.close()
+
+
 async def test_a_failing_timeout_handler_is_not_retried() -> None:
     clock, fn, out, op = await timed_out_a(RetryStrategy.fixed_delay(10, 0.1))
     fn.fail_timeout("a", Flaky("handler broke"))
