@@ -2,7 +2,8 @@
 ``ResultSchemaError`` that names the field, the value and the input row.
 
 pyarrow converts some values it cannot hold by dropping data (1.5 into a long becomes 1, a
-struct's unknown keys vanish), reads some as something else (an epoch in seconds for a
+struct's unknown keys vanish, a Decimal written with more than 38 digits can become 0),
+reads some as something else (an epoch in seconds for a
 timestamp as microseconds, a string for an array as its characters) and lets a null into
 a field the schema declares NOT NULL (which Spark's JVM then fails on with a bare stack
 trace): all are refused here.
@@ -10,6 +11,7 @@ trace): all are refused here.
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import decimal
 import functools
@@ -25,6 +27,8 @@ import pyarrow as pa
 
 from .._elements import describe
 from .._exceptions import ResultSchemaError
+
+_DECIMAL_DIGITS = 38  # the most a Spark DECIMAL holds
 
 # what pyarrow raises for a value it cannot convert to a type
 _CONVERSION_ERRORS = (
@@ -55,9 +59,10 @@ def to_batch(
     else:
         # pyarrow converts some values it cannot hold by dropping data (1.5 into a long
         # becomes 1, a struct's unknown keys vanish): refuse those, naming the field.
-        for name, check, plain in _lossy_checks(schema, units):
-            # a column of plain values (floats for a DOUBLE) costs no Python call per row
-            if plain.issuperset(map(type, map(operator.itemgetter(name), rows))):
+        for name, check, passes in _lossy_checks(schema, units):
+            # a column of plain values (floats for a DOUBLE, Decimals pyarrow reads right)
+            # costs no Python call per row
+            if passes(map(operator.itemgetter(name), rows)):
                 continue
             for row, source in zip(rows, sources, strict=True):
                 value = row[name]
@@ -175,15 +180,25 @@ Units = Any
 @functools.lru_cache(maxsize=64)
 def _lossy_checks(
     schema: pa.Schema, units: Units = None, refused: bool = False
-) -> tuple[tuple[str, _Check, frozenset[type]], ...]:
+) -> tuple[tuple[str, _Check, Callable[[Iterable[Any]], bool]], ...]:
     """The top-level fields whose values pyarrow might convert with loss, with their checks
-    and the types of value their checks always pass (None's included). ``refused``: with
-    the checks that only say why pyarrow refused a value (see ``_check_for``)."""
+    and a test of a column's values that is true only if the check passes each of them
+    without a Python call per value. ``refused``: with the checks that only say why pyarrow
+    refused a value (see ``_check_for``)."""
     return tuple(
-        (field.name, check, frozenset({type(None), *_plain_types(field.type)}))
+        (field.name, check, _column_test(field.type))
         for i, field in enumerate(schema)
         if (check := _check_for(field.type, _child(units, i), refused)) is not None
     )
+
+
+def _column_test(arrow_type: pa.DataType) -> Callable[[Iterable[Any]], bool]:
+    """See ``_lossy_checks``: whether a column's values are all of the types the field's
+    check always passes (None's included), or Decimals pyarrow reads right."""
+    if pa.types.is_decimal(arrow_type):
+        return _read_right
+    plain = frozenset({type(None), *_plain_types(arrow_type)})
+    return lambda values: plain.issuperset(map(type, values))
 
 
 def _child(units: Units, i: int) -> Units:
@@ -223,8 +238,9 @@ def _check_for(
     arrow_type: pa.DataType, units: Units = None, refused: bool = False
 ) -> _Check | None:
     """The check of values of ``arrow_type``. With ``refused``, for values pyarrow refused,
-    it also finds what it says in words no one could act on, for types whose values it
-    never converts with loss (a DECIMAL's): checks a batch that converted has no need of."""
+    it also finds what it says in words no one could act on (a DECIMAL's too many digits):
+    checks a batch that converted has no need of. Without, a DECIMAL's check finds only the
+    values pyarrow read wrongly (see ``_DECIMAL_WIDTH``)."""
     if pa.types.is_integer(arrow_type):
 
         def check_integer(value: Any) -> _Loss | None:
@@ -294,6 +310,9 @@ def _check_for(
         return check_struct
     if is_list_type(arrow_type):
         check_element = _check_for(arrow_type.value_type, _child(units, 0), refused)
+        # (of a batch that converted) Decimals pyarrow reads right: no Python call per element
+        decimals = pa.types.is_decimal(arrow_type.value_type) and not refused
+        read_right = _all_read_right if decimals else None
 
         def check_list(value: Any) -> _Loss | None:
             if isinstance(value, (set, frozenset)):  # pyarrow takes a set in its iteration order
@@ -307,7 +326,7 @@ def _check_for(
             if isinstance(value, dict):  # pyarrow refuses it; iterated, its keys would be blamed
                 reason = "an array field takes a list, not a dict: return [value] for one element"
                 return _Loss("", arrow_type, value, reason) if refused else None
-            if check_element is not None:
+            if check_element is not None and not (read_right and read_right(value)):
                 for i, element in enumerate(value):
                     if element is not None and (loss := check_element(element)):
                         return loss.under(f"[{i}]")
@@ -317,7 +336,7 @@ def _check_for(
     if pa.types.is_timestamp(arrow_type) or pa.types.is_date(arrow_type):
         return _check_datetime(arrow_type)
     if pa.types.is_decimal(arrow_type):
-        return _check_decimal(arrow_type) if refused else None
+        return _check_decimal(arrow_type) if refused else _check_wide_decimal(arrow_type)
     if pa.types.is_time(arrow_type):  # Spark's TIME, as time64[ns]
         units = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
         time_reason = (
@@ -474,9 +493,6 @@ def _zoned_time(value: dt.time) -> str:
     )
 
 
-_DECIMAL_DIGITS = 38  # the most a Spark DECIMAL holds
-
-
 def _check_decimal(arrow_type: pa.DataType) -> _Check:
     """pyarrow refuses a value a DECIMAL cannot hold, saying 'Decimal type with precision
     31 does not fit into precision inferred from first array element: 38' for one with too
@@ -500,12 +516,12 @@ def _check_decimal(arrow_type: pa.DataType) -> _Check:
             reason = f"{declared} holds no NaN or infinity: return None for a missing value"
         elif isinstance(value, (decimal.Decimal, int)):
             _, digits, exponent = decimal.Decimal(value).as_tuple()
-            number, places = int("".join(map(str, digits))), -int(exponent)
-            while number and number % 10 == 0:  # 1.200 needs 1 place, 1E+3 none
-                number, places = number // 10, places - 1
-            if not number:  # 0.00000 is 0
-                places = 0
-            whole = len(str(number)) - places if number else 0  # digits before the point
+            significant = len(digits)
+            while significant and digits[significant - 1] == 0:  # 1.200 needs 1 place
+                significant -= 1
+            # 1E+3 needs none, and 0.00000 is 0
+            places = -int(exponent) - (len(digits) - significant) if significant else 0
+            whole = significant - places if significant else 0  # digits before the point
             if places > scale:
                 reason = (
                     f"{declared} holds {scale} digit(s) after the point, and it has "
@@ -527,6 +543,13 @@ def _check_decimal(arrow_type: pa.DataType) -> _Check:
                         "declare the field DOUBLE, or STRING to keep every digit"
                     )
                 reason = f"{before}, and it has {whole}: {advice}"
+            elif len(digits) > _DECIMAL_DIGITS or -int(exponent) > _DECIMAL_DIGITS:
+                reason = (  # it fits, but is written with more digits than pyarrow takes
+                    f"pyarrow takes no Decimal written with more than {_DECIMAL_DIGITS} digits "
+                    f"or places, and it is written with {len(digits)} digits, "
+                    f"{max(-int(exponent), 0)} places: round it first, e.g. "
+                    f"value.quantize(Decimal('1e-{scale}'))"
+                )
             else:
                 return None
         else:
@@ -534,6 +557,64 @@ def _check_decimal(arrow_type: pa.DataType) -> _Check:
         return _Loss("", arrow_type, value, reason)
 
     return check_decimal
+
+
+# pyarrow reads a Decimal of more than 38 digits, or with more than 38 places, wrongly when
+# it does not refuse it: Decimal(1934.3561801924002), 41 places, became 0.00 in a
+# DECIMAL(10,2), silently. This context rounds exactly those (Etiny = Emin - prec + 1 = -38),
+# raising Rounded: a column of Decimals that fit is tested in C, with no Python call per row.
+_DECIMAL_WIDTH = decimal.Context(
+    prec=_DECIMAL_DIGITS, Emin=-1, Emax=_DECIMAL_DIGITS - 1, traps=[decimal.Rounded]
+)
+
+
+def _read_right(values: Iterable[Any]) -> bool:
+    """Whether ``values`` are all None or Decimals (or ints) pyarrow reads right; False
+    also for values of another type, which pyarrow refuses."""
+    try:
+        collections.deque(map(_DECIMAL_WIDTH.plus, filter(None, values)), 0)  # 0s are 0
+    except (decimal.Rounded, TypeError):
+        return False
+    return True
+
+
+def _all_read_right(values: Iterable[Any]) -> bool:
+    """``_read_right`` for an array's few elements, where a loop costs less than setting up
+    the iterators."""
+    plus = _DECIMAL_WIDTH.plus
+    try:
+        for value in values:
+            if value is not None:
+                plus(value)
+    except (decimal.Rounded, TypeError):
+        return False
+    return True
+
+
+def _check_wide_decimal(arrow_type: pa.DataType) -> _Check:
+    """A Decimal pyarrow converted, but wrongly (see ``_DECIMAL_WIDTH``): say why it does
+    not fit, or if it fits once normalized, how to normalize it."""
+    explain = _check_decimal(arrow_type)
+
+    def check_wide_decimal(value: Any) -> _Loss | None:
+        try:
+            _DECIMAL_WIDTH.plus(value)
+            return None
+        except decimal.Rounded:
+            pass
+        except TypeError:
+            return None  # not a Decimal: pyarrow refuses it
+        try:
+            stored = pa.array([value], type=arrow_type)[0].as_py()
+        except _CONVERSION_ERRORS:
+            return None  # refused alone: not what the batch did (pyarrow's words then)
+        if stored == value:
+            return None  # 1.000...0 (39 digits) is read right
+        loss = explain(value)  # wide as it is, it always finds why
+        reason = "it is written with too many digits" if loss is None else loss.reason
+        return _Loss("", arrow_type, value, f"{reason} (pyarrow would store {stored})")
+
+    return check_wide_decimal
 
 
 def _is_number(value: Any) -> bool:

@@ -2553,6 +2553,41 @@ def test_a_decimal_field_says_why_it_cannot_hold_a_number(arrow_type, value, pro
     assert problem is not None or Decimal(converted) == Decimal(value)
 
 
+WIDE = Decimal(1934.3561801924002)  # 1934.35618019240018838900141417980194091796875
+
+
+@pytest.mark.parametrize(
+    ("arrow_type", "value", "problem"),
+    [
+        # pyarrow stored these as 0, silently: it reads a Decimal written with more than 38
+        # digits or places wrongly when it does not refuse it
+        (pa.decimal128(10, 2), WIDE, r"'r' .*holds 2 digit.s. after the point, and it has 41: "
+         r"round it first, e.g. value.quantize\(Decimal\('1e-2'\)\), or declare more places "
+         r"\(pyarrow would store 0.00\)"),
+        (pa.decimal128(38, 0), Decimal("5E-39"), r"it has 39: .*\(pyarrow would store 0\)"),
+        (pa.list_(pa.decimal128(10, 2)), [Decimal("1.5"), None, WIDE],
+         r"'r\[2\]' .*\(pyarrow would store 0.00\)"),
+        (pa.struct([("a", pa.decimal128(18, 2))]), {"a": WIDE},
+         r"'r.a' .*it has 41: round.*store 0.00"),
+        # refused with "Rescaling Decimal value would cause data loss", though it is 1
+        (pa.decimal128(10, 2), Decimal("1." + "0" * 40), "pyarrow takes no Decimal written "
+         "with more than 38 digits or places, and it is written with 41 digits, 40 places: "
+         r"round it first, e.g. value.quantize\(Decimal\('1e-2'\)\)"),
+        # what pyarrow reads right converts as before
+        (pa.decimal128(38, 0), Decimal("12345678901234567890123456789012345678.0"), None),
+        (pa.decimal128(5, 2), Decimal("0E-50"), None),
+        (pa.list_(pa.decimal128(5, 2)), [Decimal("1.25"), None, 3], None),
+    ],
+)  # fmt: skip
+def test_a_decimal_with_more_than_38_digits_is_not_stored_as_0(arrow_type, value, problem):
+    converted = _converted(arrow_type, value, problem)
+    if problem is None:
+        assert converted == pa.array([value], arrow_type).to_pylist()[0]
+        assert str(converted) in ("12345678901234567890123456789012345678", "0.00") or (
+            converted == [Decimal("1.25"), None, Decimal("3.00")]
+        )
+
+
 PAIR = pa.struct([("a", pa.int64()), ("b", pa.string())])
 
 
