@@ -87,7 +87,8 @@ class OperatorMetrics:
     * ``restored``: elements (records and watermarks) that ``open(restored)`` re-added;
     * ``results_out``, ``watermarks_out``: results and watermarks handed to ``output``;
     * ``retries``: calls started again after an attempt failed or its result was rejected;
-    * ``timeouts``: records whose deadline passed (the timeout handler decided them);
+    * ``timeouts``: records whose deadline passed (decided by the timeout handler, or
+      failed with ``AsyncTimeoutError`` without one);
     * ``attempts``: calls of the async function, ``records_in + retries``.
 
     ``as_dict()`` returns them all by name.
