@@ -131,7 +131,9 @@ def storage_schema(schema: pa.Schema) -> pa.Schema:
     return pa.schema([pa.field(f.name, storage_type(f.type, f.name)) for f in schema])
 
 
-def to_storage(array: pa.Array | pa.ChunkedArray, original: pa.DataType) -> pa.Array:
+def to_storage(
+    array: pa.Array | pa.ChunkedArray, original: pa.DataType
+) -> pa.Array | pa.ChunkedArray:
     """Cast ``array`` (of type ``original``) to its storage type; exact by construction.
 
     Structs, maps and lists (large and fixed-size ones too) are rebuilt child by child, as
@@ -151,7 +153,9 @@ def to_storage(array: pa.Array | pa.ChunkedArray, original: pa.DataType) -> pa.A
     return _cast(array, target)
 
 
-def from_storage(array: pa.Array | pa.ChunkedArray, original: pa.DataType) -> pa.Array:
+def from_storage(
+    array: pa.Array | pa.ChunkedArray, original: pa.DataType
+) -> pa.Array | pa.ChunkedArray:
     """Cast a stored array back to its original type.
 
     Nested arrays are rebuilt child by child rather than cast: a null struct (or list, or

@@ -4,8 +4,9 @@ The public surface is re-exported here; everything in underscore modules is priv
 The PySpark adapter lives in ``stateful_async.spark`` (imported on demand, so the core
 works without Spark installed).
 
-* ``AsyncWaitOperator`` — the operator, with ``OutputMode`` (``ORDERED``, ``UNORDERED``),
-  ``RetryStrategy`` and its counters, ``OperatorMetrics`` (``op.metrics``);
+* ``AsyncWaitOperator`` — the operator, with ``OutputMode`` (``ORDERED``, ``UNORDERED``)
+  and ``RetryStrategy`` (its settings), and ``OperatorMetrics``, its counters
+  (``op.metrics``);
 * ``AsyncFunction``, ``ThreadPoolAsyncFunction`` — what it calls;
 * ``StreamRecord``, ``Watermark`` — its elements; ``StreamElement`` is either one (what
   ``snapshot_state`` returns and ``open(restored)`` takes);

@@ -154,7 +154,7 @@ def element_error(
     if cause is not None:
         message += f": {type(cause).__name__}: {error_text(cause)}{raised_at(cause)}"
     # a cause's own text may end its sentence ("The timeout handler was cancelled.")
-    message += f"{'' if message.endswith('.') else '.'} {advice}"
+    message += f"{'' if message.endswith(('.', '?', '!')) else '.'} {advice}"
     error = kind(message, element=element, attempts=attempts)
     if cause is not None:
         error.__cause__ = cause
