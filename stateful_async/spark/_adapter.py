@@ -381,14 +381,16 @@ def _udt_refusal(what: str, path: str, udt: Any) -> ConfigurationError:
     if name == "VectorUDT":
         advice = (
             "Pass it as an array instead: select vector_to_array(col) AS col first (from "
-            "pyspark.ml.functions), for a list of floats."
+            "pyspark.ml.functions), for a list of floats; or drop the column if the function "
+            "does not read it."
             if what == "input"
             else "Return a list of floats in an ARRAY<DOUBLE> field instead, and "
             "array_to_vector(col) of it after (from pyspark.ml.functions)."
         )
     else:
         advice = (
-            "Convert it to plain columns first (the type's own functions, or a UDF)."
+            "Convert it to plain columns first (the type's own functions, or a UDF), or "
+            "drop it if the function does not read it."
             if what == "input"
             else "Declare plain types in the schema instead, and convert after."
         )

@@ -3073,7 +3073,7 @@ def test_ml_vector_fields_are_refused_with_the_array_functions_to_use(spark) -> 
     with pytest.raises(
         ConfigurationError,
         match=r"input field 'features' is a user-defined type \(VectorUDT\).*storage type, "
-        r"struct<type:tinyint.*select vector_to_array\(col\) AS col first",
+        r"struct<type:tinyint.*select vector_to_array\(col\) AS col first.*or drop the column",
     ):
         ordered_wait(df, f, "id long, total double")
     nested = df.select(F.struct("features").alias("s"))
