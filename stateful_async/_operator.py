@@ -750,21 +750,26 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         calls to end, those cancelled earlier because another outcome decided their element
         included (one that ignores its cancellation is left running, its outcome dropped),
         then closes the function. Idempotent: a call made while another is still closing
-        waits until that one has returned (its function closed)."""
+        waits until that one has returned (its function closed); a call after one that was
+        cancelled before it closed the function does what it left undone."""
         if self._state is _State.CLOSED:
             if self._closing is not None:
                 await asyncio.shield(self._closing)
-            return
-        self._set_state(_State.CLOSED)
-        self._closing = closing = asyncio.get_running_loop().create_future()
-        try:
+            if not self._fn_opened:
+                return
+        else:
+            self._set_state(_State.CLOSED)
             self._spare.clear()
             self._timers.cancel_all()
-            tasks = set(self._cancel_in_flight())
-            tasks.update(task for task in self._cancelled if not task.done())
+            for task in self._cancel_in_flight():  # waited for below, by a later call too
+                self._cancelled.add(task)
+                task.add_done_callback(self._cancelled.discard)
             self._wake_waiters(
                 OperatorStateError("The operator was closed while a call was waiting on it.")
             )
+        self._closing = closing = asyncio.get_running_loop().create_future()
+        try:
+            tasks = {task for task in self._cancelled if not task.done()}
             if tasks:
                 await asyncio.wait(tasks, timeout=5.0)
             if self._fn_opened:

@@ -1124,6 +1124,40 @@ async def test_a_close_while_another_close_runs_returns_once_the_function_is_clo
     assert log == ["call cleaned up", "fn.close"]
 
 
+async def test_a_close_after_a_cancelled_close_closes_the_function_once_its_calls_end() -> None:
+    # The first close() was cancelled while it waited for a cancelled call to clean up,
+    # before it closed the function; every later close() returned at once, and the
+    # function (its connection pool) was never closed.
+    log: list = []
+
+    class Fn(AsyncFunction):
+        async def async_invoke(self, value):
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.05)  # a connection handed back to its pool
+                log.append("call cleaned up")
+                raise
+
+        async def close(self):
+            log.append("fn.close")
+
+    op = AsyncWaitOperator(Fn(), lambda e: None)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    first = asyncio.ensure_future(op.close())
+    await settle()  # the first close() waits for the cancelled call
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert log == []
+    await asyncio.wait_for(op.close(), 5.0)
+    assert log == ["call cleaned up", "fn.close"]
+    await op.close()  # and once closed, at once
+    assert log == ["call cleaned up", "fn.close"]
+
+
 @pytest.mark.parametrize("decided_by", ["the timeout handler", "the attempt"])
 async def test_close_waits_for_the_calls_cancelled_when_their_element_was_decided(
     decided_by: str,
