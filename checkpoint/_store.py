@@ -473,6 +473,8 @@ class SubtaskLog:
 
         Within a run, newest means the highest id; across runs, the most recently created.
         """
+        if max_id is not None:
+            max_id = _checkpoint_id(max_id, "max_id")
         return newest_restorable(self.checkpoints(), run_id, max_id)
 
     def last_committed_id(self, run_id: str) -> int | None:
@@ -513,6 +515,7 @@ class SubtaskLog:
     def find(self, checkpoint_id: int, run_id: str | None = None) -> CheckpointMetadata:
         """The restorable checkpoint with this id (of ``run_id``, or the newest such whose
         chain is intact, if one is)."""
+        checkpoint_id = _checkpoint_id(checkpoint_id)
         metas = self.checkpoints()
         matches = [
             m
@@ -1701,6 +1704,16 @@ def grace_hours(older_than: Any) -> int:
             "which a file no checkpoint uses yet is kept, as a running commit may still log it."
         )
     return math.ceil(seconds / 3600)
+
+
+def _checkpoint_id(value: Any, name: str = "checkpoint_id") -> int:
+    """A checkpoint id a caller gave, as an int (numpy's integers too); anything else is
+    refused: a string '3' matched no checkpoint, and was said to be missing beside the
+    list of the ids that exist, 3 among them."""
+    number = as_int(value)
+    if number is None or number < 1:
+        raise CheckpointError(f"{name} must be an integer >= 1; got {value!r}.")
+    return number
 
 
 def _check_commit_args(

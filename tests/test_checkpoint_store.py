@@ -968,6 +968,28 @@ def test_unknown_checkpoint_id_lists_the_ids_that_exist(tmp_path: Path) -> None:
         store.load("nope", "op", 0, 1)
 
 
+def test_a_checkpoint_id_that_is_no_integer_is_refused_not_called_missing(
+    tmp_path: Path,
+) -> None:
+    # load("1") said "There is no checkpoint 1 ... Checkpoints that exist: run run-a: 1"
+    import numpy as np
+
+    store = SnapshotStore(tmp_path)
+    log = store.subtask("job", "op", 0)
+    commit(log, "run-a", 1)
+    for call in (
+        lambda: store.load("job", "op", 0, "1"),  # type: ignore[arg-type]
+        lambda: store.restore("job", "op", 0, "1"),  # type: ignore[arg-type]
+        lambda: log.find(1.0),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(CheckpointError, match=r"checkpoint_id must be an integer >= 1; got"):
+            call()
+    with pytest.raises(CheckpointError, match=r"max_id must be an integer >= 1; got '1'\."):
+        log.latest(max_id="1")  # type: ignore[arg-type]
+    assert store.load("job", "op", 0, np.int64(1)).metadata.checkpoint_id == 1
+    assert log.latest(max_id=np.int32(1)).checkpoint_id == 1  # type: ignore[union-attr]
+
+
 def test_a_missing_location_is_a_clear_error(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "does-not-exist")
     with pytest.raises(CheckpointLocationError, match="does-not-exist does not exist"):
