@@ -153,6 +153,7 @@ _LISTING_THREADS = 8
 ORPHAN_GRACE = timedelta(hours=24)
 _MAX_GRACE_HOURS = 1_000_000  # delta-rs's vacuum panics on hours past its time range
 _T = TypeVar("_T")
+_INT64_MAX = 2**63 - 1  # checkpoint ids, positions, sequence numbers and timestamps are int64
 # Scans that pass over every file of a table read one fragment and one batch at a time: the
 # default read-ahead holds several files' worth in memory.
 _SEQUENTIAL = {"batch_readahead": 1, "fragment_readahead": 1}
@@ -1729,10 +1730,28 @@ def _check_commit_args(
         raise CheckpointError(f"checkpoint_id must be an integer >= 1; got {checkpoint_id!r}.")
     if isinstance(position, bool) or not isinstance(position, int) or position < 0:
         raise CheckpointError(f"position must be an integer >= 0; got {position!r}.")
+    for name, value in (("checkpoint_id", checkpoint_id), ("position", position)):
+        if value > _INT64_MAX:  # pyarrow's bare "Python int too large to convert to C long"
+            raise CheckpointError(
+                f"{name} must be at most {_INT64_MAX:,}, the largest a checkpoint table's "
+                f"64-bit integer column holds; got {value:,}."
+            )
     if input_seqs is not None and len(input_seqs) != len(elements):
         raise CheckpointError(
             f"input_seqs has {len(input_seqs)} entries for {len(elements)} elements."
         )
+
+
+def _int64_array(values: Sequence[int | None], name: str) -> pa.Array:
+    """``values`` (a commit's input_seqs or result_timestamps) as an int64 array; a value
+    that is not a 64-bit integer is refused naming the argument."""
+    try:
+        return pa.array(values, pa.int64())
+    except (OverflowError, pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+        raise CheckpointError(
+            f"{name} must hold integers from {-_INT64_MAX - 1:,} to {_INT64_MAX:,} (a "
+            f"checkpoint table's 64-bit integer column) or None: {exc}."
+        ) from exc
 
 
 def _as_result_table(
@@ -1862,7 +1881,7 @@ def _checkpoint_rows(
 
     parent = meta.parent
     result_stamps = (
-        pa.array(result_timestamps, pa.int64())
+        _int64_array(result_timestamps, "result_timestamps")
         if result_timestamps is not None
         else pa.nulls(n_res, pa.int64())
     )
@@ -1874,10 +1893,12 @@ def _checkpoint_rows(
         "checkpoint_id": constant(meta.checkpoint_id, pa.int64()),
         "kind": then_results(kinds, pa.repeat(pa.scalar(KIND_RESULT), n_res), pa.string()),
         "seq": then_results([0, *range(n_el)], pa.array(range(n_res), pa.int64()), pa.int64()),
-        "input_seq": then_results(
-            [None, *(input_seqs if input_seqs is not None else [None] * n_el)],
-            pa.nulls(n_res, pa.int64()),
-            pa.int64(),
+        "input_seq": pa.concat_arrays(
+            [
+                pa.nulls(1, pa.int64()),
+                _int64_array(input_seqs if input_seqs is not None else [None] * n_el, "input_seqs"),
+                pa.nulls(n_res, pa.int64()),
+            ]
         ),
         "timestamp": then_results(timestamps, result_stamps, pa.int64()),
         "parent_run_id": meta_then_nulls(parent.run_id if parent else None, pa.string()),

@@ -990,6 +990,50 @@ def test_a_checkpoint_id_that_is_no_integer_is_refused_not_called_missing(
     assert log.latest(max_id=np.int32(1)).checkpoint_id == 1  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"checkpoint_id": 2**63}, r"checkpoint_id must be at most 9,223,372,036,854,775,807"),
+        ({"position": 2**63}, r"position must be at most 9,223,372,036,854,775,807, the"),
+        ({"input_seqs": [2**63]}, r"input_seqs must hold integers from -9,223,372,036,854"),
+        ({"result_timestamps": [-(2**63) - 1]}, r"result_timestamps must hold integers from"),
+        ({"result_timestamps": ["x"]}, r"result_timestamps must hold integers from"),
+    ],
+)
+def test_commit_arguments_past_64_bits_are_refused_naming_them(
+    tmp_path: Path, args: dict, message: str
+) -> None:
+    # They raised pyarrow's bare "Python int too large to convert to C long"
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    given = {"checkpoint_id": 1, "position": 0, **args}
+    with pytest.raises(CheckpointError, match=message):
+        log.commit(
+            "run",
+            given.pop("checkpoint_id"),
+            [StreamRecord({"id": 1, "label": "a"})],
+            [{"id": 1, "label": "b"}],
+            input_schema=OUT,
+            output_schema=OUT,
+            **given,
+        )
+    assert log.checkpoints() == []
+    biggest = 2**63 - 1
+    log.commit(
+        "run",
+        biggest,
+        [StreamRecord({"id": 1, "label": "a"})],
+        [{"id": 1, "label": "b"}],
+        input_schema=OUT,
+        output_schema=OUT,
+        position=biggest,
+        input_seqs=[biggest],
+        result_timestamps=[-(2**63)],
+    )
+    snapshot = log.load(biggest)
+    assert (snapshot.metadata.position, snapshot.input_seqs) == (biggest, [biggest])
+    assert snapshot.result_timestamps == [-(2**63)]
+
+
 def test_a_missing_location_is_a_clear_error(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "does-not-exist")
     with pytest.raises(CheckpointLocationError, match="does-not-exist does not exist"):
