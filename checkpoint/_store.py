@@ -153,6 +153,7 @@ _LISTING_THREADS = 8
 ORPHAN_GRACE = timedelta(hours=24)
 _MAX_GRACE_HOURS = 1_000_000  # delta-rs's vacuum panics on hours past its time range
 _T = TypeVar("_T")
+_INT32_MAX = 2**31 - 1  # subtasks are int32
 _INT64_MAX = 2**63 - 1  # checkpoint ids, positions, sequence numbers and timestamps are int64
 # Scans that pass over every file of a table read one fragment and one batch at a time: the
 # default read-ahead holds several files' worth in memory.
@@ -1530,8 +1531,12 @@ class SnapshotStore:
         _layout.check_name("job id", job_id)
         _layout.check_name("operator id", operator_id)
         number = as_int(subtask)
-        if number is None or number < 0:
-            raise CheckpointError(f"subtask must be an integer >= 0; got {subtask!r}.")
+        if number is None or not 0 <= number <= _INT32_MAX:
+            # stored as int32, as Spark numbers its partitions: a larger one failed its first
+            # commit with pyarrow's "Value ... too large to fit in C integer type"
+            raise CheckpointError(
+                f"subtask must be an integer from 0 to {_INT32_MAX:,}; got {subtask!r}."
+            )
         subtask = number
         uri = _layout.subtask_dir(self.location, job_id, operator_id, subtask)
         return SubtaskLog(uri, job_id, operator_id, subtask, self.storage_options)

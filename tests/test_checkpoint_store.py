@@ -1034,6 +1034,19 @@ def test_commit_arguments_past_64_bits_are_refused_naming_them(
     assert snapshot.result_timestamps == [-(2**63)]
 
 
+def test_a_subtask_past_32_bits_is_refused_before_any_commit(tmp_path: Path) -> None:
+    # It failed its first commit with pyarrow's "Value 2147483648 too large to fit in C
+    # integer type"
+    store = SnapshotStore(tmp_path)
+    with pytest.raises(
+        CheckpointError,
+        match=r"subtask must be an integer from 0 to 2,147,483,647; got 2147483648\.",
+    ):
+        store.subtask("job", "op", 2**31)
+    commit(store.subtask("job", "op", 2**31 - 1), "run", 1)
+    assert store.subtasks("job", "op") == [2**31 - 1]
+
+
 def test_a_missing_location_is_a_clear_error(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "does-not-exist")
     with pytest.raises(CheckpointLocationError, match="does-not-exist does not exist"):
