@@ -1669,6 +1669,14 @@ class SnapshotStore:
             for operator in ([operator_id] if operator_id else self.operators(job_id))
             for number in self.subtasks(job_id, operator)
         ]
+        if operator_id and not logs:
+            # a mistyped operator id: expire() reported nothing expired, checkpoints() none
+            _layout.check_name("operator id", operator_id)
+            operators = self.operators(job_id)
+            raise CheckpointNotFoundError(
+                f"Job {job_id!r} has no operator {operator_id!r} at {self.location}. Its "
+                f"operators: {', '.join(operators) if operators else 'none'}."
+            )
         if len(logs) <= 1:
             return [fn(log) for log in logs]
         with ThreadPoolExecutor(

@@ -1047,6 +1047,22 @@ def test_a_subtask_past_32_bits_is_refused_before_any_commit(tmp_path: Path) -> 
     assert store.subtasks("job", "op") == [2**31 - 1]
 
 
+def test_an_unknown_operator_is_refused_naming_the_job_s_operators(tmp_path: Path) -> None:
+    # expire(job, 0, operator_id="typo") reported nothing expired; checkpoints() gave []
+    store = SnapshotStore(tmp_path)
+    commit(store.subtask("job", "enrich", 0), "run", 1)
+    message = r"Job 'job' has no operator 'typo' at .*\. Its operators: enrich\."
+    for call in (
+        lambda: store.expire("job", 0, operator_id="typo"),
+        lambda: store.checkpoints("job", "typo"),
+        lambda: store.remove_orphans("job", 0, operator_id="typo"),
+        lambda: store.read_job("job", "typo"),
+    ):
+        with pytest.raises(CheckpointNotFoundError, match=message):
+            call()
+    assert [m.checkpoint_id for m in store.checkpoints("job", "enrich")] == [1]
+
+
 def test_a_missing_location_is_a_clear_error(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "does-not-exist")
     with pytest.raises(CheckpointLocationError, match="does-not-exist does not exist"):
