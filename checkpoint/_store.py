@@ -1102,6 +1102,8 @@ class SubtaskLog:
         to_expire = [m.ref for m in live if m.ref not in keep_refs and m.ref in needed]
         to_delete = [m.ref for m in metas if m.ref not in needed]
         if not to_expire and not to_delete:
+            if vacuum and run_id is None:
+                report.files_removed = self._vacuum_leftovers()
             return report
         table = self._open(refresh=True)
         assert table is not None
@@ -1237,6 +1239,21 @@ class SubtaskLog:
         return sorted(removed)
 
     # -- internals ----------------------------------------------------------------------
+
+    def _vacuum_leftovers(self) -> int:
+        """An expiry with nothing new to expire still deletes what an earlier one left (an
+        ``expire(vacuum=False)``, or a process killed between its commit and its vacuum):
+        a dry run first, so that a table with nothing left logs no vacuum commits."""
+        table = self._open(refresh=True)
+        assert table is not None
+        there = _layout.data_files(table.table_uri, self._storage_options)
+        listed = table.vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=True)
+        if there is not None and not there.intersection(os.path.basename(f) for f in listed):
+            return 0
+        try:
+            return len(self._vacuum(table, 0))
+        except CommitFailedError:
+            return 0  # a task's commit landed meanwhile: the next expiry deletes them
 
     def _vacuum(self, table: DeltaTable, hours: int, full: bool = False) -> list[str]:
         """Vacuum ``table`` (files it no longer uses, ``hours`` old; with ``full``, files no

@@ -1367,6 +1367,26 @@ def test_retention_keeps_the_last_n_and_reclaims_storage(tmp_path: Path) -> None
         log.load(6)
 
 
+def test_an_expiry_with_nothing_new_to_expire_deletes_what_an_earlier_one_left(
+    tmp_path: Path,
+) -> None:
+    # It returned before its vacuum: the files an expiry killed between its commit and its
+    # vacuum (or one without vacuum) left stayed on disk, re-run after re-run, until the
+    # orphan step took them a day later for files of "commits that never completed".
+    store = SnapshotStore(tmp_path)
+    log = store.subtask("job", "op", 0)
+    commit_chain(log, "run", range(1, 7), n=50, position_step=10)
+    assert store.expire("job", retain=2, vacuum=False).files_removed == 0
+    left = _files(tmp_path)
+    report = store.expire("job", retain=2)  # nothing new to expire
+    assert report.expired == [] and report.deleted == []
+    assert report.files_removed == len(left - _files(tmp_path)) > 0
+    version = DeltaTable(log.uri).version()
+    assert store.expire("job", retain=2).files_removed == 0  # nothing left: no vacuum
+    assert DeltaTable(log.uri).version() == version  # (which would log two commits)
+    assert log.restore(6).results.column("id").to_pylist() == [1, 2, 3, 4, 5, 6]
+
+
 def test_a_tasks_expiry_deletes_the_files_its_commit_removed_without_a_vacuum(
     tmp_path: Path,
 ) -> None:
