@@ -55,11 +55,11 @@ def is_local(location: str) -> bool:
 _ESCAPE = re.compile("%[0-9A-Fa-f]{2}")
 
 
-def local_path_escape(location: str) -> tuple[str, str] | None:
-    """For a local ``location`` (a path, or a file: URI, decoded as URIs are) whose path
-    holds a percent escape: that path and the escape. delta-rs creates a table in the
-    directory as named but reads its log from the name decoded ('a%20b' as 'a b'), so the
-    first commit fails ("File not found") or a later one does not find the table."""
+def local_path_escape(location: str) -> str | None:
+    """The first percent escape in the path of a local ``location`` (a path, or a file: URI,
+    decoded as URIs are), if it holds one. delta-rs creates a table in the directory as
+    named but reads its log from the name decoded ('a%20b' as 'a b'), so the first commit
+    fails ("File not found") or a later one does not find the table."""
     parsed = urlparse(location)
     if parsed.scheme == "file":
         path = unquote(parsed.path)
@@ -68,7 +68,7 @@ def local_path_escape(location: str) -> tuple[str, str] | None:
     else:
         return None
     escape = _ESCAPE.search(path)
-    return None if escape is None else (path, escape.group())
+    return None if escape is None else escape.group()
 
 
 def normalize(location: str | os.PathLike[str]) -> str:
@@ -100,7 +100,7 @@ def normalize(location: str | os.PathLike[str]) -> str:
         if escaped is not None:
             raise CheckpointLocationError(
                 f"The checkpoint location {text!r} is a local directory whose path holds "
-                f"{escaped[1]!r}, which delta-rs decodes (as an escaped character) when it "
+                f"{escaped!r}, which delta-rs decodes (as an escaped character) when it "
                 "reads a checkpoint table, so it would not find the tables it writes there. "
                 "Use a directory whose path has no '%' followed by two hexadecimal digits."
             )

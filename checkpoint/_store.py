@@ -1251,16 +1251,20 @@ class SubtaskLog:
         if there is not None and not there.intersection(os.path.basename(f) for f in listed):
             return 0
         try:
-            return len(self._vacuum(table, 0))
+            return len(self._vacuum(table, 0, there=there))
         except CommitFailedError:
             return 0  # a task's commit landed meanwhile: the next expiry deletes them
 
-    def _vacuum(self, table: DeltaTable, hours: int, full: bool = False) -> list[str]:
+    def _vacuum(
+        self, table: DeltaTable, hours: int, full: bool = False, there: set[str] | None = None
+    ) -> list[str]:
         """Vacuum ``table`` (files it no longer uses, ``hours`` old; with ``full``, files no
         version of its log names too); the names of the files it deleted. delta-rs also
         lists the files whose removal is still in the log that an earlier vacuum deleted:
-        only those that were there count."""
-        there = _layout.data_files(table.table_uri, self._storage_options)
+        only those that were there (``there``, the table's files if the caller listed them
+        just before) count."""
+        if there is None:
+            there = _layout.data_files(table.table_uri, self._storage_options)
         listed = table.vacuum(
             retention_hours=hours, enforce_retention_duration=False, dry_run=False, full=full
         )

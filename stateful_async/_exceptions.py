@@ -178,9 +178,8 @@ def as_int(value: Any) -> int | None:
     """``value`` as a plain int if it is an integer (numpy's included; bools not, as
     ``capacity=True`` is a mistake; numpy's timedelta64 not, as it is a duration), else
     None, for the caller to refuse with its own message."""
-    if (
-        isinstance(value, bool) or numpy_kind(value) == "b"
-    ):  # numpy < 2.3 takes np.bool_ as an index
+    # numpy < 2.3 takes np.bool_ as an index
+    if isinstance(value, bool) or numpy_kind(value) == "b":
         return None
     try:
         return operator.index(value)

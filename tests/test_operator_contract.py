@@ -1093,30 +1093,43 @@ async def test_close_without_finish_cancels_in_flight_calls() -> None:
     assert out == []
 
 
-async def test_a_close_while_another_close_runs_returns_once_the_function_is_closed() -> None:
-    # The second close() returned at once, while the first still waited for a cancelled
-    # call to clean up: the function was not closed yet, and a caller that then ended its
-    # loop (asyncio.run) cancelled the first close() before it closed the function.
-    log: list = []
+class SlowToCancel(AsyncFunction):
+    """Its calls wait until cancelled, then take 50 ms to clean up (a connection handed back
+    to its pool); ``log`` records that and its close()."""
 
-    class Fn(AsyncFunction):
-        async def async_invoke(self, value):
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                await asyncio.sleep(0.05)  # a connection handed back to its pool
-                log.append("call cleaned up")
-                raise
+    def __init__(self) -> None:
+        self.log: list[str] = []
 
-        async def close(self):
-            log.append("fn.close")
+    async def async_invoke(self, value):
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)
+            self.log.append("call cleaned up")
+            raise
 
-    op = AsyncWaitOperator(Fn(), lambda e: None)
+    async def close(self):
+        self.log.append("fn.close")
+
+
+async def first_close_waiting_for_a_call() -> tuple[list[str], AsyncWaitOperator, asyncio.Future]:
+    """An operator with one call in flight, and its first close() (running) waiting for
+    that call, which it cancelled, to clean up."""
+    fn = SlowToCancel()
+    op = AsyncWaitOperator(fn, lambda e: None)
     await op.open()
     await op.process_element(StreamRecord("a"))
     await settle()
     first = asyncio.ensure_future(op.close())
     await settle()  # the first close() waits for the cancelled call
+    return fn.log, op, first
+
+
+async def test_a_close_while_another_close_runs_returns_once_the_function_is_closed() -> None:
+    # The second close() returned at once, while the first still waited for a cancelled
+    # call to clean up: the function was not closed yet, and a caller that then ended its
+    # loop (asyncio.run) cancelled the first close() before it closed the function.
+    log, op, first = await first_close_waiting_for_a_call()
     await asyncio.wait_for(op.close(), 5.0)
     assert log == ["call cleaned up", "fn.close"]
     assert first.done()
@@ -1128,26 +1141,7 @@ async def test_a_close_after_a_cancelled_close_closes_the_function_once_its_call
     # The first close() was cancelled while it waited for a cancelled call to clean up,
     # before it closed the function; every later close() returned at once, and the
     # function (its connection pool) was never closed.
-    log: list = []
-
-    class Fn(AsyncFunction):
-        async def async_invoke(self, value):
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                await asyncio.sleep(0.05)  # a connection handed back to its pool
-                log.append("call cleaned up")
-                raise
-
-        async def close(self):
-            log.append("fn.close")
-
-    op = AsyncWaitOperator(Fn(), lambda e: None)
-    await op.open()
-    await op.process_element(StreamRecord("a"))
-    await settle()
-    first = asyncio.ensure_future(op.close())
-    await settle()  # the first close() waits for the cancelled call
+    log, op, first = await first_close_waiting_for_a_call()
     first.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first

@@ -358,20 +358,10 @@ def _parse_output_struct(schema: Schema) -> Any:
     )
 
 
-def _variant_field(data_type: Any) -> str | None:
-    """The path of a VARIANT inside ``data_type``, if it holds one."""
-    from pyspark.sql.types import VariantType
-
-    return next((p for p, t in _nested_types(data_type) if isinstance(t, VariantType)), None)
-
-
-def _udt_field(data_type: Any) -> tuple[str, Any] | None:
-    """The path and type of a user-defined type (an ML vector's) inside ``data_type``."""
-    from pyspark.sql.types import UserDefinedType
-
-    return next(
-        ((p, t) for p, t in _nested_types(data_type) if isinstance(t, UserDefinedType)), None
-    )
+def _first_nested(data_type: Any, kind: Any, path: str = "") -> tuple[str, Any] | None:
+    """The path and type of the first type of ``kind`` (a class or a tuple of them) inside
+    ``data_type``, outermost first; None if it holds none."""
+    return next(((p, t) for p, t in _nested_types(data_type, path) if isinstance(t, kind)), None)
 
 
 def _udt_refusal(what: str, path: str, udt: Any) -> ConfigurationError:
@@ -413,9 +403,8 @@ def _char_field(struct: Any) -> tuple[Any, str, Any] | None:
     from pyspark.sql.types import CharType, VarcharType
 
     for field in struct.fields:
-        for path, data_type in _nested_types(field.dataType, field.name):
-            if isinstance(data_type, (CharType, VarcharType)):
-                return field, path, data_type
+        if found := _first_nested(field.dataType, (CharType, VarcharType), field.name):
+            return field, *found
     return None
 
 
@@ -451,16 +440,6 @@ def _with_strings(data_type: Any) -> Any:
     return data_type
 
 
-def _year_month_field(data_type: Any) -> tuple[str, Any] | None:
-    """The path and type of a YEAR-MONTH interval inside ``data_type``, if it holds one."""
-    from pyspark.sql.types import YearMonthIntervalType
-
-    return next(
-        ((p, t) for p, t in _nested_types(data_type) if isinstance(t, YearMonthIntervalType)),
-        None,
-    )
-
-
 _INTERVAL_FIELDS = {
     0: ("day", 86_400_000_000),
     1: ("hour", 3_600_000_000),
@@ -492,11 +471,12 @@ def interval_units(data_type: Any) -> Units:
 
 def _arrow_schema(struct: Any, what: str) -> pa.Schema:
     from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.types import UserDefinedType, VariantType, YearMonthIntervalType
 
-    variant = _variant_field(struct)
+    variant = _first_nested(struct, VariantType)
     if variant is not None:  # Arrow carries it as its encoded bytes: {value, metadata}
         raise ConfigurationError(
-            f"The {what} field {variant!r} is a VARIANT, which would reach Python as its "
+            f"The {what} field {variant[0]!r} is a VARIANT, which would reach Python as its "
             "encoded bytes. "
             + (
                 "Pass it as JSON text instead: select to_json(col) AS col first."
@@ -504,7 +484,7 @@ def _arrow_schema(struct: Any, what: str) -> pa.Schema:
                 else "Return JSON text in a STRING field instead, and parse_json() it after."
             )
         )
-    udt = _udt_field(struct)
+    udt = _first_nested(struct, UserDefinedType)
     if udt is not None:
         raise _udt_refusal(what, *udt)
     char = _char_field(struct)
@@ -522,7 +502,7 @@ def _arrow_schema(struct: Any, what: str) -> pa.Schema:
                 else f"Declare it a string instead: {name} {as_string}."
             )
         )
-    interval = _year_month_field(struct)
+    interval = _first_nested(struct, YearMonthIntervalType)
     if interval is not None:  # Spark has no Arrow type for them (DAY TO SECOND: durations)
         path, interval_type = interval
         nested = (
@@ -592,17 +572,17 @@ def _event_time(df: Any, column: str | None, ooo: Duration | None) -> int:
         )
     fields = {f.name: f.dataType for f in df.schema.fields}
     if column not in fields:
-        sensitive = str(df.sparkSession.conf.get("spark.sql.caseSensitive", "false")).lower()
-        schema = _arrow_schema(df.schema, "input")
-        nested = nested_field_advice(
-            schema, column, "event_time", "event_time={}", sensitive == "true"
-        )
-        unquoted = column[1:-1].replace("``", "`") if len(column) > 1 else ""
+        unquoted = column[1:-1].replace("``", "`")
         if column[:1] == column[-1:] == "`" and unquoted in fields:  # as Spark SQL quotes it
             raise ConfigurationError(
                 f"event_time takes a column's name as it is, without Spark's backticks: "
                 f"event_time={unquoted!r}, not {column!r}."
             )
+        sensitive = str(df.sparkSession.conf.get("spark.sql.caseSensitive", "false")).lower()
+        schema = _arrow_schema(df.schema, "input")
+        nested = nested_field_advice(
+            schema, column, "event_time", "event_time={}", sensitive == "true"
+        )
         raise ConfigurationError(
             f"event_time {column!r} {nested}"
             if nested is not None

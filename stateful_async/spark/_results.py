@@ -11,7 +11,6 @@ trace): all are refused here.
 
 from __future__ import annotations
 
-import collections
 import datetime as dt
 import decimal
 import functools
@@ -312,7 +311,7 @@ def _check_for(
         check_element = _check_for(arrow_type.value_type, _child(units, 0), refused)
         # (of a batch that converted) Decimals pyarrow reads right: no Python call per element
         decimals = pa.types.is_decimal(arrow_type.value_type) and not refused
-        read_right = _all_read_right if decimals else None
+        read_right = _read_right if decimals else None
 
         def check_list(value: Any) -> _Loss | None:
             if isinstance(value, (set, frozenset)):  # pyarrow takes a set in its iteration order
@@ -570,21 +569,12 @@ _DECIMAL_WIDTH = decimal.Context(
 
 def _read_right(values: Iterable[Any]) -> bool:
     """Whether ``values`` are all None or Decimals (or ints) pyarrow reads right; False
-    also for values of another type, which pyarrow refuses."""
-    try:
-        collections.deque(map(_DECIMAL_WIDTH.plus, filter(None, values)), 0)  # 0s are 0
-    except (decimal.Rounded, TypeError):
-        return False
-    return True
-
-
-def _all_read_right(values: Iterable[Any]) -> bool:
-    """``_read_right`` for an array's few elements, where a loop costs less than setting up
-    the iterators."""
+    also for values of another type, which pyarrow refuses. (A loop: for a column as for
+    an array's few elements it costs less than map() and its iterators.)"""
     plus = _DECIMAL_WIDTH.plus
     try:
         for value in values:
-            if value is not None:
+            if value:  # None, and 0 however many places it is written with
                 plus(value)
     except (decimal.Rounded, TypeError):
         return False

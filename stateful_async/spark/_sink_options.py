@@ -167,7 +167,7 @@ def _table_uri(path: str | None) -> str:
     if escaped is not None:
         raise ConfigurationError(
             f"The table path {path!r} names a local directory whose path holds "
-            f"{escaped[1]!r}, which delta-rs decodes (as an escaped character) when it "
+            f"{escaped!r}, which delta-rs decodes (as an escaped character) when it "
             "reads the table, so it would not find the table it wrote there. Use a directory "
             "whose path has no '%' followed by two hexadecimal digits."
         )
