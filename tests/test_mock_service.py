@@ -322,3 +322,33 @@ def test_only_a_seed_given_restarts_the_random_faults() -> None:
         service.configure(seed=4, latency_ms=0)
         with MockService(ServiceConfig(error_rate=0.5, seed=4)) as seeded:
             assert statuses(service, range(20)) == statuses(seeded, range(20))
+
+
+def test_requests_in_flight_at_once_meet_the_faults_they_meet_one_at_a_time() -> None:
+    # Before, a request drew its error after its latency, so requests in flight at once
+    # took the error draws in the order they ended (which timing decides), not in the order
+    # they arrived: the same requests in the same order met other faults on every run.
+    config = ServiceConfig(
+        distribution="uniform", latency_min_ms=20, latency_max_ms=400, error_rate=0.5, seed=3
+    )
+    keys = range(12)
+    with MockService(config) as service:
+        one_at_a_time = statuses(service, keys)
+        assert set(one_at_a_time) == {200, 503}
+        service.configure(seed=3)  # the same draws again
+        service.reset()
+        at_once: dict[int, int] = {}
+        threads = []
+        for k in keys:
+            thread = threading.Thread(
+                target=lambda k=k: at_once.update({k: status_of(f"{service.url}/enrich?key={k}")})
+            )
+            thread.start()
+            threads.append(thread)
+            deadline = time.monotonic() + 30  # arrived, before the next one is sent
+            while service.stats()["total"] <= k and time.monotonic() < deadline:
+                time.sleep(0.005)
+        for thread in threads:
+            thread.join(timeout=60)
+        assert service.stats()["peak_in_flight"] > 1
+        assert [at_once[k] for k in keys] == one_at_a_time

@@ -71,8 +71,9 @@ class ServiceConfig:
 
     Randomness: the random draws (which requests fail with ``error_rate`` or hang with
     ``hang_rate``, and the ``uniform``, ``exponential`` and ``lognormal`` latencies) come
-    from one sequence seeded with ``seed`` (a whole number), so the same requests in the
-    same order meet the same faults on every run. The sequence starts from ``seed`` when
+    from one sequence seeded with ``seed`` (a whole number), each request all its draws as
+    it arrives, so the same requests arriving in the same order meet the same faults on
+    every run, however many are in flight at once. The sequence starts from ``seed`` when
     the service starts, and again whenever the admin API is given ``seed`` (even the same
     one); changing other settings, and a reset, go on with it where it is.
 
@@ -245,13 +246,15 @@ async def _answer(request: web.Request, state: _State) -> web.StreamResponse:
         state.hangs += 1
         await asyncio.Event().wait()  # never answers; the client gives up
     delay = state.latency(number)
-    if delay > 0:
-        await asyncio.sleep(delay)
+    # Decided on arrival, with the other draws, not after the latency: requests in flight
+    # at once end in an order that timing decides, and would take each other's draws.
     failing = (
         seen <= c.fail_first.get(key, 0)
         or (c.burst_length > 0 and c.burst_start <= number < c.burst_start + c.burst_length)
         or (c.error_rate and state.random.random() < c.error_rate)
     )
+    if delay > 0:
+        await asyncio.sleep(delay)
     if failing:
         if state.generation == generation:  # not reset while this request waited
             state.errors += 1
