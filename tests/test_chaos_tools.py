@@ -1179,6 +1179,16 @@ def test_a_fault_that_would_misfire_or_never_fire_is_refused(fault: str, message
         FaultSpec.parse(fault)
 
 
+def test_a_fault_of_a_kind_the_job_does_not_have_is_refused() -> None:
+    # Before, FaultSpec("crash_at", 5) was taken, and run as zombie-commit=5.
+    with pytest.raises(
+        ConfigurationError,
+        match=r"Unknown fault kind 'crash_at': use one of crash-at, crash-commit, delay-commit, "
+        r"zombie-commit\.",
+    ):
+        FaultSpec("crash_at", 5)
+
+
 def test_a_fault_takes_spaces_around_its_settings() -> None:
     # before, "attempt = 1" was an "unknown setting 'attempt '"
     assert FaultSpec.parse("crash-at = 5, attempt = 1, partition = 0") == FaultSpec(

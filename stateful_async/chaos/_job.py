@@ -85,7 +85,9 @@ class ChaosCheckError(StatefulAsyncError):
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """One ``--fault`` option: ``KIND=VALUE[,attempt=A][,partition=P]...``."""
+    """One ``--fault`` option: ``KIND=VALUE[,attempt=A][,partition=P]...``. ``kind`` is
+    ``crash-at``, ``crash-commit``, ``delay-commit`` or ``zombie-commit``; any other raises
+    ``ConfigurationError``."""
 
     kind: str
     value: int
@@ -93,6 +95,13 @@ class FaultSpec:
     attempt: int = 0
     partitions: tuple[int, ...] | None = None
     wait: float = 300.0  # zombie-commit: how long to wait for the newer attempt
+
+    def __post_init__(self) -> None:
+        # wrap() would make any other kind a zombie-commit: another fault than the one asked
+        if self.kind not in FAULT_KINDS:
+            raise ConfigurationError(
+                f"Unknown fault kind {self.kind!r}: use one of {', '.join(FAULT_KINDS)}."
+            )
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
