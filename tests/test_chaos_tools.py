@@ -1256,6 +1256,13 @@ def test_the_job_options_survive_the_command_line_exactly(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("options", "message"),
     [
+        (
+            ["--service-url", "127.0.0.1:8099"],  # before: every task failed 8 times
+            "service_url (--service-url): The service URL must be http:// or https://, a host "
+            "and, if given, a port (1-65535), such as http://127.0.0.1:8099; got "
+            "'127.0.0.1:8099'.",
+        ),
+        (["--service-url", "http://127.0.0.1:80990"], "got 'http://127.0.0.1:80990'"),
         (["--interval", "0"], "interval (--interval): CheckpointConfig interval_records must"),
         (["--capacity", "0"], "capacity (--capacity): capacity must be an integer >= 1"),
         (["--timeout", "0"], "timeout (--timeout): timeout must be a finite number of seconds"),

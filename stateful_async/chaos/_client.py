@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
-from .._exceptions import StatefulAsyncError
+from .._exceptions import ConfigurationError, StatefulAsyncError
 from .._function import AsyncFunction
 
 
@@ -23,6 +24,8 @@ class ServiceEnrichment(AsyncFunction[dict[str, Any], dict[str, Any]]):
     of the answer added. One ``aiohttp.ClientSession`` per operator (made in ``open``, so
     the function pickles for Spark). An HTTP error status (>= 400) raises ``ServiceError``;
     ``fallback``, if given, is returned (merged into the row) when an element times out.
+    A ``url`` that is not ``http://`` or ``https://`` with a host (and a valid port) raises
+    ``ConfigurationError`` here, not on every row in the tasks.
     """
 
     def __init__(
@@ -33,7 +36,7 @@ class ServiceEnrichment(AsyncFunction[dict[str, Any], dict[str, Any]]):
         fallback: dict[str, Any] | None = None,
         max_connections: int = 1000,
     ) -> None:
-        self.url = url.rstrip("/")
+        self.url = _checked_url(url).rstrip("/")
         self.key_field = key_field
         self.fields = tuple(fields)
         self.fallback = fallback
@@ -70,3 +73,18 @@ class ServiceEnrichment(AsyncFunction[dict[str, Any], dict[str, Any]]):
         state = self.__dict__.copy()
         state["_session"] = None
         return state
+
+
+def _checked_url(url: Any) -> str:
+    try:
+        parts = urlsplit(url)
+        # .port raises ValueError for a port past 65535
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except (TypeError, ValueError, AttributeError):
+        usable = False
+    if not usable:
+        raise ConfigurationError(
+            f"The service URL must be http:// or https://, a host and, if given, a port "
+            f"(1-65535), such as http://127.0.0.1:8099; got {url!r}."
+        )
+    return str(url)

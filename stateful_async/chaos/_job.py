@@ -233,6 +233,8 @@ class JobOptions:
         # command line refuses a bad option before Spark starts, not as a failed job.
         from ..spark._sink_options import SinkOptions
 
+        with _option("service_url"):
+            ServiceEnrichment(self.service_url)
         with _option("capacity"):
             check_capacity_and_timeout(self.capacity, None, None)
         with _option("timeout"):
