@@ -1376,6 +1376,24 @@ def test_checking_a_store_with_the_wrong_ids_or_location_does_not_pass(tmp_path:
         check_snapshot_store(str(tmp_path), "nojob", "op")
 
 
+def test_checking_a_store_whose_data_file_is_gone_fails_with_a_chaos_check_error(
+    tmp_path: Path,
+) -> None:
+    # Before, the listing of the checkpoints raised the store's own CheckpointError, not
+    # the ChaosCheckError the check promises.
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    commit(log, 1)
+    check_snapshot_store(str(tmp_path), "job", "op")  # whole: it passes
+    [data] = (tmp_path / "job" / "op").glob("subtask=*/*.parquet")
+    data.unlink()
+    with pytest.raises(
+        ChaosCheckError,
+        match=r"The snapshot store of job 'job' at .* is inconsistent: Cannot read checkpoint "
+        r"table .*Its newest version names a data file that is not there",
+    ):
+        check_snapshot_store(str(tmp_path), "job", "op")
+
+
 class FailsToOpen(AsyncFunction):
     async def open(self) -> None:
         raise RuntimeError("no connection")

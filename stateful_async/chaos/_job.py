@@ -906,11 +906,18 @@ def check_snapshot_store(location: str, job_id: str, operator_id: str = OPERATOR
         SnapshotStore,
     )
 
+    def inconsistent(exc: CheckpointError) -> ChaosCheckError:
+        return ChaosCheckError(
+            f"The snapshot store of job {job_id!r} at {location} is inconsistent: {exc}"
+        )
+
     try:
         store = SnapshotStore(location)
         metas = store.checkpoints(job_id, operator_id, include_expired=False)
     except (CheckpointLocationError, CheckpointNotFoundError) as exc:
         raise ChaosCheckError(f"Cannot check the snapshot store: {exc}") from exc
+    except CheckpointError as exc:  # a table it cannot list: a data file gone or broken
+        raise inconsistent(exc) from exc
     if not metas:  # a wrong job or operator id must not pass as a clean store
         raise ChaosCheckError(
             f"No checkpoints of job {job_id!r}, operator {operator_id!r} at {location}: "
@@ -935,7 +942,5 @@ def check_snapshot_store(location: str, job_id: str, operator_id: str = OPERATOR
             for p, m in finals.items()
         }
     except CheckpointError as exc:
-        raise ChaosCheckError(
-            f"The snapshot store of job {job_id!r} at {location} is inconsistent: {exc}"
-        ) from exc
+        raise inconsistent(exc) from exc
     return StoreCheck(metas, finals, results)
