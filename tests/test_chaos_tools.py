@@ -1348,9 +1348,13 @@ def test_a_fault_at_the_last_checkpoint_or_in_a_resumed_run_is_taken(tmp_path: P
     assert options("zombie-commit=2,attempt=9", speculation=True).faults[0].attempt == 9
 
 
-def test_a_report_in_a_folder_that_does_not_exist_is_refused_before_the_job_runs(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_a_report_in_a_folder_that_does_not_exist_or_a_folder_is_refused_before_the_job_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    def no_spark(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a Spark session was started")
+
+    monkeypatch.setattr(_job, "session_for", no_spark)
     # Before, the job committed its output and then failed writing the report (exit 1).
     # (Checked when the job starts, not by parse_args: options parsed on one machine may
     # run on another, as docker-compose's job does with its /data volume.)
@@ -1359,6 +1363,14 @@ def test_a_report_in_a_folder_that_does_not_exist_is_refused_before_the_job_runs
     argv += ["--checkpoint", str(tmp_path / "c"), "--output", str(tmp_path / "o")]
     assert job_main([*argv, "--report", str(report)]) == 2  # before starting Spark
     assert f"the report's folder {report.parent} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()
+    # Before, a folder given as the report was found only as the report was written, once
+    # the output was committed: "the job failed: IsADirectoryError" (exit 1).
+    assert job_main([*argv, "--report", str(tmp_path)]) == 2
+    assert (
+        f"error: it is a folder: pass --report the path of a file, such as "
+        f"{tmp_path / 'run.json'} (got {str(tmp_path)!r})"
+    ) in capsys.readouterr().err
     assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()
 
 

@@ -776,12 +776,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parse_args(argv)
     if options.report:  # found now, not after the output is committed
         folder = os.path.dirname(os.path.abspath(options.report))
-        if not os.path.isdir(folder):
-            print(
-                f"error: the report's folder {folder} does not exist; create it, or pass "
-                f"--report a path in an existing folder (got {options.report!r})",
-                file=sys.stderr,
-            )
+        problem = (
+            f"the report's folder {folder} does not exist; create it, or pass --report a "
+            "path in an existing folder"
+            if not os.path.isdir(folder)
+            else "it is a folder: pass --report the path of a file, such as "
+            f"{os.path.join(options.report, 'run.json')}"
+            if os.path.isdir(options.report)
+            else None
+        )
+        if problem:
+            print(f"error: {problem} (got {options.report!r})", file=sys.stderr)
             return 2
     started = time.time()
     try:
