@@ -40,6 +40,25 @@ def test_a_service_that_cannot_listen_fails_to_start_saying_why() -> None:
         assert service.pid is None  # nothing left running
 
 
+@pytest.mark.parametrize("timeout", [-1, 0, math.nan, math.inf, "5", True])
+def test_a_start_timeout_no_start_can_wait_for_is_refused_before_anything_starts(
+    timeout: object,
+) -> None:
+    # Before, -1 and NaN raised select's bare ValueError, "5" a TypeError, once the
+    # service's process had started, and left it running.
+    service = MockService()
+    try:
+        with pytest.raises(
+            MockServiceError,
+            match=rf"^timeout must be a finite number of seconds above 0, the time the "
+            rf"service gets to start; got {re.escape(repr(timeout))}\.$",
+        ):
+            service.start(timeout=timeout)  # type: ignore[arg-type]
+        assert service.pid is None  # nothing started
+    finally:
+        service.stop()
+
+
 def test_a_started_service_answers_and_stops() -> None:
     with MockService(ServiceConfig(latency_ms=1)) as service:
         pid = service.pid

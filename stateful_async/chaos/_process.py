@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import select
 import signal
@@ -16,6 +17,7 @@ from dataclasses import asdict
 from typing import IO, Any
 
 from .._exceptions import StatefulAsyncError
+from ._cluster import _is_seconds
 from ._service import ServiceConfig
 
 
@@ -57,8 +59,16 @@ class MockService:
         return None if self.process is None else self.process.pid
 
     def start(self, timeout: float = 30.0) -> MockService:
+        """Start the service and wait up to ``timeout`` seconds (a finite number above 0)
+        until it answers; a ``timeout`` that is not raises ``MockServiceError`` before
+        anything starts. Does nothing if it is running."""
         if self.process is not None:
             return self
+        if not _is_seconds(timeout) or not 0 < timeout < math.inf:
+            raise MockServiceError(
+                f"timeout must be a finite number of seconds above 0, the time the service "
+                f"gets to start; got {timeout!r}."
+            )
         self._stderr = stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [
