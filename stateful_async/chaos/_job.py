@@ -888,8 +888,8 @@ def request_repeats(counts: dict[str, int]) -> dict[str, int]:
 @dataclass(frozen=True)
 class StoreCheck:
     """The result of ``check_snapshot_store``: every live checkpoint (each loaded and
-    verified), and per partition the latest run's final checkpoint with the number of
-    results its chain restores."""
+    verified), and per partition its newest final checkpoint (of whichever run committed
+    it) with the number of results its chain restores."""
 
     checkpoints: list[Any]
     finals: dict[int, Any]
