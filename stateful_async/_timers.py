@@ -88,7 +88,16 @@ class VirtualClock:
         or, if ``now()`` already has (a zero delay), soon, as ``SystemClock`` does: without
         waiting for an ``advance`` (as a loop callback then: what it raises goes to the
         loop's exception handler, as on ``SystemClock``, unless an ``advance`` is running:
-        that advance raises it)."""
+        that advance raises it). ``when`` must be a number, not NaN (infinity: never)."""
+        number = as_float(when)
+        if number is None or math.isnan(number):
+            # Checked before the heap takes it: a time no deadline compares with would
+            # break every later call_at() and advance(), or (NaN) fire at any of them.
+            raise (TypeError if number is None else ValueError)(
+                f"call_at() takes a time in seconds that is a number, not NaN; got "
+                f"{type(when).__name__} {when!r}."
+            )
+        when = number
         handle = _VirtualHandle(when, callback)
         heapq.heappush(self._heap, (when, next(self._seq), handle))
         if when <= self._now:

@@ -1267,6 +1267,24 @@ async def test_a_virtual_clock_refuses_to_advance_by_what_is_not_a_number(second
     assert clock.now() == 0.0
 
 
+@pytest.mark.parametrize(
+    "when, error", [("1", TypeError), (None, TypeError), (True, TypeError), (math.nan, ValueError)]
+)
+async def test_a_virtual_clock_refuses_a_wake_up_at_what_is_no_time(when, error) -> None:
+    # before: the heap took it first, then call_at('1') raised "'<=' not supported between
+    # instances of 'str' and 'float'" and every later call_at() and advance() raised alike;
+    # call_at(nan) fired at the next advance, whatever its target
+    clock = VirtualClock()
+    fired: list = []
+    with pytest.raises(error, match=r"call_at\(\) takes a time in seconds that is a number, not "):
+        clock.call_at(when, lambda: fired.append("refused"))
+    clock.call_at(2, lambda: fired.append(clock.now()))
+    await clock.advance(1)
+    assert fired == [] and clock.next_deadline() == 2
+    await clock.advance(1)
+    assert fired == [2]
+
+
 async def test_a_virtual_clock_advanced_in_steps_reaches_the_deadline_of_their_sum() -> None:
     # before: ten advance(0.1) left the clock at 0.9999999999999999 (float addition), so a
     # 1 s timeout had not expired
