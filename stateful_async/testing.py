@@ -69,9 +69,10 @@ class ControlledFunction(AsyncFunction[Any, Any]):
         """Resolve the oldest unresolved attempt of ``value`` with ``results``."""
         self._next(value).set_result(_result_list("complete", "fail", results))
 
-    def fail(self, value: Any, error: BaseException) -> None:
-        """Make the oldest unresolved attempt of ``value`` raise ``error``."""
-        self._next(value).set_exception(error)
+    def fail(self, value: Any, error: BaseException | type[BaseException]) -> None:
+        """Make the oldest unresolved attempt of ``value`` raise ``error`` (an exception, or
+        an exception type, which asyncio instantiates)."""
+        self._next(value).set_exception(_exception("fail", "complete", error))
 
     def _next(self, value: Any) -> asyncio.Future[Any]:
         return _oldest_waiting(self._pending.get(value, ()), "call", value, self.calls)
@@ -97,8 +98,10 @@ class ControlledTimeoutFunction(ControlledFunction):
             _result_list("complete_timeout", "fail_timeout", results)
         )
 
-    def fail_timeout(self, value: Any, error: BaseException) -> None:
-        self._next_timeout(value).set_exception(error)
+    def fail_timeout(self, value: Any, error: BaseException | type[BaseException]) -> None:
+        self._next_timeout(value).set_exception(
+            _exception("fail_timeout", "complete_timeout", error)
+        )
 
     def _next_timeout(self, value: Any) -> asyncio.Future[Any]:
         return _oldest_waiting(
@@ -117,6 +120,22 @@ def _result_list(method: str, fail: str, results: Iterable[Any]) -> list[Any]:
             f"{fail}()."
         )
     return list(results)
+
+
+def _exception(
+    method: str, complete: str, error: BaseException | type[BaseException]
+) -> BaseException | type[BaseException]:
+    """``error``, if it is an exception or an exception type; else refused at the test's line
+    (asyncio's own refusal says only 'invalid exception object')."""
+    if isinstance(error, BaseException) or (
+        isinstance(error, type) and issubclass(error, BaseException)
+    ):
+        return error
+    raise TypeError(
+        f"{method}() takes the exception the call raises, e.g. OSError('down'); got "
+        f"{type(error).__name__} {reprlib.repr(error)}. To make the call return results, use "
+        f"{complete}()."
+    )
 
 
 def _oldest_waiting(

@@ -1512,6 +1512,31 @@ async def test_a_controlled_function_refuses_results_that_are_not_a_list_of_them
     assert [e.value for e in out] == ["AB"]
 
 
+@pytest.mark.parametrize(("error", "named"), [("down", "str 'down'"), (None, "NoneType None")])
+async def test_a_controlled_function_refuses_to_fail_a_call_with_what_is_no_exception(
+    error, named
+) -> None:
+    # before: asyncio's "TypeError: invalid exception object", which names neither the
+    # argument nor what to pass
+    fn = ControlledFunction()
+    out, op = make(fn, VirtualClock())
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    with pytest.raises(
+        TypeError,
+        match=rf"^fail\(\) takes the exception the call raises, e\.g\. OSError\('down'\); got "
+        rf"{re.escape(named)}\. To make the call return results, use complete\(\)\.$",
+    ):
+        fn.fail("a", error)
+    assert fn.pending("a") == 1  # still waiting for the test
+    fn.fail("a", KeyError)  # an exception type: asyncio makes the exception
+    await settle()
+    assert isinstance(op.failure, AsyncFunctionError)
+    assert isinstance(op.failure.__cause__, KeyError)
+    await op.close()
+
+
 async def test_a_controlled_timeout_handler_refuses_results_that_are_not_a_list_of_them() -> None:
     clock, fn, out, op = await timed_out_a()
     with pytest.raises(
@@ -1520,6 +1545,12 @@ async def test_a_controlled_timeout_handler_refuses_results_that_are_not_a_list_
         r"make the call raise, use fail_timeout\(\)\.$",
     ):
         fn.complete_timeout("a", "fallback")
+    with pytest.raises(
+        TypeError,
+        match=r"^fail_timeout\(\) takes the exception the call raises, .*; got str 'no'\. To "
+        r"make the call return results, use complete_timeout\(\)\.$",
+    ):
+        fn.fail_timeout("a", "no")
     fn.complete_timeout("a", ["fallback"])
     await op.finish()
     await op.close()
