@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import math
 import random
 import types
@@ -76,7 +77,9 @@ class RetryStrategy:
     matches ``retry_on_result`` (default: never), while attempts remain. When attempts run
     out, an exception fails the element and a result is emitted as it is (once the
     operator's timeout has passed, such a result, like an exception, is dropped: the timeout
-    handler decides).
+    handler decides). A predicate is called, never awaited: a plain ``def`` (or lambda)
+    returning True or False (an ``async def`` is refused, and an awaitable it returns
+    fails the element).
 
     Delays are seconds (a number or a ``timedelta``).
 
@@ -253,7 +256,24 @@ class RetryStrategy:
         predicate = self.retry_on_exception
         if isinstance(predicate, (tuple, type, types.UnionType)):  # a union: kept as a tuple
             return isinstance(exc, predicate)
-        return bool(predicate(exc))
+        return _answer("exception", predicate(exc))
 
     def should_retry_result(self, results: Sequence[Any]) -> bool:
-        return bool(self.retry_on_result(results))
+        return _answer("result", self.retry_on_result(results))
+
+
+def _answer(outcome: str, answer: Any) -> bool:
+    """A predicate's answer as a bool. An awaitable is refused: a plain ``def`` (a lambda)
+    that returns an async check's coroutine passes the construction check, and the
+    coroutine, never awaited, would count as True."""
+    if inspect.isawaitable(answer):
+        close = getattr(answer, "close", None)
+        if close is not None:
+            close()  # never awaited: no "was never awaited" warning on top of this error
+        raise TypeError(
+            f"RetryStrategy retry_on_{outcome} returned a {type(answer).__name__}, an "
+            "awaitable: a predicate is called, not awaited, so it would count as True and "
+            f"every {outcome} would be retried. Return True or False from a plain 'def'; it "
+            "cannot await an async check."
+        )
+    return bool(answer)

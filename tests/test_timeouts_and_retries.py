@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import math
 import pickle
 import random
 import re
 import time
 import typing
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -976,6 +978,41 @@ async def test_a_retry_predicate_that_raises_fails_the_element_at_once(
     assert "AttributeError" in message
     assert isinstance(info.value.__cause__, AttributeError)
     assert out == [] and fn.calls == ["a"]
+    await op.close()
+
+
+@pytest.mark.parametrize("outcome", ["exception", "result"])
+async def test_a_retry_predicate_returning_a_coroutine_fails_the_element_at_once(
+    outcome: str,
+) -> None:
+    # before: a plain lambda wrapping an async check passed the construction check, and the
+    # coroutine it returned counted as True: every outcome was retried (with a "never
+    # awaited" warning per attempt) until the attempts ran out, those it answers False too
+    async def is_transient(value):  # type: ignore[no-untyped-def]
+        return False
+
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    retry = RetryStrategy.fixed_delay(
+        3, 1.0, **{f"retry_on_{outcome}": lambda value: is_transient(value)}
+    )
+    out, op = make(fn, clock, timeout=60, retry=retry)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the coroutine is closed: no "never awaited"
+        await first_attempt_ends(op, fn, outcome)
+        await clock.advance(5)
+        gc.collect()
+    assert fn.calls == ["a"]  # not retried
+    with pytest.raises(ElementFailedError) as info:
+        await op.finish()
+    assert str(info.value).startswith(
+        f"The retry predicate retry_on_{outcome} raised on the attempt's {outcome} for element "
+        f"StreamRecord('a') after 1 attempt: TypeError: RetryStrategy retry_on_{outcome} "
+        "returned a coroutine, an awaitable: a predicate is called, not awaited, so it would "
+        f"count as True and every {outcome} would be retried. Return True or False from a "
+        "plain 'def'; it cannot await an async check."
+    )
+    assert out == []
     await op.close()
 
 
