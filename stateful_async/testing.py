@@ -147,9 +147,16 @@ def _oldest_waiting(
         if not future.done():
             return future
     if not futures:
+        when = (
+            "A call is made once the event loop runs the element's task: await settle() "
+            "after process_element()."
+            if what == "call"
+            else "A timeout handler is called once the operator's clock reaches the element's "
+            "deadline (a VirtualClock's: await clock.advance(...) to it)."
+        )
         raise AssertionError(
             f"No {what} for {value!r} is waiting: there has been none ({what} values so far: "
-            f"{calls!r})."
+            f"{calls!r}). {when}"
         )
     cancelled = sum(1 for f in futures if f.cancelled())
     resolved = len(futures) - cancelled

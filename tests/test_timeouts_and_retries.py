@@ -1515,12 +1515,37 @@ async def test_a_controlled_function_says_why_no_call_of_a_value_is_waiting() ->
     with pytest.raises(
         AssertionError,
         match=r"^No call for 'b' is waiting: there has been none \(call values so far: "
-        r"\['a'\]\)\.$",
+        r"\['a'\]\)\. A call is made once the event loop runs the element's task: await "
+        r"settle\(\) after process_element\(\)\.$",
     ):
         fn.fail("b", Fatal("never called"))
+    with pytest.raises(
+        AssertionError,
+        match=r"^No timeout handler for 'b' is waiting: there has been none \(timeout handler "
+        r"values so far: \['a'\]\)\. A timeout handler is called once the operator's clock "
+        r"reaches the element's deadline \(a VirtualClock's: await clock\.advance\(\.\.\.\) "
+        r"to it\)\.$",
+    ):
+        fn.complete_timeout("b", ["fallback"])
     await op.finish()
     await op.close()
     assert [e.value for e in out] == ["fallback"]
+
+
+async def test_a_controlled_function_completed_before_its_call_ran_says_to_settle() -> None:
+    # before: only "there has been none (call values so far: [])": process_element() starts
+    # the call's task, which makes the call when the event loop runs it
+    fn = ControlledFunction()
+    out, op = make(fn, VirtualClock())
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    with pytest.raises(AssertionError, match=r"await settle\(\) after process_element\(\)\.$"):
+        fn.complete("a", ["A"])
+    await settle()
+    fn.complete("a", ["A"])
+    await op.finish()
+    await op.close()
+    assert [e.value for e in out] == ["A"]
 
 
 @pytest.mark.parametrize(
