@@ -65,6 +65,11 @@ class VirtualClock:
 
     The steps are summed exactly (then rounded once), so ten ``advance(0.1)`` reach a
     deadline at 1.0 as one ``advance(1)`` does (float addition stops at 0.9999999999999999).
+
+    It is the time of whoever is given it (the operator's timeouts and retry backoffs), not
+    the event loop's: ``asyncio.sleep`` and I/O still take real time, which ``advance``
+    does not wait for (a call sleeping 50 ms times out under ``advance(1)`` with a 1 s
+    timeout).
     """
 
     def __init__(self, start: float = 0.0) -> None:

@@ -5,7 +5,11 @@
 * ``ControlledTimeoutFunction`` — the same, with a ``timeout()`` handler the test also
   completes.
 * ``VirtualClock`` and ``settle`` — time that moves only when the test says so; pass the
-  clock to ``AsyncWaitOperator(..., clock=clock)``.
+  clock to ``AsyncWaitOperator(..., clock=clock)``. Only the operator's timers (timeouts,
+  retry backoffs) follow it: an ``asyncio.sleep`` or I/O inside the function runs on the
+  event loop's own clock, which ``advance`` and ``settle`` do not wait for, so a function
+  sleeping 50 ms times out at once under ``advance(1)`` with a 1 s timeout. Let a
+  ``ControlledFunction`` stand for the service, to decide when each call ends.
 
 Example::
 
