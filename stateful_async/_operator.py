@@ -357,13 +357,19 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._invoke: Callable[[Any], Any] = (
             self._fn.fn if isinstance(self._fn, CoroutineFunction) else self._fn.async_invoke
         )
-        if clock is not None and not all(
-            callable(getattr(clock, method, None)) for method in ("now", "call_at")
+        if clock is not None and (
+            # a class has the methods too, unbound: its now() fails at the first element
+            isinstance(clock, type)
+            or not all(callable(getattr(clock, method, None)) for method in ("now", "call_at"))
         ):
             raise ConfigurationError(
-                f"clock must be a Clock (with now() and call_at(when, callback) methods), such "
-                f"as stateful_async.testing.VirtualClock(), or None for asyncio's; got "
-                f"{clock!r}."
+                "clock must be a Clock (with now() and call_at(when, callback) methods), such "
+                "as stateful_async.testing.VirtualClock(), or None for asyncio's; got "
+                + (
+                    f"the class {clock.__name__}: pass an instance, clock={clock.__name__}()."
+                    if isinstance(clock, type)
+                    else f"{clock!r}."
+                )
             )
         self._clock: Clock = clock if clock is not None else SystemClock()
         self._timers = TimerService(self._clock, self._on_timer_error)

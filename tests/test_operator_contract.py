@@ -827,6 +827,12 @@ async def _noop(value):
         ({"max_in_flight": True}, "max_in_flight must be an integer"),
         # a clock function, not a Clock: it failed at the first element with AttributeError
         ({"timeout": 1, "clock": time.monotonic}, "clock must be a Clock"),
+        # the class, not a clock: its now() failed at the first element, which stayed queued
+        # without a call or a timer, and finish() never returned
+        (
+            {"timeout": 1, "clock": VirtualClock},
+            r"; got the class VirtualClock: pass an instance, clock=VirtualClock\(\)\.$",
+        ),
     ],
 )
 def test_invalid_arguments_fail_at_construction(kwargs: dict, message: str) -> None:
