@@ -65,6 +65,9 @@ class VirtualClock:
 
     The steps are summed exactly (then rounded once), so ten ``advance(0.1)`` reach a
     deadline at 1.0 as one ``advance(1)`` does (float addition stops at 0.9999999999999999).
+    A wake-up due within two units in the last place past the target is due at it, as a
+    float rounding error: an element that entered at 0.6 with a 1.1 s timeout has its
+    deadline at 0.6 + 1.1 == 1.7000000000000002, which eleven ``advance(0.1)`` (1.7) reach.
 
     It is the time of whoever is given it (the operator's timeouts and retry backoffs), not
     the event loop's: ``asyncio.sleep`` and I/O still take real time, which ``advance``
@@ -89,7 +92,8 @@ class VirtualClock:
         return self._now
 
     def call_at(self, when: float, callback: Callable[[], None]) -> Cancellable:
-        """Run ``callback`` once ``now() >= when``: at the ``advance`` that reaches ``when``,
+        """Run ``callback`` once ``now() >= when``: at the ``advance`` that reaches ``when``
+        (or comes within a float rounding error of it: see the class),
         or, if ``now()`` already has (a zero delay), soon, as ``SystemClock`` does: without
         waiting for an ``advance`` (as a loop callback then: what it raises goes to the
         loop's exception handler, as on ``SystemClock``, unless an ``advance`` is running:
@@ -178,16 +182,20 @@ class VirtualClock:
             self._elapsed = Fraction(self._now)
         elapsed = self._elapsed + Fraction(step)
         target = float(elapsed)
+        # A deadline computed as now() + delay in floats may lie a rounding error past the
+        # steps that add up to it (0.6 + 1.1 is 1.7000000000000002; eleven advance(0.1)
+        # from 0.6 reach 1.7): a wake-up within two units in the last place is due.
+        reach = target + 2 * math.ulp(target)
         errors: list[BaseException] = []
         self._errors = errors
         try:
             await settle()
             while True:
                 self._drop_cancelled()
-                if not self._heap or self._heap[0][0] > target:
+                if not self._heap or self._heap[0][0] > reach:
                     break
                 when, _, handle = heapq.heappop(self._heap)
-                self._now = max(self._now, when)
+                self._now = max(self._now, min(when, target))
                 self._run(handle)
                 await settle()
             self._now = target

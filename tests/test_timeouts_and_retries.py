@@ -1337,6 +1337,31 @@ async def test_a_virtual_clock_advanced_in_steps_reaches_the_deadline_of_their_s
     await op.close()
 
 
+async def test_a_virtual_clock_stepped_through_a_timeout_from_a_later_start_reaches_it() -> None:
+    # before: an element that entered at 0.6 with a 1.1 s timeout has its deadline at
+    # 0.6 + 1.1 == 1.7000000000000002, and eleven advance(0.1) from there reach 1.7 (their
+    # exact sum, rounded): it had not timed out, though one advance(1.1) times it out
+    clock = VirtualClock()
+    fn = ControlledFunction()
+    out, op = make(fn, clock, timeout=1.1)
+    await op.open()
+    await clock.advance(0.6)
+    await op.process_element(StreamRecord("a"))
+    for _ in range(10):
+        await clock.advance(0.1)
+    assert op.failure is None  # 1 s of the 1.1 s
+    await clock.advance(0.1)
+    assert clock.now() == 1.7
+    assert isinstance(op.failure, AsyncTimeoutError)
+    await op.close()
+    # a wake-up a rounding error past the target runs at the target, not past it
+    fired: list = []
+    clock.call_at(math.nextafter(2.7, 3), lambda: fired.append(clock.now()))
+    clock.call_at(2.7 + 1e-9, lambda: fired.append("too late"))
+    await clock.advance(1)
+    assert fired == [2.7] and clock.now() == 2.7
+
+
 async def test_a_virtual_clock_reaches_its_target_when_a_wake_up_raises() -> None:
     # before: advance stopped at the first wake-up that raised, with the clock at its
     # deadline and the later due wake-ups not run; an asyncio loop reports a callback's
