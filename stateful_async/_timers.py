@@ -166,7 +166,7 @@ class VirtualClock:
                 f"advance() takes a number of seconds; got {type(seconds).__name__} {seconds!r}."
             )
         if step < 0:
-            raise ValueError("A virtual clock cannot go backwards.")
+            raise ValueError(f"A virtual clock cannot go backwards; advance() got {seconds!r}.")
         if not math.isfinite(step):
             # NaN would set the clock to NaN and fire every timer; infinity would fire
             # every timer, and never return while one schedules another.
@@ -255,8 +255,11 @@ async def settle(max_rounds: int = 10_000) -> None:
     """Let the running loop work until no callback is ready (every task is blocked).
 
     The loop-thread equivalent of trio's ``wait_all_tasks_blocked``; it never sleeps on
-    the wall clock. Threads that will post mails later are not waited for.
+    the wall clock. Threads that will post mails later are not waited for. Gives up with
+    ``RuntimeError`` after ``max_rounds`` (at least 1) turns of a loop that stays busy.
     """
+    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
+        raise ValueError(f"settle() takes max_rounds of at least 1; got {max_rounds!r}.")
     loop = asyncio.get_running_loop()
     ready = getattr(loop, "_ready", None)
     for _ in range(max_rounds):

@@ -1296,6 +1296,21 @@ async def test_a_virtual_clock_refuses_to_advance_by_a_non_finite_time(seconds) 
     assert fired == [5]
 
 
+async def test_a_virtual_clock_refuses_to_go_backwards_naming_the_step() -> None:
+    clock = VirtualClock(3)
+    with pytest.raises(ValueError, match=r"cannot go backwards; advance\(\) got -1\.5\."):
+        await clock.advance(-1.5)
+    assert clock.now() == 3.0
+
+
+@pytest.mark.parametrize("rounds", [0, -1, 2.5, True])
+async def test_settle_refuses_a_number_of_rounds_it_cannot_take(rounds) -> None:
+    # before: 0 or -1 raised "did not settle within 0 rounds" of a loop with nothing to do
+    with pytest.raises(ValueError, match=r"settle\(\) takes max_rounds of at least 1; got "):
+        await settle(rounds)
+    await settle(1)
+
+
 @pytest.mark.parametrize("seconds", ["1", None, True])
 async def test_a_virtual_clock_refuses_to_advance_by_what_is_not_a_number(seconds) -> None:
     clock = VirtualClock()
