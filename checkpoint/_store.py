@@ -39,6 +39,7 @@ import base64
 import json
 import math
 import os
+import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -1431,7 +1432,7 @@ class SubtaskLog:
             "operator_id. Otherwise use a new job_id (or operator_id), or delete every "
             "checkpoint of this job, results included, "
             "with: stateful-async checkpoints "
-            f"expire {location} --job {self.job_id} --retain 0"
+            f"expire {shlex.quote(location)} --job {self.job_id} --retain 0"
         )
 
     def _read(

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import stat
 import sys
@@ -393,7 +394,7 @@ def demo(
     table.add_row("checkpoints", escape(result.checkpoint_location))
     table.add_row("Spark's log", escape(result.spark_log))
     out.print(table)
-    look = escape(f"{_this_program()} checkpoints list {result.checkpoint_location}")
+    look = escape(f"{_this_program()} checkpoints list {shlex.quote(result.checkpoint_location)}")
     out.print(f"Look inside: [bold]{look}[/]", soft_wrap=True)  # whole, to copy and paste
     for failure in result.failures:
         err.print(f"[bold red]FAILED[/]: {escape(failure)}", highlight=False, soft_wrap=True)
@@ -1291,13 +1292,16 @@ def _sigterm_unwinds() -> Iterator[None]:
 
 def _this_program() -> str:
     """How to run this command line again from any shell: the ``stateful-async`` next to
-    this Python (a virtualenv's bin/, which need not be on the PATH), or ``python -m``."""
+    this Python (a virtualenv's bin/, which need not be on the PATH), or ``python -m``;
+    quoted for the shell (a path may hold spaces)."""
     import shutil
 
     script = Path(sys.executable).with_name("stateful-async")
     if script.exists():
-        return "stateful-async" if shutil.which("stateful-async") == str(script) else str(script)
-    return f"{sys.executable} -m stateful_async.cli"
+        if shutil.which("stateful-async") == str(script):
+            return "stateful-async"
+        return shlex.quote(str(script))
+    return f"{shlex.quote(sys.executable)} -m stateful_async.cli"
 
 
 def _summaries_on_one_line(*apps: typer.Typer) -> None:

@@ -1147,6 +1147,14 @@ def test_a_schema_change_between_runs_is_refused(tmp_path: Path) -> None:
         info.value
     )
     assert f"checkpoints expire {tmp_path} --job job --retain 0" in str(info.value)
+    # a command to paste into a shell: a location with a space is quoted
+    spaced = SnapshotStore(tmp_path / "a b").subtask("job", "op", 0)
+    commit(spaced, "run", 1)
+    with pytest.raises(SchemaChangedError) as info:
+        SnapshotStore(tmp_path / "a b").subtask("job", "op", 0).commit(
+            "run2", 1, [], None, input_schema=changed, output_schema=OUT, position=0
+        )
+    assert f"checkpoints expire '{tmp_path}/a b' --job job --retain 0" in str(info.value)
     renamed = pa.schema([("id", pa.int64()), ("payload", pa.string())])
     with pytest.raises(
         SchemaChangedError,

@@ -1503,6 +1503,41 @@ def test_a_demo_whose_service_cannot_be_queried_after_the_job_checks_the_output_
     assert result.exit_code == 1, result.output
 
 
+def test_the_demo_s_command_to_look_inside_is_quoted_for_the_shell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: a --workdir with a space gave "checkpoints list /x/a run/checkpoints", which a
+    # shell takes as two locations
+    from deltalake import write_deltalake
+
+    import checkpoint
+    from stateful_async.chaos import expected_enrichment
+
+    def write(path: str) -> None:  # every record's result, once
+        answers = [expected_enrichment(str(i)) for i in range(1000)]
+        rows = [
+            {"id": i, "name": f"user{i}", "score": a["score"], "label": a["label"]}
+            for i, a in enumerate(answers)
+        ]
+        write_deltalake(path, pa.Table.from_pylist(rows))
+
+    _demo_without_spark(monkeypatch, write)
+    no_checkpoints = type("Store", (), {"checkpoints": lambda self, *args, **kwargs: []})
+    monkeypatch.setattr(checkpoint, "SnapshotStore", lambda location: no_checkpoints())
+    result = invoke("demo", "--rows", "1000", "--no-crash", "--workdir", str(tmp_path / "a run"))
+    assert result.exit_code == 0, result.output
+    assert f" checkpoints list '{tmp_path}/a run/checkpoints'\n" in result.output
+    # and the program, where it is named by its path
+    from stateful_async.cli import _this_program
+
+    python = tmp_path / "my env" / "python"  # no stateful-async script beside it
+    monkeypatch.setattr("sys.executable", str(python))
+    assert _this_program() == f"'{python}' -m stateful_async.cli"
+    (python.parent).mkdir()
+    (python.parent / "stateful-async").touch()
+    assert _this_program() == f"'{python.parent}/stateful-async'"
+
+
 def test_a_sigterm_during_the_demo_unwinds_it_like_ctrl_c() -> None:
     # so that the demo's `with` blocks stop the mock service and Spark (a SIGTERM ended the
     # process on the spot, and the service lived on)
