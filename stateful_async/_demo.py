@@ -227,7 +227,11 @@ def run_demo(
             spark = local_session(
                 f"local[{settings.partitions},3]",
                 app_name="stateful-async-demo",
-                conf={"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log4j}"},
+                # as a URI: Spark splits these options at spaces (a --workdir may hold some)
+                conf={
+                    "spark.driver.extraJavaOptions": "-Dlog4j2.configurationFile="
+                    + Path(log4j).as_uri()
+                },
             )
         except Exception as exc:  # the cause is in the log the JVM wrote, not in the error
             raise ConfigurationError(

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.spark
 def test_the_demo_crashes_a_task_recovers_and_reports_exactly_once(tmp_path: Path) -> None:
     script = shutil.which("stateful-async") or str(Path(sys.executable).with_name("stateful-async"))
     result = subprocess.run(
-        # a relative --workdir, from tmp_path (it crashed the sink, which takes absolute paths)
-        [script, "demo", "--rows", "4000", "--latency-ms", "2", "--workdir", "run"],
+        # a relative --workdir, from tmp_path (it crashed the sink, which takes absolute
+        # paths), with a space (Spark did not start: its Java options were split there)
+        [script, "demo", "--rows", "4000", "--latency-ms", "2", "--workdir", "demo run"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -30,7 +31,9 @@ def test_the_demo_crashes_a_task_recovers_and_reports_exactly_once(tmp_path: Pat
     output = result.stdout
     assert result.returncode == 0, output + result.stderr
     # a command to paste whole, however narrow the terminal
-    assert f"Look inside: stateful-async checkpoints list {tmp_path}/run/checkpoints\n" in output
+    assert f"Look inside: stateful-async checkpoints list '{tmp_path}/demo run/checkpoints'\n" in (
+        output
+    )
     flat = " ".join(re.sub(r"[│┌┐└┘├┤─┬┴┼]", " ", output).split())  # the table's cells, unwrapped
     assert "exactly-once" in output and "held: every record's result exactly once" in output
     crash = re.search(
@@ -61,11 +64,13 @@ def test_the_demo_crashes_a_task_recovers_and_reports_exactly_once(tmp_path: Pat
     )
     assert results + restored == 4000
     assert records - in_flight + skipped == 4000
-    table = delta_dataset(DeltaTable(str(tmp_path / "run" / "enriched"))).to_table()
+    table = delta_dataset(DeltaTable(str(tmp_path / "demo run" / "enriched"))).to_table()
     assert sorted(table.column("id").to_pylist()) == list(range(4000))
     # Spark's own chatter about the injected crash went to the log, not the terminal.
     assert "Exception" not in output
-    assert (tmp_path / "run" / "spark.log").exists()
+    assert (tmp_path / "demo run" / "spark.log").exists()
+    # Spark read the demo's log configuration (none of its own start-up lines in the log)
+    assert "log4j" not in (tmp_path / "demo run" / "spark.log").read_text()
 
 
 def test_the_demo_refuses_a_workdir_that_holds_a_previous_run(tmp_path: Path) -> None:
