@@ -1278,6 +1278,14 @@ def _json_default(value: Any) -> Any:
 @contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
     def unwind(signum: int, frame: Any) -> None:
+        # What Ctrl-C does first: PySpark's SIGINT handler, once Spark runs, cancels its jobs
+        # and drops the py4j connection a call was waiting on. Left as it was, that call's
+        # late answer was read as spark.stop()'s ("... does not exist in the JVM"), a
+        # traceback and exit status 1 instead of stopping.
+        on_interrupt = signal.getsignal(signal.SIGINT)
+        if callable(on_interrupt):
+            with suppress(KeyboardInterrupt, Exception):
+                on_interrupt(signal.SIGINT, frame)
         raise SystemExit(128 + signum)
 
     if threading.current_thread() is not threading.main_thread():

@@ -1547,10 +1547,21 @@ def test_a_sigterm_during_the_demo_unwinds_it_like_ctrl_c() -> None:
     from stateful_async.cli import _sigterm_unwinds
 
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(SystemExit) as info, _sigterm_unwinds():
-        os.kill(os.getpid(), signal.SIGTERM)
-        signal.sigtimedwait([], 0.5)  # let the handler run (it runs between bytecodes)
+    interrupted: list[int] = []
+
+    def on_interrupt(signum: int, frame: Any) -> None:  # as PySpark's: cancel, then raise
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    on_sigint = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        with pytest.raises(SystemExit) as info, _sigterm_unwinds():
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0.5)  # let the handler run (it runs between bytecodes)
+    finally:
+        signal.signal(signal.SIGINT, on_sigint)
     assert info.value.code == 128 + signal.SIGTERM
+    assert interrupted == [signal.SIGINT]  # what Ctrl-C does came first (Spark's jobs cancelled)
     assert signal.getsignal(signal.SIGTERM) is before
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,49 @@ def test_the_demo_refuses_a_workdir_that_holds_a_previous_run(tmp_path: Path) ->
     )
     assert result.returncode == 2
     assert "already holds a demo run" in result.stdout + result.stderr
+
+
+def test_a_demo_sent_sigterm_mid_job_stops_spark_and_the_service_and_exits_143(
+    tmp_path: Path,
+) -> None:
+    # before: the SIGTERM left py4j's connection awaiting the job's answer, which
+    # spark.stop() then read as its own: a Py4JError traceback ("... does not exist in the
+    # JVM") and exit status 1
+    demo = subprocess.Popen(
+        # 300 ms a request: the job runs for a minute, long after its first checkpoint
+        [sys.executable, "-m", "stateful_async.cli", "demo", "--rows", "20000"]
+        + ["--latency-ms", "300", "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "checkpoints" / "demo").exists():  # the job runs
+            assert demo.poll() is None and time.monotonic() < deadline, demo.communicate()
+            time.sleep(0.2)
+        children = [int(p) for p in _children(demo.pid)]  # the mock service, the JVM
+        demo.send_signal(signal.SIGTERM)
+        output, errors = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.communicate()
+    assert demo.returncode == 128 + signal.SIGTERM, output + errors
+    assert "Traceback" not in errors, errors
+    assert len(children) == 2
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_running(pid) for pid in children)
+
+
+def _children(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
