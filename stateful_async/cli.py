@@ -648,6 +648,7 @@ def show_checkpoint(
                     "partition": s.metadata.subtask,
                     "run": s.metadata.run_id,
                     "checkpoint_id": s.metadata.checkpoint_id,
+                    "final": s.metadata.final,  # the table says "Final checkpoint"
                     "position": s.metadata.position,
                     "results_committed": s.metadata.result_count,
                     "properties": dict(s.metadata.properties),

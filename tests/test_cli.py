@@ -178,6 +178,7 @@ def test_show_lists_in_flight_records_and_watermarks(checkpoints) -> None:
     assert kinds.count("watermark") == 1
     assert [e["value"] for e in snapshot["elements"] if e["kind"] == "record"] == in_flight
     assert snapshot["properties"] == {"owner": "app/1/0", "attempt": "0"}  # who wrote it
+    assert snapshot["final"] is False  # as the table's "Checkpoint 2" (not "Final ...") says
     table = invoke("checkpoints", "show", str(location), "2")
     assert table.exit_code == 0
     assert '"name": "[n7]"' in table.output and "watermark" in table.output
@@ -245,6 +246,10 @@ def test_show_says_what_is_in_flight_on_one_line_and_no_empty_table(checkpoints)
         f"Final checkpoint 3 of job job, partition 1 (run {run}): nothing in flight at input "
         "position 8\n"
     )
+    # JSON says so too (it did not: a script could not tell a final checkpoint)
+    result = invoke("checkpoints", "show", str(location), "3", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert [s["final"] for s in json.loads(result.stdout)] == [True]
     result = invoke("checkpoints", "show", str(location), "2", "--partition", "0")
     assert result.exit_code == 0, result.output
     assert result.output.startswith(
