@@ -259,7 +259,9 @@ StorageOpt = Annotated[
 
 @app.command()
 def demo(
-    rows: Annotated[int, typer.Option(help="Records to enrich (100 or more).")] = 50_000,
+    rows: Annotated[
+        int, typer.Option(help="Records to enrich (100 or more per partition).")
+    ] = 50_000,
     latency_ms: Annotated[float, typer.Option(help="Mock service latency per request.")] = 20.0,
     mode: Annotated[Mode, typer.Option(help="Output order.")] = Mode.ordered,
     capacity: Annotated[int, typer.Option(help="Requests in flight per task (1 or more).")] = 100,

@@ -1576,6 +1576,9 @@ def test_demo_refuses_partitions_too_small_to_crash_one() -> None:
     assert "150 records in 2 partitions: give every partition at least 100 records" in " ".join(
         result.output.split()
     )
+    # as the help says (it said "100 or more", which 150 is)
+    shown = " ".join(re.sub("[│╭╮╰╯─]", " ", invoke("demo", "--help").output).split())
+    assert "--rows <int> Records to enrich (100 or more per partition)." in shown
 
 
 def test_demo_fails_when_the_crash_did_not_happen_or_repeats_pass_the_bound() -> None:
