@@ -27,6 +27,16 @@ appender.console.layout.pattern = %m%n
 """
 
 
+def _text_of(path: str) -> str | None:
+    """The text of the file at ``path``; None if there is none ('' if it cannot be read)."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
 @contextmanager
 def _stderr_to(path: str) -> Iterator[None]:
     """Send this process's stderr, and that of every process it starts meanwhile (the Spark
@@ -204,6 +214,12 @@ def run_demo(
             "new --workdir."
         )
     log4j = os.path.join(workdir, "log4j2.properties")
+    earlier = _text_of(log4j)  # a demo whose Spark did not start leaves its own
+    if earlier is not None and earlier != _LOG4J:
+        raise ConfigurationError(
+            f"{workdir} holds a log4j2.properties that the demo did not write, which it would "
+            "overwrite: pass an empty or new --workdir."
+        )
     Path(log4j).write_text(_LOG4J)
     part0 = settings.rows // settings.partitions  # spark.range puts ids [0, part0) in partition 0
     crash_record = int(part0 * 0.6) if settings.crash else None
@@ -217,7 +233,7 @@ def run_demo(
         # does not start keeps it, for the spark.log its error points at)
         if made_workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-        else:
+        elif earlier is None:
             Path(log4j).unlink(missing_ok=True)
         raise
     spark_log = os.path.join(workdir, "spark.log")

@@ -1418,6 +1418,40 @@ def test_a_demo_whose_service_does_not_start_leaves_no_workdir_it_made(
     assert given.is_dir() and list(given.iterdir()) == []  # one that existed: as it was
 
 
+def test_a_demo_neither_overwrites_nor_deletes_a_log4j2_properties_it_did_not_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: a --workdir's own log4j2.properties was overwritten, and deleted when the
+    # mock service did not start
+    from stateful_async.chaos import MockServiceError
+    from stateful_async.chaos._process import MockService
+
+    def no_service(self: MockService, timeout: float = 30.0) -> MockService:
+        raise MockServiceError("The mock service did not start: no port in this test")
+
+    monkeypatch.setattr(MockService, "start", no_service)
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path))  # (not used: Spark is never reached)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "log4j2.properties").write_text("rootLogger.level = info\n")
+    result = invoke("demo", "--rows", "1000", "--workdir", str(theirs))
+    assert result.exit_code == 2, result.output
+    assert "holds a log4j2.properties that the demo did not write" in " ".join(
+        result.output.split()
+    )
+    assert (theirs / "log4j2.properties").read_text() == "rootLogger.level = info\n"
+    # the demo's own, left by a run whose Spark did not start, is taken and left as it was
+    from stateful_async._demo import _LOG4J
+
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / "log4j2.properties").write_text(_LOG4J)
+    result = invoke("demo", "--rows", "1000", "--workdir", str(ours))
+    assert result.exit_code == 2, result.output
+    assert "The mock service did not start: no port in this test" in result.output
+    assert (ours / "log4j2.properties").read_text() == _LOG4J
+
+
 def _demo_without_spark(monkeypatch: pytest.MonkeyPatch, save: Callable[[str], None]) -> None:
     """The demo's Spark part replaced: its job is ``save(output_path)``."""
     from types import SimpleNamespace
