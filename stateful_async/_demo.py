@@ -199,6 +199,10 @@ def run_demo(
     # absolute: the Delta sink and the executors do not run in this directory
     workdir = os.path.abspath(settings.workdir or tempfile.mkdtemp(prefix="stateful-async-demo-"))
     made_workdir = settings.workdir is None or not os.path.exists(workdir)
+    location = os.path.join(workdir, "checkpoints")
+    output = os.path.join(workdir, "enriched")
+    # made now: a location it refuses (a percent escape) is refused before Spark starts
+    config = CheckpointConfig(location, "demo", interval_records=settings.interval, retain=100)
     try:
         Path(workdir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -206,8 +210,6 @@ def run_demo(
             f"Cannot use {workdir} as the demo's --workdir: {exc.strerror or exc}. Pass a "
             "directory that exists and is empty, or a new path that can be created."
         ) from exc
-    location = os.path.join(workdir, "checkpoints")
-    output = os.path.join(workdir, "enriched")
     if os.path.exists(output) or os.path.exists(location):
         raise ConfigurationError(
             f"{workdir} already holds a demo run (enriched/ or checkpoints/): pass an empty or "
@@ -263,9 +265,6 @@ def run_demo(
             function: Any = ServiceEnrichment(service.url)
             if crash_record is not None:
                 function = CrashOnElement(function, at=[crash_record], partitions=[0])
-            config = CheckpointConfig(
-                location, "demo", interval_records=settings.interval, retain=100
-            )
             wait = ordered_wait if settings.mode == "ordered" else unordered_wait
             metrics = EnrichmentMetrics(spark)
             enriched = wait(

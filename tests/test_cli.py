@@ -1452,6 +1452,23 @@ def test_a_demo_neither_overwrites_nor_deletes_a_log4j2_properties_it_did_not_wr
     assert (ours / "log4j2.properties").read_text() == _LOG4J
 
 
+def test_a_demo_workdir_the_checkpoints_cannot_use_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: refused by CheckpointConfig only once the service and Spark had started (~20 s)
+    from stateful_async.chaos._process import MockService
+
+    def no_service(self: MockService, timeout: float = 30.0) -> MockService:
+        raise AssertionError("the mock service was started")
+
+    monkeypatch.setattr(MockService, "start", no_service)
+    workdir = tmp_path / "a%20b"
+    result = invoke("demo", "--rows", "1000", "--workdir", str(workdir))
+    assert result.exit_code == 2, result.output
+    assert "holds '%20', which delta-rs decodes" in " ".join(result.output.split())
+    assert not workdir.exists()
+
+
 def _demo_without_spark(monkeypatch: pytest.MonkeyPatch, save: Callable[[str], None]) -> None:
     """The demo's Spark part replaced: its job is ``save(output_path)``."""
     from types import SimpleNamespace
