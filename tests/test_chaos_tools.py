@@ -954,6 +954,13 @@ BAD_CLUSTER_SETTINGS = [
         "Each worker needs at least one core to offer executors: {name} must be a whole number "
         "of at least 1; got -2.",
     ),
+    # a worker counts its cores in 32 bits: past that it printed only its usage and exited
+    (
+        "cores",
+        2**31,
+        "{name} must be at most 2147483647, the most cores a Spark worker can count; got "
+        "2147483648.",
+    ),
     ("memory", "2x", f"{{name}} {MEMORY_FORM} '2x'."),
     ("memory", "2 g", f"{{name}} {MEMORY_FORM} '2 g'."),
     ("memory", "-1g", f"{{name}} {MEMORY_FORM} '-1g'."),

@@ -249,6 +249,7 @@ _MEMORY_UNITS = {
     "pb": 1 << 50,
 }
 _MAX_WORKER_MIB = 2**31 - 1  # the worker keeps its memory as an Int of MiB
+_MAX_WORKER_CORES = 2**31 - 1  # and its cores as an Int (--cores past it: a usage message)
 
 
 def _check_count(name: str, value: Any, need: str) -> int:
@@ -264,9 +265,15 @@ def check_workers(name: str, value: Any) -> int:
 
 
 def check_cores(name: str, value: Any) -> int:
-    """``value`` if it is a number of cores per worker (at least 1); else ``ClusterError``
-    naming the setting ``name``."""
-    return _check_count(name, value, "Each worker needs at least one core to offer executors")
+    """``value`` if it is a number of cores per worker (at least 1, at most 2**31 - 1, the
+    most a Spark worker can count); else ``ClusterError`` naming the setting ``name``."""
+    cores = _check_count(name, value, "Each worker needs at least one core to offer executors")
+    if cores > _MAX_WORKER_CORES:
+        raise ClusterError(
+            f"{name} must be at most {_MAX_WORKER_CORES}, the most cores a Spark worker can "
+            f"count; got {value!r}."
+        )
+    return cores
 
 
 def check_memory(name: str, value: Any) -> str:
@@ -544,8 +551,9 @@ class LocalCluster:
     Each worker offers ``cores`` cores and ``memory`` to executors; the workers' host names
     cycle through ``hosts`` (all loopback names), so Spark sees separate machines. Workers
     run Python tasks with ``python`` (default: this interpreter, so executors import what
-    this environment has installed). ``workers`` and ``cores`` are at least 1, ``memory`` is
-    an amount as a Spark worker reads it (``512m``, ``2g``) of at least 1 MiB,
+    this environment has installed). ``workers`` and ``cores`` are at least 1 (``cores`` at
+    most 2**31 - 1), ``memory`` is an amount as a Spark worker reads it (``512m``, ``2g``)
+    of at least 1 MiB,
     ``daemon_memory`` (the master's and each worker's own heap) a heap size as Java reads
     it (``512m``, ``1g``; not in hex) of more than 2 MiB and below 16 EiB, and
     ``startup_timeout`` a finite number of seconds above 0: anything else raises

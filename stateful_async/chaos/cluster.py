@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
 
     start = command("start", "start a master and workers, wait until alive")
     start.add_argument("--workers", type=int, default=2, help="at least 1")
-    start.add_argument("--cores", type=int, default=1, help="cores per worker, at least 1")
+    start.add_argument(
+        "--cores", type=int, default=1, help="cores per worker, at least 1 (at most 2147483647)"
+    )
     start.add_argument("--memory", default="2g", help="memory per worker, such as 512m or 2g")
     start.add_argument(
         "--timeout", type=float, default=180.0, help="seconds to start in, above 0 (default: 180)"
