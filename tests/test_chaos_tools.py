@@ -1135,6 +1135,34 @@ def test_memory_is_taken_in_every_form_a_spark_worker_reads() -> None:
         LocalCluster(1, memory=2048)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("where", "why"),
+    [("file", "it is a file, not a directory"), ("file/cluster", "Not a directory")],
+)
+def test_a_cluster_directory_that_cannot_be_made_is_refused_naming_it(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    where: str,
+    why: str,
+) -> None:
+    # Before, 'cluster start --dir FILE' (or a path under a file) ended in a traceback of
+    # pathlib's FileExistsError or NotADirectoryError.
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))  # no spark-class
+    (tmp_path / "file").write_text("not a directory")
+    base_dir = tmp_path / where
+    message = (
+        f"The cluster cannot keep its state in {base_dir}: {why}. Give it a directory it can "
+        "create or write in (base_dir, or --dir)."
+    )
+    with pytest.raises(ClusterError) as info:
+        LocalCluster(1, base_dir=base_dir, stop_at_exit=False).start()
+    assert str(info.value) == message
+    assert cluster_main(["start", "--dir", str(base_dir)]) == 1
+    assert capsys.readouterr().err == f"error: {message}\n"
+    assert (tmp_path / "file").read_text() == "not a directory"
+
+
 def test_a_cluster_in_a_relative_directory_gives_its_daemons_its_own_configuration(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

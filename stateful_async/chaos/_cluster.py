@@ -648,11 +648,19 @@ class LocalCluster:
         self._spark_home = spark_home()
         if self.base_dir is None:
             self.base_dir = Path(tempfile.mkdtemp(prefix="stateful-async-cluster-"))
-        self.base_dir.mkdir(parents=True, exist_ok=True)
-        # Held until start() returns: two starts in one directory would both find no state
-        # file, and the second's would overwrite the first's, whose processes nothing
-        # would then stop. (A lock the system drops when its holder dies: none goes stale.)
-        lock = self._lock_start(gives_up_in=self.startup_timeout)
+        try:
+            self.base_dir.mkdir(parents=True, exist_ok=True)
+            # Held until start() returns: two starts in one directory would both find no
+            # state file, and the second's would overwrite the first's, whose processes
+            # nothing would then stop. (A lock the system drops when its holder dies: none
+            # goes stale.)
+            lock = self._lock_start(gives_up_in=self.startup_timeout)
+        except OSError as exc:  # a file in the way, a folder it may not write in
+            why = "it is a file, not a directory" if self.base_dir.is_file() else exc.strerror
+            raise ClusterError(
+                f"The cluster cannot keep its state in {self.base_dir}: {why or exc}. Give it "
+                "a directory it can create or write in (base_dir, or --dir)."
+            ) from exc
         self._lock = lock
         try:
             return self._start_locked()
