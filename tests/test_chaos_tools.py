@@ -198,6 +198,31 @@ def test_a_cluster_whose_start_failed_leaves_no_directory_or_exit_hook(
     assert cluster.stop() == []  # and stopping again does nothing
 
 
+def test_a_failed_start_shows_only_what_its_own_daemons_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, the message quoted the end of every log in the directory, which every run
+    # there appends to: an earlier cluster's worker logs, and its master's last lines.
+    spark = tmp_path / "spark"
+    (spark / "bin").mkdir(parents=True)
+    (spark / "bin" / "spark-class").write_text("#!/bin/sh\necho 'this run: no Java here'\nexit 1\n")
+    (spark / "bin" / "spark-class").chmod(0o755)
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(spark))
+    logs = tmp_path / "cluster" / "logs"
+    logs.mkdir(parents=True)
+    for name in ("master", "worker-0", "worker-1"):
+        (logs / f"{name}.log").write_text(f"{name} of an earlier run\n")
+    cluster = LocalCluster(2, base_dir=tmp_path / "cluster", stop_at_exit=False)
+    with pytest.raises(ClusterError) as info:
+        cluster.start()
+    assert re.fullmatch(
+        # (exited "at once" if it has already when its launch is checked)
+        rf"The Spark master (\(pid \d+\) )?exited (at once )?with code 1\. Daemon logs:\n"
+        rf"--- {re.escape(str(logs / 'master.log'))} ---\nthis run: no Java here",
+        str(info.value),
+    ), str(info.value)
+
+
 def test_a_second_start_in_the_same_directory_while_one_is_starting_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1209,12 +1209,27 @@ class LocalCluster:
         return dead
 
     def _log_tail(self, lines: int = 15) -> str:
+        """The last ``lines`` of the logs of this cluster's daemons. A log is appended to by
+        every daemon of its name that a directory used again ever ran: for a daemon this
+        object launched, only what was written since; for one another process launched
+        (``attach()``), the end of its log."""
         if self.base_dir is None:
             return ""
+        logs = self.base_dir / "logs"
+        begins: dict[Path, int] = {}
+        for path, start in self._log_starts.values():
+            begins[path] = min(start, begins.get(path, start))
+        for name in ("master", *(f"worker-{i}" for i in self.workers)):
+            begins.setdefault(logs / f"{name}.log", 0)
         parts = []
-        for log in sorted((self.base_dir / "logs").glob("*.log")):
-            text = log.read_text(errors="replace").splitlines()[-lines:]
-            parts.append(f"--- {log} ---\n" + "\n".join(text))
+        for path, start in sorted(begins.items()):
+            try:
+                with open(path, "rb") as log:
+                    log.seek(start)
+                    text = log.read().decode(errors="replace").splitlines()[-lines:]
+            except OSError:  # none written yet
+                continue
+            parts.append(f"--- {path} ---\n" + "\n".join(text))
         return "Daemon logs:\n" + "\n".join(parts)
 
     def active_apps(self) -> list[str]:
