@@ -549,15 +549,16 @@ class LocalCluster:
             cluster.start_worker(1)                # bring it back
 
     Each worker offers ``cores`` cores and ``memory`` to executors; the workers' host names
-    cycle through ``hosts`` (all loopback names), so Spark sees separate machines. Workers
-    run Python tasks with ``python`` (default: this interpreter, so executors import what
-    this environment has installed). ``workers`` and ``cores`` are at least 1 (``cores`` at
-    most 2**31 - 1), ``memory`` is an amount as a Spark worker reads it (``512m``, ``2g``)
-    of at least 1 MiB,
-    ``daemon_memory`` (the master's and each worker's own heap) a heap size as Java reads
-    it (``512m``, ``1g``; not in hex) of more than 2 MiB and below 16 EiB, and
-    ``startup_timeout`` a finite number of seconds above 0: anything else raises
-    ``ClusterError`` here, before anything starts.
+    cycle through ``hosts`` (all loopback names), so Spark sees separate machines.
+    ``python`` is the daemons' ``PYSPARK_PYTHON``, but Python tasks run the interpreter the
+    driver names (its ``PYSPARK_PYTHON``, else ``python3``): ``session_for`` names its own,
+    so that executors import what this environment has installed. ``workers`` and
+    ``cores`` are at least 1 (``cores`` at most 2**31 - 1), ``memory`` is an amount as a
+    Spark worker reads it (``512m``, ``2g``) of at least 1 MiB, ``daemon_memory`` (the
+    master's and each worker's own heap) a heap size as Java reads it (``512m``, ``1g``;
+    not in hex) of more than 2 MiB and below 16 EiB, and ``startup_timeout`` a finite
+    number of seconds above 0: anything else raises ``ClusterError`` here, before
+    anything starts.
 
     Everything the cluster writes (configuration, daemon logs, executor work directories,
     the state file) goes under ``base_dir``; without one, a temporary directory is created
