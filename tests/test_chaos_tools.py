@@ -198,16 +198,21 @@ def test_a_cluster_whose_start_failed_leaves_no_directory_or_exit_hook(
     assert cluster.stop() == []  # and stopping again does nothing
 
 
+def fake_spark_class(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str) -> None:
+    """A Spark installation whose bin/spark-class runs the shell ``script``."""
+    spark = tmp_path / "spark"
+    (spark / "bin").mkdir(parents=True)
+    (spark / "bin" / "spark-class").write_text(f"#!/bin/sh\n{script}\n")
+    (spark / "bin" / "spark-class").chmod(0o755)
+    monkeypatch.setattr(_cluster, "spark_home", lambda: str(spark))
+
+
 def test_a_failed_start_shows_only_what_its_own_daemons_logged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Before, the message quoted the end of every log in the directory, which every run
     # there appends to: an earlier cluster's worker logs, and its master's last lines.
-    spark = tmp_path / "spark"
-    (spark / "bin").mkdir(parents=True)
-    (spark / "bin" / "spark-class").write_text("#!/bin/sh\necho 'this run: no Java here'\nexit 1\n")
-    (spark / "bin" / "spark-class").chmod(0o755)
-    monkeypatch.setattr(_cluster, "spark_home", lambda: str(spark))
+    fake_spark_class(tmp_path, monkeypatch, "echo 'this run: no Java here'; exit 1")
     logs = tmp_path / "cluster" / "logs"
     logs.mkdir(parents=True)
     for name in ("master", "worker-0", "worker-1"):
@@ -220,6 +225,27 @@ def test_a_failed_start_shows_only_what_its_own_daemons_logged(
         rf"The Spark master (\(pid \d+\) )?exited (at once )?with code 1\. Daemon logs:\n"
         rf"--- {re.escape(str(logs / 'master.log'))} ---\nthis run: no Java here",
         str(info.value),
+    ), str(info.value)
+
+
+def test_a_daemon_that_died_of_an_exception_is_shown_with_the_exception_not_its_frames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, the message quoted the log's last 15 lines: with daemon_memory="3m", 15 of
+    # the 30 stack frames below "java.lang.OutOfMemoryError: Java heap space", not it.
+    frames = "; ".join(f"echo '\tat java.base/Frame{i}.load(Frame.java:{i})'" for i in range(30))
+    fake_spark_class(
+        tmp_path,
+        monkeypatch,
+        "echo 'Error: A JNI error has occurred'; "
+        "echo 'Exception in thread \"main\" java.lang.OutOfMemoryError: Java heap space'; "
+        f"{frames}; echo '\t... 12 more'; exit 1",
+    )
+    with pytest.raises(ClusterError) as info:
+        LocalCluster(1, base_dir=tmp_path / "cluster", stop_at_exit=False).start()
+    assert str(info.value).endswith(
+        "master.log ---\nError: A JNI error has occurred\n"
+        'Exception in thread "main" java.lang.OutOfMemoryError: Java heap space'
     ), str(info.value)
 
 

@@ -519,6 +519,8 @@ def _unusable_state_message(
     )
 
 
+# "\tat org.apache.spark...(Master.scala:42)", "\t... 12 more": a Java stack trace's frames
+_STACK_FRAME = re.compile(r"\s+(at |\.\.\. \d+ more)")
 _STOP_MARK = "stop"  # cluster.lock held by a stop: "<pid> stop"
 
 
@@ -1210,10 +1212,11 @@ class LocalCluster:
         return dead
 
     def _log_tail(self, lines: int = 15) -> str:
-        """The last ``lines`` of the logs of this cluster's daemons. A log is appended to by
-        every daemon of its name that a directory used again ever ran: for a daemon this
-        object launched, only what was written since; for one another process launched
-        (``attach()``), the end of its log."""
+        """The last ``lines`` of the logs of this cluster's daemons, stack frames left out
+        (a JVM that dies of an exception ends its log with them, below the line that says
+        what it was). A log is appended to by every daemon of its name that a directory
+        used again ever ran: for a daemon this object launched, only what was written
+        since; for one another process launched (``attach()``), the end of its log."""
         if self.base_dir is None:
             return ""
         logs = self.base_dir / "logs"
@@ -1227,9 +1230,10 @@ class LocalCluster:
             try:
                 with open(path, "rb") as log:
                     log.seek(start)
-                    text = log.read().decode(errors="replace").splitlines()[-lines:]
+                    text = log.read().decode(errors="replace").splitlines()
             except OSError:  # none written yet
                 continue
+            text = [line for line in text if not _STACK_FRAME.match(line)][-lines:]
             parts.append(f"--- {path} ---\n" + "\n".join(text))
         return "Daemon logs:\n" + "\n".join(parts)
 
