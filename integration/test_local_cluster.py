@@ -4,8 +4,11 @@ taken by another process between ``free_port()`` and the daemon's bind."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,3 +141,40 @@ def test_a_port_that_stays_taken_fails_the_start_quickly_naming_it(
     assert cluster.base_dir is not None
     assert not cluster.base_dir.exists()
     assert processes_in(cluster.base_dir) == []
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_cluster_whose_process_dies_without_stopping_it_is_stopped(sig: int) -> None:
+    # Before, atexit ran for neither a SIGKILL nor a SIGTERM nobody handles: the master and
+    # worker (in sessions of their own) ran on, listening, and their temporary directory,
+    # the only record of them, stayed with no one knowing its name.
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from stateful_async.chaos import LocalCluster; "
+            "c = LocalCluster(1).start(); "
+            "print(c.base_dir, c.master.pid, *(w.pid for w in c.workers.values()), flush=True); "
+            "time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    base_dir = ""
+    try:
+        assert owner.stdout is not None
+        base_dir, *pids = owner.stdout.readline().split()
+        assert len(pids) == 2, "the cluster did not start"
+        daemons = [psutil.Process(int(pid)) for pid in pids]
+        owner.send_signal(sig)
+        assert owner.wait(timeout=30) == -sig
+        _, alive = psutil.wait_procs(daemons, timeout=60)
+        assert alive == []
+        _cluster.wait_until(lambda: not Path(base_dir).exists(), 30, f"{base_dir} was not removed")
+    finally:
+        owner.kill()
+        owner.wait()
+        if base_dir and (Path(base_dir) / "cluster.json").exists():  # not stopped: stop it
+            LocalCluster.attach(base_dir).stop()
+            shutil.rmtree(base_dir)

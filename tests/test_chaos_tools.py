@@ -815,6 +815,43 @@ def exited_pid() -> int:
     return exited.pid
 
 
+def test_a_cluster_is_stopped_by_its_watchdog_once_its_owner_is_gone_not_before(
+    tmp_path: Path,
+) -> None:
+    # Before, a process that died without stop() (SIGKILL, an unhandled SIGTERM: no atexit)
+    # left the daemons running. Its watchdog holds a pipe from it: closed, as the system
+    # closes it when its holder dies, before stop() dismissed the watchdog, it stops the
+    # cluster. A "daemon" here is a sleep recorded as the master (not a child of this
+    # process, as the daemons of a dead owner are not: no zombie waiting to be reaped).
+    launcher = subprocess.run(
+        ["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    daemon = psutil.Process(int(launcher.stdout))
+    try:
+        record = {"pid": daemon.pid, "create_time": daemon.create_time()}
+        gone = {"pid": exited_pid(), "create_time": 0.0}
+        (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(record, gone)))
+        owner = LocalCluster(1, base_dir=tmp_path, stop_at_exit=False)
+        owner._start_watchdog()
+        watchdog = owner._watchdog
+        owner._dismiss_watchdog()  # what stop() does: the watchdog leaves, stopping nothing
+        assert watchdog is not None and watchdog.returncode == 0
+        assert daemon.is_running() and (tmp_path / "cluster.json").exists()
+
+        owner._start_watchdog()
+        assert owner._watchdog is not None and owner._watchdog.stdin is not None
+        owner._watchdog.stdin.close()  # its owner died
+        assert owner._watchdog.wait(timeout=60) == 0
+        assert not daemon.is_running()
+        assert not (tmp_path / "cluster.json").exists()
+    finally:
+        if daemon.is_running():
+            daemon.kill()
+
+
 def test_a_state_file_with_missing_fields_is_refused_naming_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

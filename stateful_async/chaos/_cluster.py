@@ -522,6 +522,27 @@ def _unusable_state_message(
 # "\tat org.apache.spark...(Master.scala:42)", "\t... 12 more": a Java stack trace's frames
 _STACK_FRAME = re.compile(r"\s+(at |\.\.\. \d+ more)")
 _STOP_MARK = "stop"  # cluster.lock held by a stop: "<pid> stop"
+# A cluster's watchdog (LocalCluster._start_watchdog): it waits, importing nothing, for its
+# owner to write _STOPPED to its stdin. Should the pipe close first, the owner died without
+# stopping the cluster (SIGKILL, a SIGTERM nobody handles: atexit runs for neither), and
+# the watchdog stops it: argv is the cluster's directory, and "owned" if it is to go too.
+_STOPPED = "stopped\n"
+_WATCHDOG = f"""\
+import sys
+if sys.stdin.readline() != {_STOPPED!r}:
+    from stateful_async.chaos._cluster import _stop_for_dead_owner
+    _stop_for_dead_owner(sys.argv[1], owned=sys.argv[2:] == ["owned"])
+"""
+
+
+def _stop_for_dead_owner(base_dir: str, owned: bool) -> None:
+    """What a watchdog does once its cluster's owner died without stopping it."""
+    try:
+        LocalCluster.attach(base_dir).stop()  # waits for the owner's start, if it was one
+    except ClusterError as exc:  # none recorded: a failed start stopped what it started
+        print(f"stateful-async cluster watchdog: {exc}", file=sys.stderr)
+    if owned:
+        shutil.rmtree(base_dir, ignore_errors=True)
 
 
 def _lock_holder(text: str) -> tuple[str, float | None, str]:
@@ -566,7 +587,9 @@ class LocalCluster:
     the state file) goes under ``base_dir``; without one, a temporary directory is created
     and removed by ``stop()``. ``stop()`` (also called on exit of a ``with`` block and, with
     ``stop_at_exit``, when the interpreter exits) ends every process the cluster started,
-    by pid, and nothing else.
+    by pid, and nothing else. With ``stop_at_exit``, a process that dies without stopping
+    the cluster (SIGKILL, a SIGTERM nobody handles: no atexit) has it stopped all the
+    same, by a watchdog process that ``start()`` launches.
     """
 
     def __init__(
@@ -619,6 +642,7 @@ class LocalCluster:
         self._claimed = False
         self._attached = False  # made by attach(): cluster.json, not this object, knows best
         self._lock: IO[str] | None = None  # cluster.lock, while this object holds it
+        self._watchdog: subprocess.Popen[str] | None = None  # with stop_at_exit, once started
 
     # -- addresses ----------------------------------------------------------------------
 
@@ -779,6 +803,7 @@ class LocalCluster:
         if self.stop_at_exit and not self._at_exit_registered:
             atexit.register(self.stop)
             self._at_exit_registered = True
+            self._start_watchdog()
         try:
             deadline = time.monotonic() + self.startup_timeout
             self._start_master(deadline)
@@ -789,6 +814,45 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _start_watchdog(self) -> None:
+        """Start a process that stops the cluster should this one die without stopping it
+        (atexit does not run on SIGKILL or on a SIGTERM nobody handles, and the daemons,
+        in sessions of their own, would run on). It holds a pipe from this process: the
+        system closes it when this process dies, however it dies."""
+        assert self.base_dir is not None
+        package_root = str(Path(__file__).resolve().parents[2])  # where stateful_async is
+        path = os.environ.get("PYTHONPATH")
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(self.base_dir)]
+            + (["owned"] if self._owns_dir else []),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [path])]),
+            },
+            start_new_session=True,  # a Ctrl-C to this process's group is not for it
+            text=True,
+        )
+
+    def _dismiss_watchdog(self) -> None:
+        """Tell the watchdog the cluster is stopped, and reap it."""
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is None:
+            return
+        assert watchdog.stdin is not None
+        try:
+            watchdog.stdin.write(_STOPPED)
+            watchdog.stdin.close()
+        except OSError:  # it died
+            pass
+        try:
+            watchdog.wait(10)
+        except subprocess.TimeoutExpired:
+            watchdog.kill()
+            watchdog.wait()
 
     def _start_master(self, deadline: float) -> None:
         """Launch the master on free ports and wait until its web UI answers as this
@@ -1529,6 +1593,7 @@ class LocalCluster:
         if self._at_exit_registered:
             atexit.unregister(self.stop)
             self._at_exit_registered = False
+        self._dismiss_watchdog()
         return stopped
 
     def __enter__(self) -> LocalCluster:
