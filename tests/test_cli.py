@@ -1390,12 +1390,8 @@ def test_demo_without_java_says_so_before_starting_anything(tmp_path) -> None:
     assert not (tmp_path / "run").exists()
 
 
-def test_a_demo_whose_service_does_not_start_leaves_no_workdir_it_made(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # before: the workdir stayed behind holding only log4j2.properties
-    import tempfile
-
+def _no_mock_service(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The demo's mock service fails to start, so the demo stops before Spark."""
     from stateful_async.chaos import MockServiceError
     from stateful_async.chaos._process import MockService
 
@@ -1404,6 +1400,15 @@ def test_a_demo_whose_service_does_not_start_leaves_no_workdir_it_made(
 
     monkeypatch.setattr(MockService, "start", no_service)
     monkeypatch.setenv("JAVA_HOME", str(tmp_path))  # (not used: Spark is never reached)
+
+
+def test_a_demo_whose_service_does_not_start_leaves_no_workdir_it_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: the workdir stayed behind holding only log4j2.properties
+    import tempfile
+
+    _no_mock_service(monkeypatch, tmp_path)
     temp = tmp_path / "temp"
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
@@ -1423,14 +1428,7 @@ def test_a_demo_neither_overwrites_nor_deletes_a_log4j2_properties_it_did_not_wr
 ) -> None:
     # before: a --workdir's own log4j2.properties was overwritten, and deleted when the
     # mock service did not start
-    from stateful_async.chaos import MockServiceError
-    from stateful_async.chaos._process import MockService
-
-    def no_service(self: MockService, timeout: float = 30.0) -> MockService:
-        raise MockServiceError("The mock service did not start: no port in this test")
-
-    monkeypatch.setattr(MockService, "start", no_service)
-    monkeypatch.setenv("JAVA_HOME", str(tmp_path))  # (not used: Spark is never reached)
+    _no_mock_service(monkeypatch, tmp_path)
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "log4j2.properties").write_text("rootLogger.level = info\n")
@@ -1456,12 +1454,7 @@ def test_a_demo_workdir_the_checkpoints_cannot_use_is_refused_before_anything_st
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # before: refused by CheckpointConfig only once the service and Spark had started (~20 s)
-    from stateful_async.chaos._process import MockService
-
-    def no_service(self: MockService, timeout: float = 30.0) -> MockService:
-        raise AssertionError("the mock service was started")
-
-    monkeypatch.setattr(MockService, "start", no_service)
+    _no_mock_service(monkeypatch, tmp_path)  # and would say so
     workdir = tmp_path / "a%20b"
     result = invoke("demo", "--rows", "1000", "--workdir", str(workdir))
     assert result.exit_code == 2, result.output
@@ -1522,15 +1515,13 @@ def test_a_demo_whose_spark_job_fails_says_where_spark_s_log_is(
     assert "STATEFUL_ASYNC_TASK_LOG" not in os.environ
 
 
-def test_a_demo_whose_service_cannot_be_queried_after_the_job_checks_the_output_still(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # before: the failed counts call ended the run with that error alone, no output check
+def _demo_writing_every_result_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's Spark job replaced by one writing each of 1,000 records' result once, into
+    a location without checkpoints."""
     from deltalake import write_deltalake
 
     import checkpoint
-    from stateful_async.chaos import MockServiceError, expected_enrichment
-    from stateful_async.chaos._process import MockService
+    from stateful_async.chaos import expected_enrichment
 
     def write(path: str) -> None:  # every record's result, once
         answers = [expected_enrichment(str(i)) for i in range(1000)]
@@ -1540,13 +1531,23 @@ def test_a_demo_whose_service_cannot_be_queried_after_the_job_checks_the_output_
         ]
         write_deltalake(path, pa.Table.from_pylist(rows))
 
+    _demo_without_spark(monkeypatch, write)
+    no_checkpoints = type("Store", (), {"checkpoints": lambda self, *args, **kwargs: []})
+    monkeypatch.setattr(checkpoint, "SnapshotStore", lambda location: no_checkpoints())
+
+
+def test_a_demo_whose_service_cannot_be_queried_after_the_job_checks_the_output_still(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: the failed counts call ended the run with that error alone, no output check
+    from stateful_async.chaos import MockServiceError
+    from stateful_async.chaos._process import MockService
+
     def gone(self: MockService) -> dict[str, Any]:
         raise MockServiceError("The mock service at x does not answer GET /admin/counts")
 
-    _demo_without_spark(monkeypatch, write)
+    _demo_writing_every_result_once(monkeypatch)
     monkeypatch.setattr(MockService, "stats", gone)
-    no_checkpoints = type("Store", (), {"checkpoints": lambda self, *args, **kwargs: []})
-    monkeypatch.setattr(checkpoint, "SnapshotStore", lambda location: no_checkpoints())
     result = invoke("demo", "--rows", "1000", "--no-crash", "--workdir", str(tmp_path / "run"))
     output = " ".join(re.sub(r"[│┃┌┐└┘├┤─━┬┴┼┏┓┗┛]", " ", result.output).split())
     assert "held: every record's result exactly once (1,000 rows in the Delta table)" in output
@@ -1564,22 +1565,7 @@ def test_the_demo_s_command_to_look_inside_is_quoted_for_the_shell(
 ) -> None:
     # before: a --workdir with a space gave "checkpoints list /x/a run/checkpoints", which a
     # shell takes as two locations
-    from deltalake import write_deltalake
-
-    import checkpoint
-    from stateful_async.chaos import expected_enrichment
-
-    def write(path: str) -> None:  # every record's result, once
-        answers = [expected_enrichment(str(i)) for i in range(1000)]
-        rows = [
-            {"id": i, "name": f"user{i}", "score": a["score"], "label": a["label"]}
-            for i, a in enumerate(answers)
-        ]
-        write_deltalake(path, pa.Table.from_pylist(rows))
-
-    _demo_without_spark(monkeypatch, write)
-    no_checkpoints = type("Store", (), {"checkpoints": lambda self, *args, **kwargs: []})
-    monkeypatch.setattr(checkpoint, "SnapshotStore", lambda location: no_checkpoints())
+    _demo_writing_every_result_once(monkeypatch)
     result = invoke("demo", "--rows", "1000", "--no-crash", "--workdir", str(tmp_path / "a run"))
     assert result.exit_code == 0, result.output
     assert f" checkpoints list '{tmp_path}/a run/checkpoints'\n" in result.output

@@ -1588,6 +1588,16 @@ async def test_a_controlled_function_completed_before_its_call_ran_says_to_settl
     assert [e.value for e in out] == ["A"]
 
 
+async def a_call_waiting_for_the_test() -> tuple[ControlledFunction, list, AsyncWaitOperator]:
+    """An open operator whose ControlledFunction has a call for "a" waiting."""
+    fn = ControlledFunction()
+    out, op = make(fn, VirtualClock())
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    return fn, out, op
+
+
 @pytest.mark.parametrize(
     ("results", "named"), [("AB", "str 'AB'"), (None, "NoneType None"), (3, "int 3")]
 )
@@ -1596,11 +1606,7 @@ async def test_a_controlled_function_refuses_results_that_are_not_a_list_of_them
 ) -> None:
     # before: "AB" was split into the results "A" and "B" (an async function returning it
     # is refused by the operator); None failed with "'NoneType' object is not iterable"
-    fn = ControlledFunction()
-    out, op = make(fn, VirtualClock())
-    await op.open()
-    await op.process_element(StreamRecord("a"))
-    await settle()
+    fn, out, op = await a_call_waiting_for_the_test()
     with pytest.raises(
         TypeError,
         match=rf"^complete\(\) takes an iterable of results \(\[result\] for one, \[\] for "
@@ -1620,11 +1626,7 @@ async def test_a_controlled_function_refuses_to_fail_a_call_with_what_is_no_exce
 ) -> None:
     # before: asyncio's "TypeError: invalid exception object", which names neither the
     # argument nor what to pass
-    fn = ControlledFunction()
-    out, op = make(fn, VirtualClock())
-    await op.open()
-    await op.process_element(StreamRecord("a"))
-    await settle()
+    fn, out, op = await a_call_waiting_for_the_test()
     with pytest.raises(
         TypeError,
         match=rf"^fail\(\) takes the exception the call raises, e\.g\. OSError\('down'\); got "
