@@ -852,6 +852,42 @@ def test_a_cluster_is_stopped_by_its_watchdog_once_its_owner_is_gone_not_before(
             daemon.kill()
 
 
+def test_a_watchdog_started_from_a_directory_holding_another_stateful_async_stops_its_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, the watchdog (python -c) had the working directory first on its path: a
+    # stateful_async there (another checkout or version, here one without the watchdog's
+    # function) was imported instead of this one, and the watchdog failed, silently (its
+    # stderr is /dev/null), leaving the cluster running.
+    elsewhere = tmp_path / "checkout"
+    (elsewhere / "stateful_async" / "chaos").mkdir(parents=True)
+    for module in ("__init__.py", "chaos/__init__.py", "chaos/_cluster.py"):
+        (elsewhere / "stateful_async" / module).write_text("")
+    monkeypatch.chdir(elsewhere)
+    launcher = subprocess.run(
+        ["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    daemon = psutil.Process(int(launcher.stdout))
+    try:
+        record = {"pid": daemon.pid, "create_time": daemon.create_time()}
+        gone = {"pid": exited_pid(), "create_time": 0.0}
+        base_dir = tmp_path / "cluster"
+        base_dir.mkdir()
+        (base_dir / "cluster.json").write_text(json.dumps(recorded_cluster(record, gone)))
+        owner = LocalCluster(1, base_dir=base_dir, stop_at_exit=False)
+        owner._start_watchdog()
+        assert owner._watchdog is not None and owner._watchdog.stdin is not None
+        owner._watchdog.stdin.close()  # its owner died
+        assert owner._watchdog.wait(timeout=60) == 0
+        assert not daemon.is_running()
+    finally:
+        if daemon.is_running():
+            daemon.kill()
+
+
 def test_a_state_file_with_missing_fields_is_refused_naming_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -526,9 +526,15 @@ _STOP_MARK = "stop"  # cluster.lock held by a stop: "<pid> stop"
 # owner to write _STOPPED to its stdin. Should the pipe close first, the owner died without
 # stopping the cluster (SIGKILL, a SIGTERM nobody handles: atexit runs for neither), and
 # the watchdog stops it: argv is the cluster's directory, and "owned" if it is to go too.
+# It imports stateful_async from the owner's (first on its PYTHONPATH), not from the working
+# directory that python -c puts first on sys.path: another checkout or version there would
+# be imported instead, and a watchdog failing to import (its stderr is /dev/null) stops
+# nothing.
 _STOPPED = "stopped\n"
 _WATCHDOG = f"""\
 import sys
+if sys.path[:1] == [""]:
+    del sys.path[0]
 if sys.stdin.readline() != {_STOPPED!r}:
     from stateful_async.chaos._cluster import _stop_for_dead_owner
     _stop_for_dead_owner(sys.argv[1], owned=sys.argv[2:] == ["owned"])
