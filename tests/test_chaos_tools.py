@@ -852,6 +852,46 @@ def test_a_cluster_is_stopped_by_its_watchdog_once_its_owner_is_gone_not_before(
             daemon.kill()
 
 
+def test_a_watchdog_that_cannot_stop_its_cluster_keeps_its_record_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before, a stop that failed (processes surviving SIGKILL, a start holding the lock past
+    # the wait) was printed to /dev/null, and a temporary directory was removed all the same:
+    # cluster.json, the only record of the daemons that ran on, with it.
+    from stateful_async.chaos._cluster import _stop_for_dead_owner
+
+    (tmp_path / "cluster.json").write_text("{}")
+
+    def failing_stop(self: LocalCluster, *args: object, **kwargs: object) -> list[int]:
+        raise ClusterError("Cluster processes survived SIGKILL: [4242].")
+
+    monkeypatch.setattr(LocalCluster, "attach", classmethod(lambda cls, base_dir: cls(1)))
+    monkeypatch.setattr(LocalCluster, "stop", failing_stop)
+    _stop_for_dead_owner(str(tmp_path), owned=True)
+    assert (tmp_path / "cluster.json").exists()
+    assert capsys.readouterr().err == (
+        "stateful-async cluster watchdog: Cluster processes survived SIGKILL: [4242].\n"
+    )
+    # nothing recorded (a failed start stopped what it started): its directory goes
+    (tmp_path / "cluster.json").unlink()
+    _stop_for_dead_owner(str(tmp_path), owned=True)
+    assert not tmp_path.exists()
+
+
+def test_a_watchdog_logs_to_its_cluster_s_directory(tmp_path: Path) -> None:
+    # before: its stderr was /dev/null, so why it stopped nothing was nowhere
+    owner = LocalCluster(1, base_dir=tmp_path, stop_at_exit=False)
+    owner._start_watchdog()
+    assert owner._watchdog is not None and owner._watchdog.stdin is not None
+    owner._watchdog.stdin.close()  # its owner died; no cluster.json: nothing to stop
+    assert owner._watchdog.wait(timeout=60) == 0
+    assert (
+        (tmp_path / "logs" / "watchdog.log")
+        .read_text()
+        .startswith("stateful-async cluster watchdog: ")
+    )
+
+
 def test_a_watchdog_started_from_a_directory_holding_another_stateful_async_stops_its_cluster(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

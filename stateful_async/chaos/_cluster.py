@@ -542,11 +542,15 @@ if sys.stdin.readline() != {_STOPPED!r}:
 
 
 def _stop_for_dead_owner(base_dir: str, owned: bool) -> None:
-    """What a watchdog does once its cluster's owner died without stopping it."""
+    """What a watchdog does once its cluster's owner died without stopping it. What it
+    could not stop stays recorded (the directory is kept, for ``cluster stop --dir``), and
+    why goes to its log, logs/watchdog.log."""
     try:
         LocalCluster.attach(base_dir).stop()  # waits for the owner's start, if it was one
-    except ClusterError as exc:  # none recorded: a failed start stopped what it started
-        print(f"stateful-async cluster watchdog: {exc}", file=sys.stderr)
+    except ClusterError as exc:  # none recorded (a failed start stopped what it started),
+        print(f"stateful-async cluster watchdog: {exc}", file=sys.stderr)  # or it failed
+        if (Path(base_dir) / _STATE_FILE).exists():
+            return  # the only record of what may still run
     if owned:
         shutil.rmtree(base_dir, ignore_errors=True)
 
@@ -809,8 +813,9 @@ class LocalCluster:
         if self.stop_at_exit and not self._at_exit_registered:
             atexit.register(self.stop)
             self._at_exit_registered = True
-            self._start_watchdog()
         try:
+            if self.stop_at_exit and self._watchdog is None:
+                self._start_watchdog()
             deadline = time.monotonic() + self.startup_timeout
             self._start_master(deadline)
             for index in range(self.workers_wanted):
@@ -829,19 +834,21 @@ class LocalCluster:
         assert self.base_dir is not None
         package_root = str(Path(__file__).resolve().parents[2])  # where stateful_async is
         path = os.environ.get("PYTHONPATH")
-        self._watchdog = subprocess.Popen(
-            [sys.executable, "-c", _WATCHDOG, str(self.base_dir)]
-            + (["owned"] if self._owns_dir else []),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env={
-                **os.environ,
-                "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [path])]),
-            },
-            start_new_session=True,  # a Ctrl-C to this process's group is not for it
-            text=True,
-        )
+        (self.base_dir / "logs").mkdir(exist_ok=True)
+        with open(self.base_dir / "logs" / "watchdog.log", "a") as log:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG, str(self.base_dir)]
+                + (["owned"] if self._owns_dir else []),
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=log,
+                env={
+                    **os.environ,
+                    "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [path])]),
+                },
+                start_new_session=True,  # a Ctrl-C to this process's group is not for it
+                text=True,
+            )
 
     def _dismiss_watchdog(self) -> None:
         """Tell the watchdog the cluster is stopped, and reap it."""
