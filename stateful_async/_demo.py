@@ -202,7 +202,12 @@ def run_demo(
     location = os.path.join(workdir, "checkpoints")
     output = os.path.join(workdir, "enriched")
     # made now: a location it refuses (a percent escape) is refused before Spark starts
-    config = CheckpointConfig(location, "demo", interval_records=settings.interval, retain=100)
+    try:
+        config = CheckpointConfig(location, "demo", interval_records=settings.interval, retain=100)
+    except ConfigurationError:
+        if settings.workdir is None:  # a temporary directory under such a path: made above
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
     try:
         Path(workdir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -1460,6 +1460,16 @@ def test_a_demo_workdir_the_checkpoints_cannot_use_is_refused_before_anything_st
     assert result.exit_code == 2, result.output
     assert "holds '%20', which delta-rs decodes" in " ".join(result.output.split())
     assert not workdir.exists()
+    # the default workdir, a temporary directory under such a path: not left behind
+    import tempfile
+
+    temp = tmp_path / "temp%41"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    result = invoke("demo", "--rows", "1000")
+    assert result.exit_code == 2, result.output
+    assert "holds '%41', which delta-rs decodes" in " ".join(result.output.split())
+    assert list(temp.iterdir()) == []
 
 
 def _demo_without_spark(monkeypatch: pytest.MonkeyPatch, save: Callable[[str], None]) -> None:
