@@ -25,7 +25,8 @@ def local_session(
     If this process already runs a SparkSession, that session is returned as it is: with
     the same ``master``, and with each setting in ``conf`` applied to it, or a
     ``ConfigurationError`` if it runs another master or a setting cannot change while it
-    runs. Its other settings (its time zone, for one) are left alone.
+    runs (``spark.executorEnv.*`` included: its tasks' environment is fixed as it starts).
+    Its other settings (its time zone, for one) are left alone.
 
     Spark Connect sessions are not made here: where one runs, or where ``SPARK_REMOTE``,
     ``spark.remote`` or ``spark.api.mode=connect`` (in ``conf`` or the environment), or
@@ -137,18 +138,27 @@ def _reuse(session: Any, master: str, conf: dict[str, Any]) -> Any:
         )
     for key, value in conf.items():
         text = str(value).lower() if isinstance(value, bool) else str(value)  # as Spark has it
+        if key.startswith("spark.executorEnv."):
+            # The tasks' environment is fixed as the SparkContext starts; the session's conf
+            # would take a new value without complaint, and no task would ever see it.
+            if session.sparkContext.getConf().get(key) != text:
+                raise _cannot_change(key, value, "its executors' environment is set as it starts")
+            continue
         if session.conf.get(key, None) == text:
             continue
         try:
             session.conf.set(key, value)
         except Exception as exc:  # pyspark's AnalysisException: a static or core setting
-            raise ConfigurationError(
-                f"local_session(conf={{{key!r}: {value!r}}}): the SparkSession already "
-                f"running in this process cannot change {key!r} while it runs "
-                f"({type(exc).__name__}). Stop it first (spark.stop()), or leave "
-                f"{key!r} out."
-            ) from exc
+            raise _cannot_change(key, value, type(exc).__name__) from exc
     return session
+
+
+def _cannot_change(key: str, value: Any, why: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"local_session(conf={{{key!r}: {value!r}}}): the SparkSession already running in "
+        f"this process cannot change {key!r} while it runs ({why}). Stop it first "
+        f"(spark.stop()), or leave {key!r} out."
+    )
 
 
 def task_attempts(master: str, max_failures: str | None) -> int:

@@ -46,6 +46,22 @@ def test_a_setting_the_running_session_cannot_change_is_refused(spark: Any) -> N
         local_session("local[2,3]", conf={"spark.task.maxFailures": "9"})
 
 
+def test_an_executor_environment_the_running_session_started_without_is_refused(
+    spark: Any,
+) -> None:
+    """Spark's session conf takes any spark.executorEnv.* key without complaint, but the
+    tasks' environment was fixed when the SparkContext started: they would never see it."""
+    key = "spark.executorEnv.STATEFUL_ASYNC_PROGRESS_SECONDS"
+    with pytest.raises(ConfigurationError) as caught:
+        local_session("local[2,3]", conf={key: "5"})
+    assert str(caught.value) == (
+        f"local_session(conf={{{key!r}: '5'}}): the SparkSession already running in this "
+        f"process cannot change {key!r} while it runs (its executors' environment is set as "
+        f"it starts). Stop it first (spark.stop()), or leave {key!r} out."
+    )
+    assert spark.conf.get(key, None) is None
+
+
 @pytest.mark.parametrize(
     ("master", "max_failures", "attempts"),
     [
