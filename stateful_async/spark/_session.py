@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from .._exceptions import ConfigurationError
@@ -31,7 +32,8 @@ def local_session(
     Spark Connect sessions are not made here: where one runs, or where ``SPARK_REMOTE``,
     ``spark.remote`` or ``spark.api.mode=connect`` (in ``conf`` or the environment), or
     PySpark's ``SPARK_CONNECT_MODE_ENABLED``, asks for one, this raises a
-    ``ConfigurationError`` before starting anything.
+    ``ConfigurationError`` before starting anything. A classic session already running is
+    returned whatever the environment says, but not for a ``conf`` that asks for Connect.
     """
     try:
         from pyspark.sql import SparkSession
@@ -44,11 +46,13 @@ def local_session(
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     running = _running_session(SparkSession)
+    # PySpark would refuse the master, or start a Connect server; a running classic session
+    # is returned whatever the environment says, but not for a conf that asks for Connect
+    asking = _connect_asked(conf or {}, os.environ if running is None else {})
+    if asking is not None:
+        raise _refuse_connect(asking)
     if running is not None:
         return _reuse(running, master, conf or {})
-    asking = _connect_asked(conf or {})
-    if asking is not None:  # PySpark would refuse the master, or start a Connect server
-        raise _refuse_connect(asking)
     settings: dict[str, Any] = {
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
@@ -92,19 +96,19 @@ def _refuse_connect(asking: str | None = None) -> ConfigurationError:
     )
 
 
-def _connect_asked(conf: dict[str, Any]) -> str | None:
+def _connect_asked(conf: dict[str, Any], environ: Mapping[str, str]) -> str | None:
     """The setting that asks SparkSession.builder for a Spark Connect session (``conf``,
-    then the environment, as PySpark reads them), or None."""
+    then the environment ``environ``, as PySpark reads them), or None."""
     if "spark.remote" in conf:
         return f"conf spark.remote={conf['spark.remote']!r}"
-    if "SPARK_REMOTE" in os.environ:
-        return f"the environment's SPARK_REMOTE={os.environ['SPARK_REMOTE']!r}"
+    if "SPARK_REMOTE" in environ:
+        return f"the environment's SPARK_REMOTE={environ['SPARK_REMOTE']!r}"
     mode = conf.get("spark.api.mode")
     if mode is not None:
         return f"conf spark.api.mode={mode!r}" if str(mode).lower() == "connect" else None
-    if os.environ.get("SPARK_API_MODE", "").lower() == "connect":
-        return f"the environment's SPARK_API_MODE={os.environ['SPARK_API_MODE']!r}"
-    if "SPARK_CONNECT_MODE_ENABLED" in os.environ:  # PySpark's builder goes by it first
+    if environ.get("SPARK_API_MODE", "").lower() == "connect":
+        return f"the environment's SPARK_API_MODE={environ['SPARK_API_MODE']!r}"
+    if "SPARK_CONNECT_MODE_ENABLED" in environ:  # PySpark's builder goes by it first
         return (
             "the environment's SPARK_CONNECT_MODE_ENABLED (which PySpark sets once this "
             "process has made a Spark Connect session)"

@@ -113,6 +113,20 @@ for w in caught:
     assert "restore_from='latest'" in lines[0] and "local[N,F]" in lines[0]
 
 
+def test_a_conf_asking_for_connect_is_refused_with_a_classic_session_running(
+    spark: Any,
+) -> None:
+    """Spark's session conf takes spark.remote without complaint: the classic session came
+    back, as if the Connect server asked for had been reached."""
+    with pytest.raises(ConfigurationError) as caught:
+        local_session("local[2,3]", conf={"spark.remote": "sc://127.0.0.1:9"})
+    assert str(caught.value).startswith(
+        "local_session() makes classic SparkSessions, and conf spark.remote='sc://127.0.0.1:9' "
+        "asks for a Spark Connect session."
+    )
+    assert spark.conf.get("spark.remote", None) is None
+
+
 def test_a_connect_session_asked_for_is_refused_before_anything_starts() -> None:
     # With SPARK_REMOTE set, PySpark refused the master local_session gives, with its own
     # PySparkRuntimeError (CANNOT_CONFIGURE_SPARK_CONNECT_MASTER); with spark.api.mode=connect
