@@ -10,6 +10,9 @@ from typing import Any
 
 from .._exceptions import ConfigurationError
 
+#: How a master Spark accepts begins (SparkSubmit refuses any other).
+_MASTER_PREFIXES = ("local", "spark", "k8s", "yarn")
+
 
 def local_session(
     master: str = "local[2,3]",
@@ -29,6 +32,9 @@ def local_session(
     runs (``spark.executorEnv.*`` included: its tasks' environment is fixed as it starts).
     Its other settings (its time zone, for one) are left alone.
 
+    A ``master`` that is no Spark master (one starting ``local``, ``spark``, ``k8s`` or
+    ``yarn``, as Spark checks) raises a ``ConfigurationError`` before anything starts.
+
     Spark Connect sessions are not made here: where one runs, or where ``SPARK_REMOTE``,
     ``spark.remote`` or ``spark.api.mode=connect`` (in ``conf`` or the environment), or
     PySpark's ``SPARK_CONNECT_MODE_ENABLED``, asks for one, this raises a
@@ -42,6 +48,14 @@ def local_session(
             "PySpark is not installed: install pyspark==4.2.* (the spark extra: pip install "
             "'.[spark]' in a clone of stateful-async)."
         ) from exc
+    if not isinstance(master, str) or not master.startswith(_MASTER_PREFIXES):
+        # Spark's launcher would exit with the reason on stderr only, and PySpark raise
+        # JAVA_GATEWAY_EXITED
+        raise ConfigurationError(
+            f"local_session(master={master!r}): that is no Spark master. Locally, pass "
+            "'local[N,F]' (N task slots, F attempts per task); a cluster's starts with "
+            "spark://, k8s:// or yarn."
+        )
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # only loopback, never a public address
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)

@@ -41,6 +41,19 @@ def test_another_master_is_refused_not_ignored(spark: Any) -> None:
     assert spark.sparkContext.master == "local[2,3]"
 
 
+@pytest.mark.parametrize("master", ["lcoal[2,3]", "", None])
+def test_a_master_that_is_no_spark_master_is_refused(spark: Any, master: Any) -> None:
+    """Without a running session, Spark's launcher exited and PySpark raised its
+    JAVA_GATEWAY_EXITED, the reason on stderr only; with one, it read as another master."""
+    with pytest.raises(ConfigurationError) as caught:
+        local_session(master)
+    assert str(caught.value) == (
+        f"local_session(master={master!r}): that is no Spark master. Locally, pass "
+        "'local[N,F]' (N task slots, F attempts per task); a cluster's starts with "
+        "spark://, k8s:// or yarn."
+    )
+
+
 def test_a_setting_the_running_session_cannot_change_is_refused(spark: Any) -> None:
     with pytest.raises(ConfigurationError, match="cannot change 'spark.task.maxFailures'"):
         local_session("local[2,3]", conf={"spark.task.maxFailures": "9"})
