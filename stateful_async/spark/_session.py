@@ -17,7 +17,7 @@ _MASTER_PREFIXES = ("local", "spark", "k8s", "yarn")
 def local_session(
     master: str = "local[2,3]",
     app_name: str = "stateful-async",
-    conf: dict[str, Any] | None = None,
+    conf: Mapping[str, Any] | None = None,
 ) -> Any:
     """Start (or return) a local ``SparkSession`` for jobs, tests and the demo.
 
@@ -55,6 +55,12 @@ def local_session(
             f"local_session(master={master!r}): that is no Spark master. Locally, pass "
             "'local[N,F]' (N task slots, F attempts per task); a cluster's starts with "
             "spark://, k8s:// or yarn."
+        )
+    if conf is not None and not isinstance(conf, Mapping):
+        hint = " (for a SparkConf: dict(spark_conf.getAll()))" if hasattr(conf, "getAll") else ""
+        raise ConfigurationError(
+            f"local_session(conf=...) takes a dict of Spark settings, like "
+            f"{{'spark.sql.shuffle.partitions': '8'}}; got {type(conf).__name__}{hint}."
         )
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # only loopback, never a public address
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -110,7 +116,7 @@ def _refuse_connect(asking: str | None = None) -> ConfigurationError:
     )
 
 
-def _connect_asked(conf: dict[str, Any], environ: Mapping[str, str]) -> str | None:
+def _connect_asked(conf: Mapping[str, Any], environ: Mapping[str, str]) -> str | None:
     """The setting that asks SparkSession.builder for a Spark Connect session (``conf``,
     then the environment ``environ``, as PySpark reads them), or None."""
     if "spark.remote" in conf:
@@ -140,7 +146,7 @@ def _running_session(session_class: Any) -> Any:
     return session
 
 
-def _reuse(session: Any, master: str, conf: dict[str, Any]) -> Any:
+def _reuse(session: Any, master: str, conf: Mapping[str, Any]) -> Any:
     running = session.sparkContext.master
     if running.replace(" ", "") != master.replace(" ", ""):  # local[2, 3] is local[2,3]
         raise ConfigurationError(

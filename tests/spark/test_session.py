@@ -54,6 +54,23 @@ def test_a_master_that_is_no_spark_master_is_refused(spark: Any, master: Any) ->
     )
 
 
+def test_a_conf_that_is_no_dict_is_refused(spark: Any) -> None:
+    """A SparkConf failed with TypeError: argument of type 'SparkConf' is not iterable; a
+    list of pairs with AttributeError: 'list' object has no attribute 'get'."""
+    from pyspark import SparkConf
+
+    start = "local_session(conf=...) takes a dict of Spark settings, like "
+    example = "{'spark.sql.shuffle.partitions': '8'}"
+    with pytest.raises(ConfigurationError) as caught:
+        local_session(conf=SparkConf().set("spark.sql.shuffle.partitions", "5"))  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        f"{start}{example}; got SparkConf (for a SparkConf: dict(spark_conf.getAll()))."
+    )
+    with pytest.raises(ConfigurationError) as caught:
+        local_session(conf=[("spark.sql.shuffle.partitions", "5")])  # type: ignore[arg-type]
+    assert str(caught.value) == f"{start}{example}; got list."
+
+
 def test_a_setting_the_running_session_cannot_change_is_refused(spark: Any) -> None:
     with pytest.raises(ConfigurationError, match="cannot change 'spark.task.maxFailures'"):
         local_session("local[2,3]", conf={"spark.task.maxFailures": "9"})
