@@ -1366,7 +1366,10 @@ class _TaskRun:
         self.progress_at, self.progress_records = now, records
         parts = self._task_parts(now - self.started)
         parts[2] += f" ({rate:,.0f}/s lately)"
-        parts[4:4] = [f"{op.calls_in_flight:,} calls in flight", f"{op.in_flight:,} in the queue"]
+        parts[4:4] = [
+            _count(op.calls_in_flight, "call") + " in flight",
+            f"{op.in_flight:,} in the queue",
+        ]
         if self.checkpointing and self.stats["checkpoints"]:
             parts[-1] += f", the last {now - self.last_checkpoint:.0f} s ago"
         parts.extend(self._restored_parts())
