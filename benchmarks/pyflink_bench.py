@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from options import output_file, positive_int  # benchmarks/ is on sys.path: these are scripts
+
 PYFLINK_REQUIREMENT = "apache-flink>=2,<3"
 PARALLELISM = 2
 JOB_TIMEOUT_S = 900
@@ -394,16 +396,35 @@ def report(result: dict[str, Any]) -> str:
     )
 
 
+def _latency_ms(text: str) -> float:
+    """The mock service's latency, refused as the service refuses it."""
+    from stateful_async import ConfigurationError
+    from stateful_async.chaos import ServiceConfig
+
+    try:
+        latency = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a number of milliseconds is needed; got {text!r}"
+        ) from None
+    try:
+        return ServiceConfig(latency_ms=latency).latency_ms
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--job":
         job(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4k rows instead of 20k")
-    parser.add_argument("--capacity", type=int, default=64)
-    parser.add_argument("--latency-ms", type=float, default=20.0)
-    parser.add_argument("--rows", type=int, default=None)
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--capacity", type=positive_int, default=64)
+    parser.add_argument("--latency-ms", type=_latency_ms, default=20.0)
+    parser.add_argument("--rows", type=positive_int, default=None)
+    parser.add_argument(
+        "--json", metavar="PATH", type=output_file, help="also write the figures as JSON"
+    )
     args = parser.parse_args()
     result = run(args.quick, args.capacity, args.latency_ms, args.rows)
     if args.json:

@@ -2155,6 +2155,22 @@ def failures(results: dict[str, Any]) -> list[str]:
     return out
 
 
+def saved_run(path: str) -> dict[str, Any]:
+    """The figures of an earlier run (``--json``), for ``--from-json``."""
+    try:
+        results = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(results, dict) or not {"machine", "cleanup"} <= results.keys():
+        raise argparse.ArgumentTypeError(
+            f"{path} holds no run's figures (no 'machine' and 'cleanup'): give the JSON a run "
+            "wrote with --json (by default results.json in the plots' directory)"
+        )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run of every part")
@@ -2177,11 +2193,24 @@ def main() -> None:
         "directory; --from-json renders the report from it again)",
     )
     parser.add_argument(
-        "--from-json", metavar="PATH", help="write the report from a saved run; run nothing"
+        "--from-json",
+        metavar="PATH",
+        type=saved_run,
+        help="write the report from a saved run; run nothing",
     )
     args = parser.parse_args()
     if not args.json and not args.from_json:
         args.json = str(Path(args.plots) / "results.json")
+    # where the figures go exists before a run of many minutes, not after it
+    for path in (args.out, args.json):
+        if path and Path(path).is_dir():
+            parser.error(f"{path} is a directory; give a file name")
+    plots = Path(args.plots)
+    for directory in [Path(path).parent for path in (args.out, args.json) if path] + [plots]:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"cannot create the directory {directory}: {exc.strerror or exc}")
     try:  # the plots are drawn at the end: find out now, not after a run of many minutes
         import matplotlib  # noqa: F401
     except ImportError:
@@ -2189,18 +2218,12 @@ def main() -> None:
             "run_all: matplotlib is not installed; run the suite with ./dev bench, or "
             "pip install -e '.[bench]'."
         )
-    # where the figures go exists before a run of many minutes, not after it
-    for path in (args.out, args.json):
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
     if args.from_json:
-        results = json.loads(Path(args.from_json).read_text())
+        results = args.from_json
     else:
         results = run(args.quick, args.skip_pyflink, args.skip_sink)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2, default=str))
-    plots = Path(args.plots)
-    plots.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
     out.write_text(render(results, plots, out.parent))
     log(f"wrote {out} and plots under {plots}")

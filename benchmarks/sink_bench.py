@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from options import positive_int  # benchmarks/ is on sys.path: these are scripts
+
 COLUMNS = [
     "id",
     "CONCAT('cat-', CAST(id % 20 AS STRING)) AS category",
@@ -42,8 +44,10 @@ def _size(path: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="200k rows instead of 4M")
-    parser.add_argument("--rows", type=int, default=None, help="number of rows")
-    parser.add_argument("--partitions", type=int, default=4, help="Spark partitions (tasks)")
+    parser.add_argument("--rows", type=positive_int, default=None, help="number of rows")
+    parser.add_argument(
+        "--partitions", type=positive_int, default=4, help="Spark partitions (tasks)"
+    )
     args = parser.parse_args()
     rows = args.rows or (200_000 if args.quick else 4_000_000)
 

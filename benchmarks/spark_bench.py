@@ -75,7 +75,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pyarrow as pa
-from peak_rss import peak_rss_mib  # benchmarks/ is on sys.path: these are scripts
+from options import output_file, positive_int  # benchmarks/ is on sys.path: these are scripts
+from peak_rss import peak_rss_mib
 
 SCHEMA = "id long, name string, score double, label string"
 OUTPUT = pa.schema(
@@ -1312,8 +1313,10 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small inputs, one repetition")
-    parser.add_argument("--capacity", type=int, default=64)
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--capacity", type=positive_int, default=64)
+    parser.add_argument(
+        "--json", metavar="PATH", type=output_file, help="also write the figures as JSON"
+    )
     args = parser.parse_args()
     result = run(quick=args.quick, capacity=args.capacity)
     if args.json:

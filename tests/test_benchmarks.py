@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -90,6 +92,54 @@ def test_a_failed_part_fails_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 def test_skipped_parts_do_not_fail_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     report(tmp_path, monkeypatch, saved_run())  # no SystemExit
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        ("spark_bench.py", ["--capacity", "0"], "--capacity: an integer >= 1 is needed; got '0'"),
+        ("spark_bench.py", ["--json", "/nonexistent/out.json"], "does not exist; create it"),
+        ("spark_bench.py", ["--json", "/tmp"], "'/tmp' is a directory; give a file name"),
+        ("pyflink_bench.py", ["--rows", "0"], "--rows: an integer >= 1 is needed; got '0'"),
+        ("pyflink_bench.py", ["--capacity", "-1"], "--capacity: an integer >= 1"),
+        ("pyflink_bench.py", ["--latency-ms", "-5"], "latency_ms must be at least 0"),
+        ("pyflink_bench.py", ["--json", "/nonexistent/out.json"], "does not exist"),
+        ("sink_bench.py", ["--rows", "0"], "--rows: an integer >= 1 is needed; got '0'"),
+        ("sink_bench.py", ["--partitions", "0"], "--partitions: an integer >= 1"),
+        ("run_all.py", ["--from-json", "/nonexistent.json"], "cannot read /nonexistent.json"),
+        ("run_all.py", ["--from-json", "{tmp}/broken.json"], "broken.json is not JSON"),
+        ("run_all.py", ["--from-json", "{tmp}/other.json"], "other.json holds no run's figures"),
+        ("run_all.py", ["--from-json", "{tmp}/run.json", "--out", "{tmp}"], "is a directory"),
+    ],
+)
+def test_a_bad_option_value_is_refused_before_anything_runs(
+    tmp_path: Path, script: str, args: list[str], message: str
+) -> None:
+    """At once, with exit 2 and the option named: not a traceback minutes into a run (a
+    capacity the competitors refuse, a --json directory that is not there at the end), and
+    not the default instead (--rows 0 ran the full 4M rows)."""
+    (tmp_path / "broken.json").write_text("{")
+    (tmp_path / "other.json").write_text("{}")
+    (tmp_path / "run.json").write_text(json.dumps(saved_run()))
+    argv = [sys.executable, str(BENCHMARKS / script), *(a.format(tmp=tmp_path) for a in args)]
+    process = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # it started a run: stop it as Ctrl-C does
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.communicate(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"{script} {' '.join(args)} started a run instead of refusing the value")
+    assert process.returncode == 2, stderr
+    assert message in stderr and "Traceback" not in stderr, stderr
 
 
 def test_sink_output_without_figures_is_a_failed_part(monkeypatch: pytest.MonkeyPatch) -> None:
