@@ -49,7 +49,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pyarrow as pa
-from peak_rss import peak_rss_mib  # benchmarks/ is on sys.path: these are scripts
+from child import child_output  # benchmarks/ is on sys.path: these are scripts
+from peak_rss import peak_rss_mib
 
 from checkpoint import SnapshotStore
 from stateful_async import StreamRecord, Watermark
@@ -281,13 +282,8 @@ def _in_child(part: str, count: int, variant: str) -> dict[str, Any]:
     """What this script prints for ``part`` run in a process of its own, in a fresh
     directory (its peak RSS is its own, and module settings a variant changes stay there)."""
     with tempfile.TemporaryDirectory() as root:
-        done = subprocess.run(
-            [sys.executable, __file__, part, root, str(count), variant],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+        out = child_output([__file__, part, root, str(count), variant])
+    return json.loads(out.splitlines()[-1])  # type: ignore[no-any-return]
 
 
 def log_files(count: int) -> list[dict[str, Any]]:

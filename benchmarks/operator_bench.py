@@ -17,13 +17,13 @@ import argparse
 import asyncio
 import gc
 import json
-import subprocess
 import sys
 import time
 from collections import deque
 from typing import Any, Awaitable, Callable
 
-from peak_rss import peak_rss_mib  # benchmarks/ is on sys.path: these are scripts
+from child import child_output  # benchmarks/ is on sys.path: these are scripts
+from peak_rss import peak_rss_mib
 
 from stateful_async import AsyncWaitOperator, OutputMode, StreamRecord
 
@@ -152,12 +152,7 @@ def _rss_child(n: int, capacity: int, mode: str) -> None:
 
 
 def peak_rss(n: int, capacity: int, mode: str) -> float:
-    out = subprocess.run(
-        [sys.executable, __file__, "--rss-child", str(n), str(capacity), mode],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    out = child_output([__file__, "--rss-child", str(n), str(capacity), mode])
     return float(json.loads(out.strip().splitlines()[-1])["peak_rss_mib"])
 
 

@@ -64,7 +64,6 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -75,6 +74,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pyarrow as pa
+from child import child_output
 from options import output_file, positive_int  # benchmarks/ is on sys.path: these are scripts
 from peak_rss import peak_rss_mib
 
@@ -961,13 +961,8 @@ def memory(sizes: Sizes, work: str) -> list[dict[str, Any]]:
         }
         for label, rows in (("small", 10_000), ("large", sizes.memory_large)):
             ckpt = os.path.join(work, f"memory-{capacity}-{label}") if checkpointed else ""
-            result = subprocess.run(
-                [sys.executable, __file__, "--memory-child", str(rows), str(capacity), ckpt],
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            figures = json.loads(result.stdout.strip().splitlines()[-1])
+            out = child_output([__file__, "--memory-child", str(rows), str(capacity), ckpt])
+            figures = json.loads(out.strip().splitlines()[-1])
             row[f"{label}_rows"] = rows
             row[f"{label}_peak_mib"] = figures["peak_mib"]
             row[f"{label}_baseline_mib"] = figures["baseline_mib"]
@@ -1105,9 +1100,8 @@ def cpu_profile(sizes: Sizes, capacity: int, latency_ms: float) -> dict[str, Any
 
         def child(kind: str, profile: bool) -> dict[str, Any]:
             before = service_proc.cpu_times()
-            done = subprocess.run(
+            out = child_output(
                 [
-                    sys.executable,
                     __file__,
                     "--cpu-child",
                     kind,
@@ -1115,13 +1109,10 @@ def cpu_profile(sizes: Sizes, capacity: int, latency_ms: float) -> dict[str, Any
                     service.url,
                     str(capacity),
                     "1" if profile else "0",
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
+                ]
             )
             after = service_proc.cpu_times()
-            figures = json.loads(done.stdout.strip().splitlines()[-1])
+            figures = json.loads(out.strip().splitlines()[-1])
             service_cpu = after.user - before.user + after.system - before.system
             figures["service_cpu_us_per_row"] = service_cpu / rows * 1e6
             return figures

@@ -192,6 +192,18 @@ def test_a_pyflink_job_that_requested_one_key_twice_and_another_never_is_failed(
     assert "(2 keys not requested exactly once)" in result["reason"]
 
 
+def test_a_child_that_fails_says_why() -> None:
+    """A figure measured in a child process of its own: when the child fails, the error (and
+    with it the report's "failed" line) carries the child's own error, not only its exit
+    status (CalledProcessError)."""
+    import operator_bench
+
+    with pytest.raises(RuntimeError, match="'sideways' is not a valid OutputMode"):
+        operator_bench.peak_rss(10, 10, "sideways")
+    with pytest.raises(RuntimeError, match="invalid literal for int"):
+        checkpoint_bench._in_child("--long-task", "many", "kept")  # type: ignore[arg-type]
+
+
 def test_a_committer_that_dies_before_ready_leaves_no_committer_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
