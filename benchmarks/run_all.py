@@ -566,8 +566,19 @@ def growth(m: dict[str, Any]) -> float:
     )
 
 
-def status(met: bool | None) -> str:
-    return {True: "met", False: "**missed**", None: "not measured"}[met]
+# Figures checked against a target's line but asked for by no issue: shown in the Targets
+# table, not counted among the targets met or missed.
+MEASURED_IN_ADDITION = frozenset({"memory_ckpt"})
+
+
+def status(check: dict[str, Any]) -> str:
+    if check["key"] in MEASURED_IN_ADDITION:
+        return {True: "within", False: "over (not a target)", None: "not measured"}[check["met"]]
+    return {True: "met", False: "**missed**", None: "not measured"}[check["met"]]
+
+
+def missed_targets(checks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c for c in checks if c["met"] is False and c["key"] not in MEASURED_IN_ADDITION]
 
 
 def render(results: dict[str, Any], plots: Path, doc_dir: Path) -> str:
@@ -647,13 +658,12 @@ def render(results: dict[str, Any], plots: Path, doc_dir: Path) -> str:
     add(
         table(
             ["target", "measured", "status", "by how much"],
-            [[c["target"], c["measured"], status(c["met"]), c["gap"]] for c in checks],
+            [[c["target"], c["measured"], status(c), c["gap"]] for c in checks],
             "llll",
         )
         + "\n"
     )
-    missed = [c for c in checks if c["met"] is False]
-    if missed:
+    if missed_targets(checks):
         add(
             "Every miss is explained in its section below (**Why it is missed**) and in the "
             "closing note (what would close it).\n"
@@ -1937,20 +1947,23 @@ CLOSING = {
 
 def section_closing(checks: list[dict[str, Any]]) -> str:
     lines = ["## Closing note\n"]
-    missed = [c for c in checks if c["met"] is False]
-    met = [c for c in checks if c["met"] is True]
-    unmeasured = [c for c in checks if c["met"] is None]
+    goals = [c for c in checks if c["key"] not in MEASURED_IN_ADDITION]
+    missed = missed_targets(checks)
+    met = [c for c in goals if c["met"] is True]
+    unmeasured = [c for c in goals if c["met"] is None]
+    over = [c for c in checks if c["key"] in MEASURED_IN_ADDITION and c["met"] is False]
     lines.append(
         f"{len(met)} targets met, {len(missed)} missed"
         + (f", {len(unmeasured)} not measured" if unmeasured else "")
+        + (f"; {len(over)} figure measured in addition over its line" if over else "")
         + ". The figures are from one run on a shared 2-core machine; the ratios of "
         "interleaved runs are the numbers to compare.\n"
     )
     by_key: dict[str, list[str]] = {}  # a target measured in several cases: one item
-    for c in missed:
+    for c in missed + over:
         by_key.setdefault(c["key"], []).append(c["measured"])
     for key, measured in by_key.items():
-        first = next(c for c in missed if c["key"] == key)
+        first = next(c for c in missed + over if c["key"] == key)
         lines.append(f"- {CLOSING.get(key, first['target'])} (measured: {'; '.join(measured)})")
     return "\n".join(lines) + "\n"
 
@@ -2232,9 +2245,8 @@ def main() -> None:
         f"processes started: {cleanup['started']}, still running: "
         f"{len(cleanup['still_running'])}, listening: {len(cleanup['listening'])}"
     )
-    for check in targets(results):
-        if check["met"] is False:
-            log(f"target missed: {check['target']}: {check['measured']}")
+    for check in missed_targets(targets(results)):
+        log(f"target missed: {check['target']}: {check['measured']}")
     problems = failures(results)
     for problem in problems:
         log(f"FAILED: {problem}")
