@@ -4,6 +4,7 @@ driver-process bookkeeping on real child processes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -815,14 +817,11 @@ def exited_pid() -> int:
     return exited.pid
 
 
-def test_a_cluster_is_stopped_by_its_watchdog_once_its_owner_is_gone_not_before(
-    tmp_path: Path,
-) -> None:
-    # Before, a process that died without stop() (SIGKILL, an unhandled SIGTERM: no atexit)
-    # left the daemons running. Its watchdog holds a pipe from it: closed, as the system
-    # closes it when its holder dies, before stop() dismissed the watchdog, it stops the
-    # cluster. A "daemon" here is a sleep recorded as the master (not a child of this
-    # process, as the daemons of a dead owner are not: no zombie waiting to be reaped).
+@contextlib.contextmanager
+def a_recorded_daemon(base_dir: Path) -> Iterator[psutil.Process]:
+    """A "daemon" recorded as the master of a cluster in ``base_dir``: a sleep that is not
+    a child of this process, as the daemons of a dead owner are not (no zombie waiting to be
+    reaped); killed at the end if nothing stopped it."""
     launcher = subprocess.run(
         ["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"],
         capture_output=True,
@@ -833,7 +832,22 @@ def test_a_cluster_is_stopped_by_its_watchdog_once_its_owner_is_gone_not_before(
     try:
         record = {"pid": daemon.pid, "create_time": daemon.create_time()}
         gone = {"pid": exited_pid(), "create_time": 0.0}
-        (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(record, gone)))
+        (base_dir / "cluster.json").write_text(json.dumps(recorded_cluster(record, gone)))
+        yield daemon
+    finally:
+        if daemon.is_running():
+            daemon.kill()
+
+
+def test_a_cluster_is_stopped_by_its_watchdog_once_its_owner_is_gone_not_before(
+    tmp_path: Path,
+) -> None:
+    # Before, a process that died without stop() (SIGKILL, an unhandled SIGTERM: no atexit)
+    # left the daemons running. Its watchdog holds a pipe from it: closed, as the system
+    # closes it when its holder dies, before stop() dismissed the watchdog, it stops the
+    # cluster. A "daemon" here is a sleep recorded as the master (not a child of this
+    # process, as the daemons of a dead owner are not: no zombie waiting to be reaped).
+    with a_recorded_daemon(tmp_path) as daemon:
         owner = LocalCluster(1, base_dir=tmp_path, stop_at_exit=False)
         owner._start_watchdog()
         watchdog = owner._watchdog
@@ -847,9 +861,6 @@ def test_a_cluster_is_stopped_by_its_watchdog_once_its_owner_is_gone_not_before(
         assert owner._watchdog.wait(timeout=60) == 0
         assert not daemon.is_running()
         assert not (tmp_path / "cluster.json").exists()
-    finally:
-        if daemon.is_running():
-            daemon.kill()
 
 
 def test_a_watchdog_that_cannot_stop_its_cluster_keeps_its_record_and_says_why(
@@ -904,28 +915,15 @@ def test_a_watchdog_started_from_a_directory_holding_another_stateful_async_stop
     for module in ("__init__.py", "chaos/__init__.py", "chaos/_cluster.py"):
         (elsewhere / "stateful_async" / module).write_text("")
     monkeypatch.chdir(elsewhere)
-    launcher = subprocess.run(
-        ["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    daemon = psutil.Process(int(launcher.stdout))
-    try:
-        record = {"pid": daemon.pid, "create_time": daemon.create_time()}
-        gone = {"pid": exited_pid(), "create_time": 0.0}
-        base_dir = tmp_path / "cluster"
-        base_dir.mkdir()
-        (base_dir / "cluster.json").write_text(json.dumps(recorded_cluster(record, gone)))
+    base_dir = tmp_path / "cluster"
+    base_dir.mkdir()
+    with a_recorded_daemon(base_dir) as daemon:
         owner = LocalCluster(1, base_dir=base_dir, stop_at_exit=False)
         owner._start_watchdog()
         assert owner._watchdog is not None and owner._watchdog.stdin is not None
         owner._watchdog.stdin.close()  # its owner died
         assert owner._watchdog.wait(timeout=60) == 0
         assert not daemon.is_running()
-    finally:
-        if daemon.is_running():
-            daemon.kill()
 
 
 def test_a_state_file_with_missing_fields_is_refused_naming_them(
