@@ -17,6 +17,10 @@ from typing import Callable, Hashable, Protocol
 
 from ._exceptions import as_float
 
+# A TimerService runs a timer due within this many seconds of its wake-up (asyncio may wake
+# it up to one clock resolution early); a VirtualClock runs no wake-up earlier than that.
+_EARLY_SLACK = 1e-6
+
 
 class Cancellable(Protocol):
     def cancel(self) -> None: ...
@@ -65,9 +69,10 @@ class VirtualClock:
 
     The steps are summed exactly (then rounded once), so ten ``advance(0.1)`` reach a
     deadline at 1.0 as one ``advance(1)`` does (float addition stops at 0.9999999999999999).
-    A wake-up due within two units in the last place past the target is due at it, as a
-    float rounding error: an element that entered at 0.6 with a 1.1 s timeout has its
-    deadline at 0.6 + 1.1 == 1.7000000000000002, which eleven ``advance(0.1)`` (1.7) reach.
+    A wake-up due within two units in the last place (and a microsecond) past the target is
+    due at it, as a float rounding error: an element that entered at 0.6 with a 1.1 s
+    timeout has its deadline at 0.6 + 1.1 == 1.7000000000000002, which eleven
+    ``advance(0.1)`` (1.7) reach.
 
     It is the time of whoever is given it (the operator's timeouts and retry backoffs), not
     the event loop's: ``asyncio.sleep`` and I/O still take real time, which ``advance``
@@ -184,8 +189,10 @@ class VirtualClock:
         target = float(elapsed)
         # A deadline computed as now() + delay in floats may lie a rounding error past the
         # steps that add up to it (0.6 + 1.1 is 1.7000000000000002; eleven advance(0.1)
-        # from 0.6 reach 1.7): a wake-up within two units in the last place is due.
-        reach = target + 2 * math.ulp(target)
+        # from 0.6 reach 1.7): a wake-up within two units in the last place is due. No
+        # further than the TimerService's microsecond of slack: a timer it ran at the target
+        # that the service did not find due it would arm again, for this advance to run again.
+        reach = min(target + 2 * math.ulp(target), target + _EARLY_SLACK)
         errors: list[BaseException] = []
         self._errors = errors
         try:
@@ -380,7 +387,7 @@ class TimerService:
         self._armed_at = None
         # asyncio may wake us up to one clock resolution early; a microsecond of slack
         # avoids re-arming for the same deadline.
-        now = self._clock.now() + 1e-6
+        now = self._clock.now() + _EARLY_SLACK
         heap = self._heap
         timers = self._timers
         try:

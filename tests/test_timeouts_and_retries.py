@@ -1377,6 +1377,23 @@ async def test_a_virtual_clock_stepped_through_a_timeout_from_a_later_start_reac
     assert fired == [2.7] and clock.now() == 2.7
 
 
+async def test_a_timer_a_rounding_error_past_a_late_clock_s_target_fires_and_ends() -> None:
+    # before: past 2**32 s two units in the last place exceed the timer service's microsecond
+    # of slack, so a timer the clock ran early, at its target, was not yet due for the
+    # service, which armed it again at the same time, which the same advance ran again:
+    # advance() never returned
+    start = float(2**33)
+    clock = VirtualClock(start)
+    service = TimerService(clock, pytest.fail)
+    target = start + 1
+    fired: list = []
+    service.register("t", target + 2 * math.ulp(target), lambda: fired.append(clock.now()))
+    await asyncio.wait_for(clock.advance(1), 5)
+    assert clock.now() == target
+    await clock.advance(1)  # fired at the target or at the next advance, once
+    assert len(fired) == 1
+
+
 async def test_a_virtual_clock_reaches_its_target_when_a_wake_up_raises() -> None:
     # before: advance stopped at the first wake-up that raised, with the clock at its
     # deadline and the later due wake-ups not run; an asyncio loop reports a callback's
