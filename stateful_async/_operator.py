@@ -333,8 +333,17 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 )
         if retry is not None:
             if not isinstance(retry, RetryStrategy):
+                uncalled = retry is RetryStrategy or getattr(retry, "__self__", None) is (
+                    RetryStrategy
+                )  # the class, or a factory such as RetryStrategy.fixed_delay, not called
                 raise ConfigurationError(
-                    f"retry must be a RetryStrategy; got {type(retry).__name__}."
+                    f"retry must be a RetryStrategy; got {type(retry).__name__}"
+                    + (
+                        f" {getattr(retry, '__qualname__', retry)!s}: call it, such as "
+                        "retry=RetryStrategy.fixed_delay(3, 0.5)."
+                        if uncalled
+                        else "."
+                    )
                 )
             if timeout is None:
                 raise ConfigurationError(

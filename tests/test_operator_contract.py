@@ -820,7 +820,17 @@ async def _noop(value):
         ({"timeout": "5"}, "timeout must be a number of seconds, a timedelta, or None"),
         ({"retry": RetryStrategy.fixed_delay(3, 0.1)}, "A retry strategy needs a timeout"),
         ({"mode": "sideways"}, "mode must be OutputMode.ORDERED or OutputMode.UNORDERED"),
-        ({"retry": 3, "timeout": 1}, "retry must be a RetryStrategy"),
+        ({"retry": 3, "timeout": 1}, r"retry must be a RetryStrategy; got int\.$"),
+        # the class or a factory, not called: "got type" / "got method" said nothing more
+        (
+            {"retry": RetryStrategy, "timeout": 1},
+            r"; got type RetryStrategy: call it, such as retry=RetryStrategy\.fixed_delay\(3, "
+            r"0\.5\)\.$",
+        ),
+        (
+            {"retry": RetryStrategy.fixed_delay, "timeout": 1},
+            r"; got method RetryStrategy\.fixed_delay: call it, such as ",
+        ),
         ({"max_in_flight": 0}, r"from 1 to capacity \(100\), or None for capacity; got 0\.$"),
         ({"capacity": 8, "max_in_flight": 9}, "cannot exceed them: raise capacity too"),
         ({"max_in_flight": 2.0}, "max_in_flight must be an integer"),
