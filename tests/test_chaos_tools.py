@@ -1384,6 +1384,12 @@ def test_a_fault_of_a_kind_the_job_does_not_have_is_refused() -> None:
         r"zombie-commit\.",
     ):
         FaultSpec("crash_at", 5)
+    # a setting its kind does not take was dropped by wrap(), as the command line refuses it
+    with pytest.raises(ConfigurationError, match=r"^A crash-at fault takes no seconds \(only "):
+        FaultSpec("crash-at", 5, seconds=3.0)
+    with pytest.raises(ConfigurationError, match=r"^A delay-commit fault takes no wait \(only "):
+        FaultSpec("delay-commit", 2, seconds=1.0, wait=10.0)
+    assert FaultSpec("zombie-commit", 2, wait=10.0).wrap(enrich).max_wait == 10.0
 
 
 def test_a_fault_takes_spaces_around_its_settings() -> None:

@@ -87,7 +87,8 @@ class ChaosCheckError(StatefulAsyncError):
 class FaultSpec:
     """One ``--fault`` option: ``KIND=VALUE[,attempt=A][,partition=P]...``. ``kind`` is
     ``crash-at``, ``crash-commit``, ``delay-commit`` or ``zombie-commit``; any other raises
-    ``ConfigurationError``."""
+    ``ConfigurationError``, as do ``seconds`` on a kind but delay-commit and ``wait`` on a
+    kind but zombie-commit."""
 
     kind: str
     value: int
@@ -101,6 +102,17 @@ class FaultSpec:
         if self.kind not in FAULT_KINDS:
             raise ConfigurationError(
                 f"Unknown fault kind {self.kind!r}: use one of {', '.join(FAULT_KINDS)}."
+            )
+        # wrap() would drop them without a word, as the command line refuses them
+        if self.seconds != 0.0 and self.kind != "delay-commit":
+            raise ConfigurationError(
+                f"A {self.kind} fault takes no seconds (only delay-commit does); got "
+                f"seconds={self.seconds!r}."
+            )
+        if self.wait != 300.0 and self.kind != "zombie-commit":
+            raise ConfigurationError(
+                f"A {self.kind} fault takes no wait (only zombie-commit does); got "
+                f"wait={self.wait!r}."
             )
 
     @classmethod
