@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from stateful_async import ConfigurationError
-from stateful_async.chaos import MockService, MockServiceError, ServiceConfig
+from stateful_async.chaos import MockService, MockServiceError, ServiceConfig, ServiceEnrichment
 from stateful_async.chaos._service import main as service_main
 
 
@@ -371,3 +371,14 @@ def test_requests_in_flight_at_once_meet_the_faults_they_meet_one_at_a_time() ->
             thread.join(timeout=60)
         assert service.stats()["peak_in_flight"] > 1
         assert [at_once[k] for k in keys] == one_at_a_time
+
+
+async def test_a_service_enrichment_opened_twice_closes_its_first_session() -> None:
+    # before: the first aiohttp session was dropped unclosed ("Unclosed client session")
+    fn = ServiceEnrichment("http://127.0.0.1:9")
+    await fn.open()
+    first = fn._session
+    await fn.open()
+    assert first.closed and fn._session is not first and not fn._session.closed
+    await fn.close()
+    assert fn._session is None

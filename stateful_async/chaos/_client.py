@@ -46,6 +46,7 @@ class ServiceEnrichment(AsyncFunction[dict[str, Any], dict[str, Any]]):
     async def open(self) -> None:
         import aiohttp
 
+        await self.close()  # opened again (a reused operator): not a session left unclosed
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False),
             timeout=aiohttp.ClientTimeout(total=None),
