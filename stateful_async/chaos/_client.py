@@ -46,7 +46,8 @@ class ServiceEnrichment(AsyncFunction[dict[str, Any], dict[str, Any]]):
     async def open(self) -> None:
         import aiohttp
 
-        await self.close()  # opened again (a reused operator): not a session left unclosed
+        if self._session is not None:  # opened again: not a session left unclosed (not by
+            await self._session.close()  # self.close(), which a subclass may count)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False),
             timeout=aiohttp.ClientTimeout(total=None),
