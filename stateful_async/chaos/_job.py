@@ -784,19 +784,26 @@ def _task_attempts(spark: Any, settle: float, job_group: str | None) -> list[Tas
         time.sleep(0.2)
 
 
+def _report_path_problem(report: str) -> str | None:
+    """Why ``--report`` cannot be written at the end of the job, or None."""
+    folder = os.path.dirname(os.path.abspath(report))
+    if not os.path.isdir(folder):
+        return (
+            f"the report's folder {folder} does not exist; create it, or pass --report a "
+            "path in an existing folder"
+        )
+    if os.path.isdir(report):
+        return (
+            "it is a folder: pass --report the path of a file, such as "
+            f"{os.path.join(report, 'run.json')}"
+        )
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     options = parse_args(argv)
     if options.report:  # found now, not after the output is committed
-        folder = os.path.dirname(os.path.abspath(options.report))
-        problem = (
-            f"the report's folder {folder} does not exist; create it, or pass --report a "
-            "path in an existing folder"
-            if not os.path.isdir(folder)
-            else "it is a folder: pass --report the path of a file, such as "
-            f"{os.path.join(options.report, 'run.json')}"
-            if os.path.isdir(options.report)
-            else None
-        )
+        problem = _report_path_problem(options.report)
         if problem:
             print(f"error: {problem} (got {options.report!r})", file=sys.stderr)
             return 2
