@@ -730,10 +730,15 @@ class SubtaskLog:
         order; record values are dicts of ``input_schema``) and ``results`` (rows of
         ``output_schema`` emitted since ``parent``).
 
+        ``checkpoint_id`` (>= 1) and ``position`` (>= 0) are integers, numpy's too (stored,
+        and returned in the metadata, as Python ints).
+
         Raises ``CheckpointConflictError`` (and writes nothing) if this run already
         committed ``checkpoint_id`` or a later one.
         """
-        _check_commit_args(run_id, checkpoint_id, position, elements, input_seqs)
+        checkpoint_id, position = _check_commit_args(
+            run_id, checkpoint_id, position, elements, input_seqs
+        )
         if not isinstance(input_schema, pa.Schema) or not isinstance(output_schema, pa.Schema):
             raise CheckpointError("input_schema and output_schema must be pyarrow.Schema objects.")
         result_table = _as_result_table(results, output_schema)
@@ -1758,13 +1763,16 @@ def _check_commit_args(
     position: int,
     elements: Sequence[StreamElement],
     input_seqs: Sequence[int | None] | None,
-) -> None:
+) -> tuple[int, int]:
+    """The checkpoint id and position as plain ints (numpy's integers too, as everywhere
+    else); CheckpointError for an argument ``commit`` cannot take."""
     if not isinstance(run_id, str) or not run_id:
         raise CheckpointError(f"run_id must be a non-empty string; got {run_id!r}.")
-    if isinstance(checkpoint_id, bool) or not isinstance(checkpoint_id, int) or checkpoint_id < 1:
-        raise CheckpointError(f"checkpoint_id must be an integer >= 1; got {checkpoint_id!r}.")
-    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+    checkpoint_id = _checkpoint_id(checkpoint_id)
+    number = as_int(position)
+    if number is None or number < 0:
         raise CheckpointError(f"position must be an integer >= 0; got {position!r}.")
+    position = number
     for name, value in (("checkpoint_id", checkpoint_id), ("position", position)):
         if value > _INT64_MAX:  # pyarrow's bare "Python int too large to convert to C long"
             raise CheckpointError(
@@ -1775,6 +1783,7 @@ def _check_commit_args(
         raise CheckpointError(
             f"input_seqs has {len(input_seqs)} entries for {len(elements)} elements."
         )
+    return checkpoint_id, position
 
 
 def _int64_array(values: Sequence[int | None], name: str) -> pa.Array:

@@ -1034,6 +1034,43 @@ def test_commit_arguments_past_64_bits_are_refused_naming_them(
     assert snapshot.result_timestamps == [-(2**63)]
 
 
+def test_numpy_integers_are_taken_as_checkpoint_id_and_position(tmp_path: Path) -> None:
+    # commit() refused them ("checkpoint_id must be an integer >= 1; got np.int64(1).")
+    # where load(), subtask() and expire() take them
+    import numpy as np
+
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    meta = log.commit(
+        "run",
+        np.int64(1),
+        [StreamRecord({"id": 1, "label": "a"})],
+        input_schema=OUT,
+        output_schema=OUT,
+        position=np.int32(3),
+    )
+    assert (meta.checkpoint_id, meta.position) == (1, 3)
+    assert (type(meta.checkpoint_id), type(meta.position)) == (int, int)
+    assert log.last_committed_id("run") == 1
+    fresh = SnapshotStore(tmp_path).subtask("job", "op", 0).load(1).metadata
+    assert (fresh.checkpoint_id, fresh.position) == (1, 3)
+    for args, message in (
+        ({"checkpoint_id": np.int64(0)}, r"checkpoint_id must be an integer >= 1; got"),
+        ({"checkpoint_id": 2.0}, r"checkpoint_id must be an integer >= 1; got 2\.0\."),
+        ({"position": np.int64(-1)}, r"position must be an integer >= 0; got"),
+        ({"position": True}, r"position must be an integer >= 0; got True\."),
+    ):
+        given = {"checkpoint_id": 2, "position": 0, **args}
+        with pytest.raises(CheckpointError, match=message):
+            log.commit(
+                "run",
+                given.pop("checkpoint_id"),
+                [],
+                input_schema=OUT,
+                output_schema=OUT,
+                **given,
+            )
+
+
 def test_a_subtask_past_32_bits_is_refused_before_any_commit(tmp_path: Path) -> None:
     # It failed its first commit with pyarrow's "Value 2147483648 too large to fit in C
     # integer type"
