@@ -44,7 +44,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 from urllib.parse import unquote
 
 import pyarrow as pa
@@ -731,7 +731,9 @@ class SubtaskLog:
         ``output_schema`` emitted since ``parent``).
 
         ``checkpoint_id`` (>= 1) and ``position`` (>= 0) are integers, numpy's too (stored,
-        and returned in the metadata, as Python ints).
+        and returned in the metadata, as Python ints). ``properties`` (free-form labels, such
+        as the task attempt that wrote the checkpoint) map strings to strings; other keys or
+        values are refused.
 
         Raises ``CheckpointConflictError`` (and writes nothing) if this run already
         committed ``checkpoint_id`` or a later one.
@@ -739,6 +741,7 @@ class SubtaskLog:
         checkpoint_id, position = _check_commit_args(
             run_id, checkpoint_id, position, elements, input_seqs
         )
+        labels = _checked_properties(properties)
         if not isinstance(input_schema, pa.Schema) or not isinstance(output_schema, pa.Schema):
             raise CheckpointError("input_schema and output_schema must be pyarrow.Schema objects.")
         result_table = _as_result_table(results, output_schema)
@@ -776,7 +779,7 @@ class SubtaskLog:
             expired=False,
             created_at=created_at,
             library_version=library_version,
-            properties=dict(properties or {}),
+            properties=labels,
         )
         data = _checkpoint_rows(
             meta, elements, input_seqs, result_table, result_timestamps, input_schema, output_schema
@@ -1784,6 +1787,26 @@ def _check_commit_args(
             f"input_seqs has {len(input_seqs)} entries for {len(elements)} elements."
         )
     return checkpoint_id, position
+
+
+def _checked_properties(properties: Any) -> dict[str, str]:
+    """A commit's ``properties`` as a dict of strings to strings. Anything else is refused:
+    stored as JSON, a number came back as a number but a key as a string, and a value JSON
+    cannot hold failed the commit with a bare TypeError."""
+    if properties is None:
+        return {}
+    if not isinstance(properties, Mapping):
+        raise CheckpointError(
+            f"properties must be a dict of strings to strings, or None; got {properties!r}."
+        )
+    for key, value in properties.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise CheckpointError(
+                f"properties must be a dict of strings to strings, or None; got {key!r}: "
+                f"{value!r}. Convert keys and values with str() first: they are stored, and "
+                "read back, as strings."
+            )
+    return dict(properties)
 
 
 def _int64_array(values: Sequence[int | None], name: str) -> pa.Array:

@@ -1071,6 +1071,32 @@ def test_numpy_integers_are_taken_as_checkpoint_id_and_position(tmp_path: Path) 
             )
 
 
+@pytest.mark.parametrize(
+    ("properties", "message"),
+    [
+        ({"attempt": 1}, r"got 'attempt': 1\. Convert keys and values with str\(\) first"),
+        ({1: "x"}, r"got 1: 'x'\. Convert"),
+        ({"at": dt.datetime(2024, 1, 1)}, r"got 'at': datetime\.datetime\(2024"),
+        ([("a", "b")], r"properties must be a dict of strings to strings, or None; got \["),
+    ],
+    ids=["int-value", "int-key", "datetime", "pairs"],
+)
+def test_checkpoint_properties_that_are_not_strings_are_refused(
+    tmp_path: Path, properties: Any, message: str
+) -> None:
+    # {"attempt": 1} was committed and read back as 1 (a string key stayed a string), {1: "x"}
+    # as {"1": "x"} (while the returned metadata said {1: "x"}), and a datetime failed the
+    # commit with json's bare "Object of type datetime is not JSON serializable"
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    with pytest.raises(CheckpointError, match=message):
+        log.commit(
+            "run", 1, [], input_schema=OUT, output_schema=OUT, position=0, properties=properties
+        )
+    assert log.checkpoints() == []
+    log.commit("run", 1, [], input_schema=OUT, output_schema=OUT, position=0, properties={"a": "1"})
+    assert SnapshotStore(tmp_path).subtask("job", "op", 0).load(1).metadata.properties == {"a": "1"}
+
+
 def test_a_subtask_past_32_bits_is_refused_before_any_commit(tmp_path: Path) -> None:
     # It failed its first commit with pyarrow's "Value 2147483648 too large to fit in C
     # integer type"
