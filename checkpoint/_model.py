@@ -28,7 +28,8 @@ class CheckpointMetadata:
     """One committed checkpoint of one subtask.
 
     ``position`` is the number of input records the subtask had consumed at the barrier;
-    ``fingerprint`` identifies that consumed input. ``parent`` is the checkpoint this one
+    ``fingerprint`` identifies that consumed input (``InputFingerprint.hexdigest()``; ``""``
+    if the commit recorded none). ``parent`` is the checkpoint this one
     follows (the previous one of the run, or the checkpoint the run was restored from):
     the results of a checkpoint are those emitted since its parent, so restoring needs the
     results of the whole chain. ``final`` marks the checkpoint taken when the subtask's

@@ -733,7 +733,8 @@ class SubtaskLog:
         ``checkpoint_id`` (>= 1) and ``position`` (>= 0) are integers, numpy's too (stored,
         and returned in the metadata, as Python ints). ``properties`` (free-form labels, such
         as the task attempt that wrote the checkpoint) map strings to strings; other keys or
-        values are refused.
+        values are refused. ``fingerprint`` is a string (``InputFingerprint.hexdigest()``
+        of the input consumed, or the default ``""``: none recorded), never None.
 
         Raises ``CheckpointConflictError`` (and writes nothing) if this run already
         committed ``checkpoint_id`` or a later one.
@@ -742,6 +743,13 @@ class SubtaskLog:
             run_id, checkpoint_id, position, elements, input_seqs
         )
         labels = _checked_properties(properties)
+        if not isinstance(fingerprint, str):
+            # A None was stored as null and read back as "": the checkpoint then seemed to
+            # record an empty fingerprint, which no input has.
+            raise CheckpointError(
+                f'fingerprint must be a string (InputFingerprint.hexdigest(), or "" when none '
+                f"is recorded); got {fingerprint!r}."
+            )
         if not isinstance(input_schema, pa.Schema) or not isinstance(output_schema, pa.Schema):
             raise CheckpointError("input_schema and output_schema must be pyarrow.Schema objects.")
         result_table = _as_result_table(results, output_schema)

@@ -1097,6 +1097,24 @@ def test_checkpoint_properties_that_are_not_strings_are_refused(
     assert SnapshotStore(tmp_path).subtask("job", "op", 0).load(1).metadata.properties == {"a": "1"}
 
 
+@pytest.mark.parametrize("fingerprint", [None, 5, b"3:ab"])
+def test_a_fingerprint_that_is_no_string_is_refused(tmp_path: Path, fingerprint: Any) -> None:
+    # None was committed, returned as None, and read back as "" (5 failed with pyarrow's
+    # bare "Expected bytes, got a 'int' object")
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    message = r"fingerprint must be a string \(InputFingerprint.hexdigest\(\), or \"\" when none"
+    with pytest.raises(CheckpointError, match=message):
+        log.commit(
+            "run", 1, [], input_schema=OUT, output_schema=OUT, position=0, fingerprint=fingerprint
+        )
+    assert log.checkpoints() == []
+    digest = InputFingerprint().hexdigest()
+    log.commit("run", 1, [], input_schema=OUT, output_schema=OUT, position=0, fingerprint=digest)
+    log.commit("run", 2, [], input_schema=OUT, output_schema=OUT, position=0)
+    fresh = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    assert [m.fingerprint for m in fresh.checkpoints()] == [digest, ""]
+
+
 def test_a_subtask_past_32_bits_is_refused_before_any_commit(tmp_path: Path) -> None:
     # It failed its first commit with pyarrow's "Value 2147483648 too large to fit in C
     # integer type"
