@@ -734,7 +734,8 @@ class SubtaskLog:
         and returned in the metadata, as Python ints). ``properties`` (free-form labels, such
         as the task attempt that wrote the checkpoint) map strings to strings; other keys or
         values are refused. ``fingerprint`` is a string (``InputFingerprint.hexdigest()``
-        of the input consumed, or the default ``""``: none recorded), never None.
+        of the input consumed, or the default ``""``: none recorded), never None. ``parent``
+        is a ``CheckpointRef`` (the ``.ref`` of the checkpoint this one follows) or None.
 
         Raises ``CheckpointConflictError`` (and writes nothing) if this run already
         committed ``checkpoint_id`` or a later one.
@@ -743,6 +744,7 @@ class SubtaskLog:
             run_id, checkpoint_id, position, elements, input_seqs
         )
         labels = _checked_properties(properties)
+        parent = _checked_parent(parent)
         if not isinstance(fingerprint, str):
             # A None was stored as null and read back as "": the checkpoint then seemed to
             # record an empty fingerprint, which no input has.
@@ -1795,6 +1797,27 @@ def _check_commit_args(
             f"input_seqs has {len(input_seqs)} entries for {len(elements)} elements."
         )
     return checkpoint_id, position
+
+
+def _checked_parent(parent: Any) -> CheckpointRef | None:
+    """A commit's ``parent`` (its checkpoint id as a plain int); anything but a
+    ``CheckpointRef`` is refused: a tuple matched no checkpoint, and was said to have been
+    deleted by another run's retention."""
+    if parent is None:
+        return None
+    if not isinstance(parent, CheckpointRef):
+        raise CheckpointError(
+            f"parent must be a CheckpointRef (the .ref of the CheckpointMetadata of the "
+            f"checkpoint this one follows, or CheckpointRef(run_id, checkpoint_id)), or None; "
+            f"got {parent!r}."
+        )
+    if not isinstance(parent.run_id, str) or not parent.run_id:
+        raise CheckpointError(
+            f"parent's run_id must be a non-empty string; got {parent.run_id!r} in {parent!r}."
+        )
+    return CheckpointRef(
+        parent.run_id, _checkpoint_id(parent.checkpoint_id, "parent's checkpoint_id")
+    )
 
 
 def _checked_properties(properties: Any) -> dict[str, str]:

@@ -1115,6 +1115,36 @@ def test_a_fingerprint_that_is_no_string_is_refused(tmp_path: Path, fingerprint:
     assert [m.fingerprint for m in fresh.checkpoints()] == [digest, ""]
 
 
+@pytest.mark.parametrize(
+    ("parent", "message"),
+    [
+        (
+            ("run", 1),
+            r"parent must be a CheckpointRef \(the \.ref of .*got \('run', 1\)\.",
+        ),
+        ("run:1", r"parent must be a CheckpointRef .*got 'run:1'\."),
+        (CheckpointRef("run", "1"), r"parent's checkpoint_id must be an integer >= 1; got '1'\."),
+        (CheckpointRef(None, 1), r"parent's run_id must be a non-empty string; got None in"),
+    ],
+    ids=["tuple", "string", "string-id", "no-run"],
+)
+def test_a_parent_that_is_no_checkpoint_ref_is_refused_not_called_deleted(
+    tmp_path: Path, parent: Any, message: str
+) -> None:
+    # It was refused as "the checkpoint it follows, ('run', 1), has been deleted, most likely
+    # by the retention of another run of this job", which it was not
+    import numpy as np
+
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    first = commit(log, "run", 1)
+    with pytest.raises(CheckpointError, match=message) as info:
+        commit(log, "run", 2, parent=parent)
+    assert not isinstance(info.value, CheckpointNotFoundError)
+    assert [m.checkpoint_id for m in log.checkpoints()] == [1]
+    second = commit(log, "run", 2, parent=CheckpointRef("run", np.int64(1)))
+    assert second.parent == first.ref and type(second.parent.checkpoint_id) is int
+
+
 def test_a_subtask_past_32_bits_is_refused_before_any_commit(tmp_path: Path) -> None:
     # It failed its first commit with pyarrow's "Value 2147483648 too large to fit in C
     # integer type"
