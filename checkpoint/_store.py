@@ -47,6 +47,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 from urllib.parse import unquote
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
@@ -59,7 +60,7 @@ from deltalake.exceptions import (
 
 from stateful_async import StreamElement, StreamRecord, Watermark
 from stateful_async import __version__ as library_version
-from stateful_async._exceptions import as_int, as_seconds, id_ranges
+from stateful_async._exceptions import as_int, as_seconds, id_ranges, numpy_kind
 
 from . import _faults, _layout
 from ._exceptions import (
@@ -735,7 +736,8 @@ class SubtaskLog:
         as the task attempt that wrote the checkpoint) map strings to strings; other keys or
         values are refused. ``fingerprint`` is a string (``InputFingerprint.hexdigest()``
         of the input consumed, or the default ``""``: none recorded), never None. ``parent``
-        is a ``CheckpointRef`` (the ``.ref`` of the checkpoint this one follows) or None.
+        is a ``CheckpointRef`` (the ``.ref`` of the checkpoint this one follows) or None;
+        ``final`` a bool (numpy's too).
 
         Raises ``CheckpointConflictError`` (and writes nothing) if this run already
         committed ``checkpoint_id`` or a later one.
@@ -752,6 +754,10 @@ class SubtaskLog:
                 f'fingerprint must be a string (InputFingerprint.hexdigest(), or "" when none '
                 f"is recorded); got {fingerprint!r}."
             )
+        if not isinstance(final, bool) and not (numpy_kind(final) == "b" and np.ndim(final) == 0):
+            # None was returned as None and read back as False; "no" failed in pyarrow
+            raise CheckpointError(f"final must be True or False; got {final!r}.")
+        final = bool(final)
         if not isinstance(input_schema, pa.Schema) or not isinstance(output_schema, pa.Schema):
             raise CheckpointError("input_schema and output_schema must be pyarrow.Schema objects.")
         result_table = _as_result_table(results, output_schema)

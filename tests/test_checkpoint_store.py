@@ -1145,6 +1145,23 @@ def test_a_parent_that_is_no_checkpoint_ref_is_refused_not_called_deleted(
     assert second.parent == first.ref and type(second.parent.checkpoint_id) is int
 
 
+@pytest.mark.parametrize("final", [None, "no", 1])
+def test_a_final_flag_that_is_no_bool_is_refused(tmp_path: Path, final: Any) -> None:
+    # None was committed, returned as None and read back as False; "no" and 1 failed with
+    # pyarrow's bare "Could not convert 'no' with type str: tried to convert to boolean"
+    import numpy as np
+
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    with pytest.raises(CheckpointError, match=rf"final must be True or False; got {final!r}\."):
+        log.commit("run", 1, [], input_schema=OUT, output_schema=OUT, position=0, final=final)
+    assert log.checkpoints() == []
+    meta = log.commit(
+        "run", 1, [], input_schema=OUT, output_schema=OUT, position=0, final=np.bool_(True)
+    )
+    assert meta.final is True
+    assert SnapshotStore(tmp_path).subtask("job", "op", 0).load(1).metadata.final is True
+
+
 def test_a_subtask_past_32_bits_is_refused_before_any_commit(tmp_path: Path) -> None:
     # It failed its first commit with pyarrow's "Value 2147483648 too large to fit in C
     # integer type"
