@@ -729,7 +729,8 @@ class SubtaskLog:
     ) -> CheckpointMetadata:
         """Commit one checkpoint atomically: ``elements`` (the operator's snapshot, in queue
         order; record values are dicts of ``input_schema``) and ``results`` (rows of
-        ``output_schema`` emitted since ``parent``).
+        ``output_schema`` emitted since ``parent``: a pyarrow Table or RecordBatch, dicts,
+        or None for none).
 
         ``checkpoint_id`` (>= 1) and ``position`` (>= 0) are integers, numpy's too (stored,
         and returned in the metadata, as Python ints). ``properties`` (free-form labels, such
@@ -1787,6 +1788,11 @@ def _check_commit_args(
     else); CheckpointError for an argument ``commit`` cannot take."""
     if not isinstance(run_id, str) or not run_id:
         raise CheckpointError(f"run_id must be a non-empty string; got {run_id!r}.")
+    if not isinstance(elements, Sequence):
+        raise CheckpointError(
+            "elements must be a list of StreamRecord and Watermark elements (the operator's "
+            f"snapshot_state()); got {type(elements).__name__}."
+        )
     checkpoint_id = _checkpoint_id(checkpoint_id)
     number = as_int(position)
     if number is None or number < 0:
@@ -1875,12 +1881,26 @@ def _as_result_table(
                     f"{results.schema}\n  output schema: {schema}"
                 ) from exc
         return results
+    # pyarrow takes an iterable of anything: a string became one row of nulls per character
+    if isinstance(results, (str, bytes, Mapping)) or not isinstance(results, Iterable):
+        raise _not_rows(repr(results))
+    rows = list(results)
+    for row in rows:
+        if not isinstance(row, Mapping):
+            raise _not_rows(f"a {type(results).__name__} holding {row!r}")
     try:
-        return pa.Table.from_pylist(list(results), schema=schema)
+        return pa.Table.from_pylist(rows, schema=schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:
         raise UnsupportedTypeError(
             f"The results do not fit the output schema {schema}: {exc}"
         ) from exc
+
+
+def _not_rows(what: str) -> CheckpointError:
+    return CheckpointError(
+        "results must be a pyarrow Table or RecordBatch, a list of dicts (one per row of the "
+        f"output schema), or None; got {what[:200]}."
+    )
 
 
 def _struct_to_table(column: pa.ChunkedArray | pa.Array, schema: pa.Schema) -> pa.Table:

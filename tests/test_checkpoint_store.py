@@ -1162,6 +1162,37 @@ def test_a_final_flag_that_is_no_bool_is_refused(tmp_path: Path, final: Any) -> 
     assert SnapshotStore(tmp_path).subtask("job", "op", 0).load(1).metadata.final is True
 
 
+@pytest.mark.parametrize(
+    ("elements", "results", "message"),
+    [
+        (
+            [],
+            "abc",
+            r"results must be a pyarrow Table or RecordBatch, a list of dicts .* got 'abc'",
+        ),
+        ([], {"id": 1, "label": "x"}, r"results must be .*; got \{'id': 1, 'label': 'x'\}\."),
+        ([], [{"id": 1, "label": "x"}, 2], r"results must be .*; got a list holding 2\."),
+        (None, None, r"elements must be a list of StreamRecord and Watermark elements \(the "),
+    ],
+    ids=["string", "one-dict", "not-a-dict", "no-elements"],
+)
+def test_results_or_elements_that_are_not_rows_are_refused(
+    tmp_path: Path, elements: Any, results: Any, message: str
+) -> None:
+    # results="abc" was committed as three results of nulls; a dict (one row, not a list
+    # of them) failed with a bare "string indices must be integers", elements=None with
+    # "object of type 'NoneType' has no len()"
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    with pytest.raises(CheckpointError, match=message):
+        log.commit("run", 1, elements, results, input_schema=OUT, output_schema=OUT, position=0)
+    assert log.checkpoints() == []
+    rows = ({"id": i, "label": str(i)} for i in range(2))  # any iterable of dicts, as before
+    assert (
+        log.commit("run", 1, [], rows, input_schema=OUT, output_schema=OUT, position=0).result_count
+        == 2
+    )
+
+
 def test_a_subtask_past_32_bits_is_refused_before_any_commit(tmp_path: Path) -> None:
     # It failed its first commit with pyarrow's "Value 2147483648 too large to fit in C
     # integer type"
