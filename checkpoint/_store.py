@@ -1658,8 +1658,7 @@ class SnapshotStore:
         checkpoint_id: int,
         run_id: str | None = None,
     ) -> Snapshot:
-        self._require_job(job_id)
-        return self.subtask(job_id, operator_id, subtask).load(checkpoint_id, run_id)
+        return self._existing(job_id, operator_id, subtask).load(checkpoint_id, run_id)
 
     def restore(
         self,
@@ -1669,8 +1668,29 @@ class SnapshotStore:
         checkpoint_id: int,
         run_id: str | None = None,
     ) -> RestorePoint:
+        return self._existing(job_id, operator_id, subtask).restore(checkpoint_id, run_id)
+
+    def _existing(self, job_id: str, operator_id: str, subtask: int) -> SubtaskLog:
+        """The log of a subtask that has a table; else CheckpointNotFoundError naming the
+        job's operators, or the operator's subtasks (rather than "no checkpoint N of
+        subtask 5 ... Checkpoints that exist: none" for a job that has checkpoints)."""
         self._require_job(job_id)
-        return self.subtask(job_id, operator_id, subtask).restore(checkpoint_id, run_id)
+        log = self.subtask(job_id, operator_id, subtask)
+        if log.exists():
+            return log
+        if operator_id not in self.operators(job_id):
+            raise self._no_operator(job_id, operator_id)
+        raise CheckpointNotFoundError(
+            f"Operator {operator_id!r} of job {job_id!r} has no subtask {log.subtask} at "
+            f"{self.location}. Its subtasks: {id_ranges(self.subtasks(job_id, operator_id))}."
+        )
+
+    def _no_operator(self, job_id: str, operator_id: str) -> CheckpointNotFoundError:
+        operators = self.operators(job_id)
+        return CheckpointNotFoundError(
+            f"Job {job_id!r} has no operator {operator_id!r} at {self.location}. Its "
+            f"operators: {', '.join(operators) if operators else 'none'}."
+        )
 
     def expire(
         self, job_id: str, retain: int, operator_id: str | None = None, vacuum: bool = True
@@ -1719,11 +1739,7 @@ class SnapshotStore:
         if operator_id and not logs:
             # a mistyped operator id: expire() reported nothing expired, checkpoints() none
             _layout.check_name("operator id", operator_id)
-            operators = self.operators(job_id)
-            raise CheckpointNotFoundError(
-                f"Job {job_id!r} has no operator {operator_id!r} at {self.location}. Its "
-                f"operators: {', '.join(operators) if operators else 'none'}."
-            )
+            raise self._no_operator(job_id, operator_id)
         if len(logs) <= 1:
             return [fn(log) for log in logs]
         with ThreadPoolExecutor(

@@ -1222,6 +1222,30 @@ def test_an_unknown_operator_is_refused_naming_the_job_s_operators(tmp_path: Pat
     assert [m.checkpoint_id for m in store.checkpoints("job", "enrich")] == [1]
 
 
+def test_loading_from_an_unknown_operator_or_subtask_names_the_ones_there(
+    tmp_path: Path,
+) -> None:
+    # load("job", "typo", 0, 1) said "There is no checkpoint 1 of job 'job', operator
+    # 'typo', subtask 0 ... Checkpoints that exist: none." of a job that has checkpoints
+    store = SnapshotStore(tmp_path)
+    for subtask in (0, 1, 2, 4):
+        commit(store.subtask("job", "enrich", subtask), "run", 1)
+    for call in (store.load, store.restore):
+        with pytest.raises(
+            CheckpointNotFoundError,
+            match=r"Job 'job' has no operator 'typo' at .*\. Its operators: enrich\.",
+        ):
+            call("job", "typo", 0, 1)
+        with pytest.raises(
+            CheckpointNotFoundError,
+            match=r"Operator 'enrich' of job 'job' has no subtask 3 at .*\. Its subtasks: 0-2, 4\.",
+        ):
+            call("job", "enrich", 3, 1)
+    with pytest.raises(CheckpointNotFoundError, match=r"There is no checkpoint 2 of job 'job'"):
+        store.load("job", "enrich", 4, 2)
+    assert store.load("job", "enrich", 4, 1).metadata.subtask == 4
+
+
 def test_a_missing_location_is_a_clear_error(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "does-not-exist")
     with pytest.raises(CheckpointLocationError, match="does-not-exist does not exist"):
