@@ -1439,6 +1439,78 @@ def test_keys_to_crash_on_are_a_collection() -> None:
     with pytest.raises(ConfigurationError, match=r"a collection of keys, like \['12'\]"):
         CrashOnElement(enrich, at="12")
     assert CrashOnElement(enrich, at=range(3)).at == {0, 1, 2}
+    for at in (5, None):  # before, a bare TypeError: 'int' object is not iterable
+        with pytest.raises(ConfigurationError, match=r"a collection of keys, like \["):
+            CrashOnElement(enrich, at=at)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"are hashable .*; got \[\[1\]\]"):
+        CrashOnElement(enrich, at=[[1]])
+
+
+class Crashed(Exception):
+    pass
+
+
+def crashing_on(monkeypatch: pytest.MonkeyPatch, **settings: Any) -> CrashOnElement:
+    """An armed CrashOnElement (outside Spark: attempt 0) whose os._exit raises Crashed."""
+
+    def exit_(code: int) -> None:
+        raise Crashed(code)
+
+    monkeypatch.setattr(os, "_exit", exit_)
+    fault = CrashOnElement(enrich, **settings)
+    asyncio.run(fault.open())
+    return fault
+
+
+@pytest.mark.parametrize(
+    "at, rows, of",
+    [
+        (
+            ["5"],
+            [4, 5],
+            r"of type str \('5'\), but the rows' 'id' values are of type int, "
+            r"such as 4, which never equals them\. Give at the keys as the rows hold them, "
+            r"e\.g\. at=\[4\]\.",
+        ),
+        ([5], ["4", "5"], r"of type int \(5\), .* of type str, such as '4'"),
+        ([b"5"], ["5"], r"of type bytes \(b'5'\), .* of type str, such as '5'"),
+        ([5], [[4]], r"of type list, such as \[4\], which is not hashable"),
+    ],
+    ids=["str-keys-int-rows", "int-keys-str-rows", "bytes-keys-str-rows", "unhashable-rows"],
+)
+def test_a_crash_key_no_row_key_can_equal_is_refused(
+    monkeypatch: pytest.MonkeyPatch, at: list[Any], rows: list[Any], of: str
+) -> None:
+    # Before, the fault never fired (a str "5" never equals the int 5): a chaos test using it
+    # passed for the wrong reason.
+    fault = crashing_on(monkeypatch, at=at)
+    with pytest.raises(ConfigurationError, match=r"^CrashOnElement can never fire: .*" + of):
+        for key in rows:
+            asyncio.run(fault.async_invoke({"id": key}))
+
+
+def test_a_crash_key_of_a_type_that_compares_fires(monkeypatch: pytest.MonkeyPatch) -> None:
+    fault = crashing_on(monkeypatch, at=[5])
+    for key in (None, 4.0, 6):  # a null key, a float, an int: no crash, no error
+        assert asyncio.run(fault.async_invoke({"id": key})) == [{"id": key}]
+    with pytest.raises(Crashed):
+        asyncio.run(fault.async_invoke({"id": 5.0}))
+    fault = crashing_on(monkeypatch, at=["a", 5])  # mixed: the str keys are comparable
+    assert asyncio.run(fault.async_invoke({"id": "b"})) == [{"id": "b"}]
+
+
+def test_a_row_without_the_crash_key_field_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before, a bare KeyError: 'id'.
+    fault = crashing_on(monkeypatch, at=[5])
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^CrashOnElement's key_field is 'id', but a row it was asked to enrich has no "
+        r"such field \(its fields: 'key', 'name'\)\. Pass key_field= the name of the field",
+    ):
+        asyncio.run(fault.async_invoke({"key": 5, "name": "x"}))
+    disarmed = CrashOnElement(enrich, at=[5], attempt=1)  # never looks at the rows
+    asyncio.run(disarmed.open())
+    assert asyncio.run(disarmed.async_invoke({"key": 5})) == [{"key": 5}]
 
 
 def test_the_job_options_survive_the_command_line_exactly(tmp_path: Path) -> None:

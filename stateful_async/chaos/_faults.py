@@ -8,6 +8,7 @@ crash a task mid-partition and watch it resume.
 from __future__ import annotations
 
 import os
+import reprlib
 import time
 from typing import Any, Iterable
 
@@ -85,7 +86,12 @@ class _Wrapper(AsyncFunction[Any, Any]):
 class CrashOnElement(_Wrapper):
     """Wraps ``fn``; kills the worker process when invoked with a row whose ``key_field``
     is in ``at``, on task attempt ``attempt`` (default: the first) of ``partitions``
-    (default: any). Other calls go to ``fn`` unchanged."""
+    (default: any). Other calls go to ``fn`` unchanged.
+
+    The keys in ``at`` must be of a type the rows' keys can equal: where an armed fault
+    meets a key that none of ``at`` ever equals by its type (``at=["5"]`` with int ids, or
+    bytes against str: the fault would never fire), or a row without ``key_field``, it
+    raises ``ConfigurationError``. Each key type is checked once; a null key is not."""
 
     def __init__(
         self,
@@ -97,11 +103,18 @@ class CrashOnElement(_Wrapper):
         exit_code: int = 1,
     ) -> None:
         self.fn = as_async_function(fn)
-        if isinstance(at, (str, bytes)):  # frozenset("12") would be {"1", "2"}
+        # a str: frozenset("12") would be {"1", "2"}; a number or None: not a collection
+        if isinstance(at, (str, bytes)) or not isinstance(at, Iterable):
             raise ConfigurationError(
                 f"CrashOnElement's at is a collection of keys, like [{at!r}]; got {at!r}."
             )
-        self.at = frozenset(at)  # empty: disarmed, the function's name and cost kept
+        try:
+            self.at = frozenset(at)  # empty: disarmed, the function's name and cost kept
+        except TypeError as exc:  # an unhashable key, such as a list
+            raise ConfigurationError(
+                f"CrashOnElement's at holds keys a row's key field could equal, which are "
+                f"hashable (a str, a number, a tuple...); got {reprlib.repr(at)}: {exc}."
+            ) from None
         if not isinstance(key_field, str):
             raise ConfigurationError(
                 f"CrashOnElement's key_field is the name of a field; got {key_field!r}."
@@ -116,6 +129,7 @@ class CrashOnElement(_Wrapper):
             )
         self.exit_code = code
         self._armed = False
+        self._key_types: set[type] = set()  # the types of key seen, each checked once
 
     async def open(self) -> None:
         self._armed = _armed(self.attempt, self.partitions)
@@ -125,14 +139,74 @@ class CrashOnElement(_Wrapper):
         await self.fn.close()
 
     async def async_invoke(self, row: Any) -> Iterable[Any]:
-        if self._armed and row[self.key_field] in self.at:
-            os._exit(self.exit_code)  # the worker dies here, mid-partition
+        if self._armed and self.at:
+            key = self._key(row)
+            if type(key) not in self._key_types:
+                self._check_key_type(key)
+            if key in self.at:
+                os._exit(self.exit_code)  # the worker dies here, mid-partition
         return await self.fn.async_invoke(row)
+
+    def _key(self, row: Any) -> Any:
+        try:
+            return row[self.key_field]
+        except (LookupError, ValueError, TypeError):  # a pyspark Row raises ValueError
+            fields = list(row.keys()) if hasattr(row, "keys") else None
+            raise ConfigurationError(
+                f"CrashOnElement's key_field is {self.key_field!r}, but a row it was asked "
+                f"to enrich has no such field ("
+                + (
+                    f"its fields: {', '.join(map(repr, fields))}"
+                    if fields is not None
+                    else f"it is a {type(row).__name__}, {reprlib.repr(row)}"
+                )
+                + "). Pass key_field= the name of the field holding the keys in at."
+            ) from None
+
+    def _check_key_type(self, key: Any) -> None:
+        """Refuses a key that no key in ``at`` can ever equal, by its type (a str "5" never
+        equals the int 5): the fault would never fire, and the test using it would pass for
+        the wrong reason. Each type is checked once; None (a null key) never is."""
+        try:
+            hash(key)
+        except TypeError:
+            raise ConfigurationError(
+                f"CrashOnElement can never fire: the rows' {self.key_field!r} values are "
+                f"of type {type(key).__name__}, such as {reprlib.repr(key)}, which is not hashable "
+                "and never equals a key in at. Pass key_field= a field of str or number keys."
+            ) from None
+        if key is not None and key not in self.at:
+            if not any(_comparable(key, k) for k in self.at):
+                kinds = " and ".join(sorted({type(k).__name__ for k in self.at}))
+                raise ConfigurationError(
+                    f"CrashOnElement can never fire: its at holds keys of type {kinds} "
+                    f"({_some(self.at)}), but the rows' {self.key_field!r} values are of "
+                    f"type {type(key).__name__}, such as {key!r}, which never equals them. Give "
+                    f"at the keys as the rows hold them, e.g. at=[{key!r}]."
+                )
+        self._key_types.add(type(key))
 
     async def timeout(self, row: Any) -> Iterable[Any]:
         if has_timeout_handler(self.fn):
             return await self.fn.timeout(row)
         return await super().timeout(row)
+
+
+def _comparable(a: Any, b: Any) -> bool:
+    """Whether ``a == b`` compares the values: False when both sides' ``__eq__`` give up
+    (NotImplemented), as a str's and an int's do, and only identity would count."""
+    eq_a: Any = type(a).__eq__  # typeshed gives object.__eq__ one argument
+    eq_b: Any = type(b).__eq__
+    try:
+        return eq_a(a, b) is not NotImplemented or eq_b(b, a) is not NotImplemented
+    except Exception:  # an __eq__ that raises: it compares, in its way
+        return True
+
+
+def _some(keys: Iterable[Any]) -> str:
+    """A few of ``keys``, for a message."""
+    shown = sorted(map(repr, keys))
+    return ", ".join(shown[:3]) + (", ..." if len(shown) > 3 else "")
 
 
 class _CommitFault(_Wrapper):
