@@ -40,6 +40,8 @@ from stateful_async.chaos import (
     _cluster,
     _job,
     check_snapshot_store,
+    compare_outputs,
+    read_table_rows,
     to_argv,
 )
 from stateful_async.chaos import cluster as cluster_module
@@ -1511,6 +1513,32 @@ def test_a_row_without_the_crash_key_field_is_refused(monkeypatch: pytest.Monkey
     disarmed = CrashOnElement(enrich, at=[5], attempt=1)  # never looks at the rows
     asyncio.run(disarmed.open())
     assert asyncio.run(disarmed.async_invoke({"key": 5})) == [{"key": 5}]
+
+
+def test_compare_outputs_names_a_row_without_the_key(tmp_path: Path) -> None:
+    # Before, a bare KeyError: 'id' (and a TypeError sorting a None key among ints).
+    rows = [{"id": 1, "v": "a"}, {"id": 2, "v": "b"}]
+    for expected, actual, which in [
+        (rows, [rows[0], {"v": "b"}], "actual"),
+        ([*rows, {"key": 3}], rows, "expected"),
+    ]:
+        with pytest.raises(
+            ChaosCheckError,
+            match=rf"^A row of the {which} output has no 'id' field \(the key rows are "
+            r"matched by\): \{'(v|key)': .*\}\. Pass key= the field that identifies a row",
+        ):
+            compare_outputs(expected, actual)
+    with pytest.raises(ChaosCheckError, match=r"^A row of the actual output has an unhashable"):
+        compare_outputs(rows, [{"id": [1]}])
+    diff = compare_outputs([*rows, {"id": None}], [{"id": "1"}])
+    assert (diff.lost, diff.unexpected) == ([None, 1, 2], ["1"])
+
+    from deltalake import write_deltalake
+
+    write_deltalake(str(tmp_path / "t"), pa.table({"key": [2, 1]}))
+    with pytest.raises(ChaosCheckError, match=r"^A row of the Delta table at .* no 'id' field"):
+        read_table_rows(str(tmp_path / "t"))
+    assert read_table_rows(str(tmp_path / "t"), key="key") == [{"key": 1}, {"key": 2}]
 
 
 def test_the_job_options_survive_the_command_line_exactly(tmp_path: Path) -> None:

@@ -36,12 +36,13 @@ import argparse
 import contextlib
 import json
 import os
+import reprlib
 import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from .._exceptions import ConfigurationError, StatefulAsyncError, as_int, id_ranges
 from .._function import AsyncFunction
@@ -871,19 +872,51 @@ class OutputDiff:
 def compare_outputs(
     expected: Sequence[dict[str, Any]], actual: Sequence[dict[str, Any]], key: str = "id"
 ) -> OutputDiff:
-    """Compare two outputs row by row, matching rows by ``key``."""
-    want = {row[key]: row for row in expected}
+    """Compare two outputs row by row, matching rows by ``key``. A row without ``key``, or
+    whose key is not hashable, raises ``ChaosCheckError`` naming it. The diff's key lists
+    are sorted (keys of types that do not order together, such as None among ints, by type
+    name first)."""
+    want = {_row_key(row, key, "expected"): row for row in expected}
     if len(want) != len(expected):
         raise ChaosCheckError(f"The expected output has repeated {key!r} values.")
-    seen = Counter(row[key] for row in actual)
-    got = {row[key]: row for row in actual}
+    got_keys = [_row_key(row, key, "actual") for row in actual]
+    seen = Counter(got_keys)
+    got = dict(zip(got_keys, actual, strict=True))
     return OutputDiff(
-        lost=sorted(k for k in want if k not in seen),
-        duplicated=sorted(k for k, n in seen.items() if n > 1),
-        unexpected=sorted(k for k in seen if k not in want),
-        mismatched=sorted(k for k in want if k in got and seen[k] == 1 and got[k] != want[k]),
+        lost=_sorted_keys(k for k in want if k not in seen),
+        duplicated=_sorted_keys(k for k, n in seen.items() if n > 1),
+        unexpected=_sorted_keys(k for k in seen if k not in want),
+        mismatched=_sorted_keys(k for k in want if k in got and seen[k] == 1 and got[k] != want[k]),
         duplicates=sum(n - 1 for n in seen.values()),
     )
+
+
+def _row_key(row: Any, key: str, output: str) -> Any:
+    """``row[key]``, or a ``ChaosCheckError`` naming the row and the key."""
+    try:
+        value = row[key]
+        hash(value)
+    except (LookupError, TypeError, ValueError) as exc:
+        missing = not isinstance(exc, TypeError) or not hasattr(row, "keys") or key not in row
+        raise ChaosCheckError(
+            f"A row of the {output} output "
+            + (f"has no {key!r} field" if missing else f"has an unhashable {key!r}")
+            + f" (the key rows are matched by): {reprlib.repr(row)}. Pass key= the field "
+            "that identifies a row in both outputs."
+        ) from None
+    return value
+
+
+def _sorted_keys(items: Iterable[Any], by: Callable[[Any], Any] = lambda k: k) -> list[Any]:
+    """``items`` sorted by ``by``; keys that do not order with each other (None among ints,
+    str and int) by type name and then value, or else repr."""
+    listed = list(items)
+    for order in (by, lambda i: (type(by(i)).__name__, by(i)), lambda i: repr(by(i))):
+        try:
+            return sorted(listed, key=order)
+        except TypeError:
+            continue
+    return listed  # not reached: reprs order
 
 
 def read_table_rows(path: str, key: str = "id") -> list[dict[str, Any]]:
@@ -896,7 +929,7 @@ def read_table_rows(path: str, key: str = "id") -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = delta_dataset(DeltaTable(path)).to_table().to_pylist()
     except Exception as exc:
         raise ChaosCheckError(f"Cannot read the Delta table at {path}: {exc}") from exc
-    return sorted(rows, key=lambda r: r[key])
+    return _sorted_keys(rows, lambda row: _row_key(row, key, f"Delta table at {path}'s"))
 
 
 def request_repeats(counts: dict[str, int]) -> dict[str, int]:
