@@ -42,12 +42,18 @@ class ControlledFunction(AsyncFunction[Any, Any]):
     """Every call returns a future that the test resolves with ``complete`` or ``fail``.
 
     ``calls`` lists the values of every attempt in call order; ``pending(value)`` counts the
-    unresolved attempts of ``value``. Values must be hashable.
+    unresolved attempts of ``value``.
+
+    A call is matched by its value and its type: ``complete(1, ...)`` completes a call with
+    1, not one with ``True`` or ``1.0`` (which ``==`` 1). Values must be hashable: a call
+    with a dict or list value fails with ``TypeError`` saying so, as do ``complete``,
+    ``fail`` and ``pending`` given one; to key calls by a field of a dict row, override
+    ``async_invoke`` to call ``super().async_invoke(value["id"])``.
     """
 
     def __init__(self) -> None:
         self.calls: list[Any] = []
-        self._pending: dict[Any, deque[asyncio.Future[Any]]] = {}
+        self._pending: dict[tuple[type, Any], deque[asyncio.Future[Any]]] = {}
         self.opened = 0
         self.closed = 0
 
@@ -59,27 +65,29 @@ class ControlledFunction(AsyncFunction[Any, Any]):
 
     async def async_invoke(self, value: Any) -> Iterable[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        key = _call_key("async_invoke", value)
         self.calls.append(value)
-        self._pending.setdefault(value, deque()).append(future)
+        self._pending.setdefault(key, deque()).append(future)
         return await future
 
     def pending(self, value: Any) -> int:
-        return sum(1 for f in self._pending.get(value, ()) if not f.done())
+        return sum(1 for f in self._pending.get(_call_key("pending", value), ()) if not f.done())
 
     def pending_values(self) -> list[Any]:
-        return [v for v, fs in self._pending.items() for f in fs if not f.done()]
+        return _waiting(self._pending)
 
     def complete(self, value: Any, results: Iterable[Any]) -> None:
         """Resolve the oldest unresolved attempt of ``value`` with ``results``."""
-        self._next(value).set_result(_result_list("complete", "fail", results))
+        self._next(value, "complete").set_result(_result_list("complete", "fail", results))
 
     def fail(self, value: Any, error: BaseException | type[BaseException]) -> None:
         """Make the oldest unresolved attempt of ``value`` raise ``error`` (an exception, or
         an exception type, which asyncio instantiates)."""
-        self._next(value).set_exception(_exception("fail", "complete", error))
+        self._next(value, "fail").set_exception(_exception("fail", "complete", error))
 
-    def _next(self, value: Any) -> asyncio.Future[Any]:
-        return _oldest_waiting(self._pending.get(value, ()), "call", value, self.calls)
+    def _next(self, value: Any, method: str = "complete") -> asyncio.Future[Any]:
+        futures = self._pending.get(_call_key(method, value), ())
+        return _oldest_waiting(futures, "call", value, self.calls)
 
 
 class ControlledTimeoutFunction(ControlledFunction):
@@ -89,28 +97,32 @@ class ControlledTimeoutFunction(ControlledFunction):
     def __init__(self) -> None:
         super().__init__()
         self.timeout_calls: list[Any] = []
-        self._timeouts: dict[Any, deque[asyncio.Future[Any]]] = {}
+        self._timeouts: dict[tuple[type, Any], deque[asyncio.Future[Any]]] = {}
 
     async def timeout(self, value: Any) -> Iterable[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        key = _call_key("timeout", value)
         self.timeout_calls.append(value)
-        self._timeouts.setdefault(value, deque()).append(future)
+        self._timeouts.setdefault(key, deque()).append(future)
         return await future
 
+    def pending_timeout_values(self) -> list[Any]:
+        """The values of the timeout handler's unresolved calls (as ``pending_values``)."""
+        return _waiting(self._timeouts)
+
     def complete_timeout(self, value: Any, results: Iterable[Any]) -> None:
-        self._next_timeout(value).set_result(
+        self._next_timeout(value, "complete_timeout").set_result(
             _result_list("complete_timeout", "fail_timeout", results)
         )
 
     def fail_timeout(self, value: Any, error: BaseException | type[BaseException]) -> None:
-        self._next_timeout(value).set_exception(
+        self._next_timeout(value, "fail_timeout").set_exception(
             _exception("fail_timeout", "complete_timeout", error)
         )
 
-    def _next_timeout(self, value: Any) -> asyncio.Future[Any]:
-        return _oldest_waiting(
-            self._timeouts.get(value, ()), "timeout handler", value, self.timeout_calls
-        )
+    def _next_timeout(self, value: Any, method: str = "complete_timeout") -> asyncio.Future[Any]:
+        futures = self._timeouts.get(_call_key(method, value), ())
+        return _oldest_waiting(futures, "timeout handler", value, self.timeout_calls)
 
 
 def _result_list(method: str, fail: str, results: Iterable[Any]) -> list[Any]:
@@ -142,6 +154,24 @@ def _exception(
     )
 
 
+def _call_key(method: str, value: Any) -> tuple[type, Any]:
+    """What calls are matched by: the value and its type (1, 1.0 and True are equal, and
+    would be one dict key); an unhashable value is refused, saying what to do."""
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(
+            f"ControlledFunction matches calls by their value, which must be hashable; "
+            f"{method}() got {type(value).__name__} {reprlib.repr(value)}. To match dict rows "
+            "by a field, override async_invoke to call super().async_invoke(value['id'])."
+        ) from None
+    return type(value), value
+
+
+def _waiting(calls: dict[tuple[type, Any], deque[asyncio.Future[Any]]]) -> list[Any]:
+    return [key[1] for key, fs in calls.items() for f in fs if not f.done()]
+
+
 def _oldest_waiting(
     futures: Iterable[asyncio.Future[Any]], what: str, value: Any, calls: list[Any]
 ) -> asyncio.Future[Any]:
@@ -158,6 +188,13 @@ def _oldest_waiting(
             else "A timeout handler is called once the operator's clock reaches the element's "
             "deadline (a VirtualClock's: await clock.advance(...) to it)."
         )
+        others = [c for c in calls if c == value]  # of another type, as True for 1
+        if others:
+            when = (
+                f"Calls are matched by value and type: {others[0]!r} "
+                f"({type(others[0]).__name__}) equals {value!r} ({type(value).__name__}) but "
+                "is not the same call."
+            )
         raise AssertionError(
             f"No {what} for {value!r} is waiting: there has been none ({what} values so far: "
             f"{calls!r}). {when}"

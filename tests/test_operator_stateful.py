@@ -386,9 +386,6 @@ class Fatal(Exception):
 class SlowFallbackFunction(ControlledTimeoutFunction):
     """Its timeout handler waits for the test, so a handler and the attempt it replaces race."""
 
-    def pending_timeouts(self) -> list:
-        return [v for v, fs in self._timeouts.items() for f in fs if not f.done()]
-
 
 def shaped(results: list, shape: str):
     if shape == "tuple":
@@ -513,7 +510,7 @@ class FailureMachine(OperatorMachine):
     @precondition(lambda self: self.slow_fallback)
     @rule(data=st.data(), fail=st.booleans())
     def end_one_timeout_handler(self, data, fail: bool) -> None:
-        pending = sorted(set(self.fn.pending_timeouts()))
+        pending = sorted(set(self.fn.pending_timeout_values()))
         if not pending:
             return
         value = data.draw(st.sampled_from(pending))
@@ -578,7 +575,7 @@ class FailureMachine(OperatorMachine):
             for value in set(self.fn.pending_values()):
                 self.fn.complete(value, results_of(value))
             if self.slow_fallback:
-                for value in set(self.fn.pending_timeouts()):
+                for value in set(self.fn.pending_timeout_values()):
                     self.fn.complete_timeout(value, results_of(value))
             self.run(self.clock.advance(1.0))
         else:

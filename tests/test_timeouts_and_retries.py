@@ -1605,6 +1605,55 @@ async def test_a_controlled_function_completed_before_its_call_ran_says_to_settl
     assert [e.value for e in out] == ["A"]
 
 
+async def test_a_controlled_function_tells_equal_values_of_other_types_apart() -> None:
+    # before: 1, 1.0 and True were one value: complete(True, ...) completed the call with 1,
+    # and pending(1.0) counted it
+    fn = ControlledFunction()
+    out, op = make(fn, VirtualClock())
+    await op.open()
+    for value in (1, True):
+        await op.process_element(StreamRecord(value))
+    await settle()
+    assert (fn.pending(1), fn.pending(True), fn.pending(1.0)) == (1, 1, 0)
+    assert fn.pending_values() == [1, True]
+    with pytest.raises(
+        AssertionError,
+        match=r"^No call for 1\.0 is waiting: there has been none \(call values so far: "
+        r"\[1, True\]\)\. Calls are matched by value and type: 1 \(int\) equals 1\.0 \(float\) "
+        r"but is not the same call\.$",
+    ):
+        fn.complete(1.0, ["float"])
+    fn.complete(True, ["bool"])
+    fn.complete(1, ["int"])
+    await op.finish()
+    await op.close()
+    assert [e.value for e in out] == ["int", "bool"]
+
+
+async def test_a_controlled_function_refuses_an_unhashable_value_saying_why() -> None:
+    # before: the element failed with the function's "unhashable type: 'dict'", as if the
+    # function under test had failed, and pending({...}) raised the same bare TypeError
+    fn = ControlledFunction()
+    out, op = make(fn, VirtualClock())
+    await op.open()
+    await op.process_element(StreamRecord({"id": 1}))
+    await settle()
+    unhashable = (
+        r"^ControlledFunction matches calls by their value, which must be hashable; {}\(\) "
+        r"got dict \{{'id': 1\}}\. To match dict rows by a field, override async_invoke to "
+        r"call super\(\)\.async_invoke\(value\['id'\]\)\.$"
+    )
+    with pytest.raises(TypeError, match=unhashable.format("pending")):
+        fn.pending({"id": 1})
+    with pytest.raises(TypeError, match=unhashable.format("complete")):
+        fn.complete({"id": 1}, [])
+    with pytest.raises(AsyncFunctionError) as failed:  # the element's failure says why
+        await op.finish()
+    await op.close()
+    assert re.match(unhashable.format("async_invoke"), str(failed.value.__cause__))
+    assert (fn.calls, out) == ([], [])
+
+
 async def a_call_waiting_for_the_test() -> tuple[ControlledFunction, list, AsyncWaitOperator]:
     """An open operator whose ControlledFunction has a call for "a" waiting."""
     fn = ControlledFunction()
