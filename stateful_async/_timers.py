@@ -12,6 +12,7 @@ import asyncio
 import heapq
 import itertools
 import math
+import sys
 from fractions import Fraction
 from typing import Callable, Hashable, Protocol
 
@@ -147,8 +148,8 @@ class VirtualClock:
         return self._heap[0][0] if self._heap else None
 
     async def advance(self, seconds: float) -> None:
-        """Move time forward by ``seconds`` (a finite number >= 0), firing every wake-up
-        that falls due.
+        """Move time forward by ``seconds`` (a finite number >= 0, which keeps the clock
+        within the largest float), firing every wake-up that falls due.
 
         A wake-up that raises stops neither time nor the others, as on ``SystemClock``,
         whose loop reports a callback's exception and keeps going: every wake-up due by
@@ -186,7 +187,13 @@ class VirtualClock:
         if float(self._elapsed) != self._now:  # an advance stopped part-way (see above)
             self._elapsed = Fraction(self._now)
         elapsed = self._elapsed + Fraction(step)
-        target = float(elapsed)
+        try:
+            target = float(elapsed)
+        except OverflowError:  # a float holds no time that late
+            raise ValueError(
+                f"advance({seconds!r}) would move the virtual clock from {self._now!r} past the "
+                f"largest float ({sys.float_info.max!r}); advance it by less."
+            ) from None
         # A deadline computed as now() + delay in floats may lie a rounding error past the
         # steps that add up to it (0.6 + 1.1 is 1.7000000000000002; eleven advance(0.1)
         # from 0.6 reach 1.7): a wake-up within two units in the last place is due. No

@@ -1303,6 +1303,20 @@ async def test_a_virtual_clock_refuses_to_go_backwards_naming_the_step() -> None
     assert clock.now() == 3.0
 
 
+async def test_a_virtual_clock_refuses_to_advance_past_the_largest_float() -> None:
+    # before: a bare "OverflowError: integer division result too large for a float"
+    clock = VirtualClock(1e308)
+    with pytest.raises(
+        ValueError,
+        match=r"^advance\(1e\+308\) would move the virtual clock from 1e\+308 past the largest "
+        r"float \(1\.7976931348623157e\+308\); advance it by less\.$",
+    ):
+        await clock.advance(1e308)
+    assert clock.now() == 1e308
+    await clock.advance(1e307)  # it still works
+    assert clock.now() == 1.1e308
+
+
 @pytest.mark.parametrize("rounds", [0, -1, 2.5, True])
 async def test_settle_refuses_a_number_of_rounds_it_cannot_take(rounds) -> None:
     # before: 0 or -1 raised "did not settle within 0 rounds" of a loop with nothing to do
