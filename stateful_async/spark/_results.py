@@ -4,7 +4,8 @@
 pyarrow converts some values it cannot hold by dropping data (1.5 into a long becomes 1, a
 struct's unknown keys vanish, a Decimal written with more than 38 digits can become 0),
 reads some as something else (an epoch in seconds for a
-timestamp as microseconds, a string for an array as its characters) and lets a null into
+timestamp as microseconds, a string for an array as its characters, bytes for a string as
+UTF-8 text, when they are) and lets a null into
 a field the schema declares NOT NULL (which Spark's JVM then fails on with a bare stack
 trace): all are refused here.
 """
@@ -191,13 +192,18 @@ def _lossy_checks(
     )
 
 
-def _column_test(arrow_type: pa.DataType) -> Callable[[Iterable[Any]], bool]:
+def _column_test(arrow_type: pa.DataType, refused: bool = False) -> Callable[[Iterable[Any]], bool]:
     """See ``_lossy_checks``: whether a column's values are all of the types the field's
-    check always passes (None's included), or Decimals pyarrow reads right."""
+    check always passes (None's included), or Decimals pyarrow reads right (``refused``:
+    never for Decimals, whose check then says why pyarrow refused one)."""
     if pa.types.is_decimal(arrow_type):
-        return _read_right
+        return _never if refused else _read_right
     plain = frozenset({type(None), *_plain_types(arrow_type)})
     return lambda values: plain.issuperset(map(type, values))
+
+
+def _never(values: Iterable[Any]) -> bool:
+    return False
 
 
 def _child(units: Units, i: int) -> Units:
@@ -211,12 +217,19 @@ def _plain_types(arrow_type: pa.DataType) -> tuple[type, ...]:
         return (float, int)
     if _is_binary(arrow_type):
         return (bytes,)
+    if _is_string(arrow_type):
+        return (str,)
     return ()
 
 
 def _is_binary(arrow_type: pa.DataType) -> bool:
     """What Spark's BINARY arrives as (large with spark.sql.execution.arrow.useLargeVarTypes)."""
     return pa.types.is_binary(arrow_type) or pa.types.is_large_binary(arrow_type)
+
+
+def _is_string(arrow_type: pa.DataType) -> bool:
+    """What Spark's STRING arrives as (large with spark.sql.execution.arrow.useLargeVarTypes)."""
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
 
 
 def _is_single(arrow_type: pa.DataType) -> bool:
@@ -309,9 +322,7 @@ def _check_for(
         return check_struct
     if is_list_type(arrow_type):
         check_element = _check_for(arrow_type.value_type, _child(units, 0), refused)
-        # (of a batch that converted) Decimals pyarrow reads right: no Python call per element
-        decimals = pa.types.is_decimal(arrow_type.value_type) and not refused
-        read_right = _read_right if decimals else None
+        plain = _column_test(arrow_type.value_type, refused)  # no Python call per element
 
         def check_list(value: Any) -> _Loss | None:
             if isinstance(value, (set, frozenset)):  # pyarrow takes a set in its iteration order
@@ -325,7 +336,7 @@ def _check_for(
             if isinstance(value, dict):  # pyarrow refuses it; iterated, its keys would be blamed
                 reason = "an array field takes a list, not a dict: return [value] for one element"
                 return _Loss("", arrow_type, value, reason) if refused else None
-            if check_element is not None and not (read_right and read_right(value)):
+            if check_element is not None and not plain(value):
                 for i, element in enumerate(value):
                     if element is not None and (loss := check_element(element)):
                         return loss.under(f"[{i}]")
@@ -411,15 +422,28 @@ def _check_for(
             return _Loss("", arrow_type, value, _TEXT_BYTES) if isinstance(value, str) else None
 
         return check_binary
+    if _is_string(arrow_type):
+
+        def check_string(value: Any) -> _Loss | None:
+            # pyarrow decodes bytes as UTF-8, and refuses those that are not: a job would
+            # pass on some rows and fail on others, or store binary data as text
+            binary = isinstance(value, (bytes, bytearray, memoryview))
+            return _Loss("", arrow_type, value, _BYTES_TEXT) if binary else None
+
+        return check_string
     if pa.types.is_map(arrow_type):
         key = _check_for(arrow_type.key_type, _child(units, 0), refused)
         item = _check_for(arrow_type.item_type, _child(units, 1), refused)
+        plain_keys = _column_test(arrow_type.key_type, refused)
+        plain_items = _column_test(arrow_type.item_type, refused)
 
         def check_map(value: Any) -> _Loss | None:
             # pairs (not a dict) can repeat a key, and Spark's maps cannot: pyarrow would
             # make a map that reads one value or the other depending on how it is read
             if isinstance(value, dict):
-                if key is None and item is None:
+                if (key is None or plain_keys(value)) and (
+                    item is None or plain_items(value.values())
+                ):
                     return None
                 seen: set[Any] | None = None
             else:
@@ -462,6 +486,10 @@ _TEXT_BYTES = (
     "a BINARY field would store the text's UTF-8 bytes, and Spark refuses a str for one "
     "(in createDataFrame and a UDF's result): return bytes, e.g. value.encode() for its "
     "UTF-8 bytes or base64.b64decode(value) for base64 text, or declare the field STRING"
+)
+_BYTES_TEXT = (
+    "a STRING field takes text, not bytes (pyarrow would decode them as UTF-8, and refuse "
+    "those that are not): return value.decode() for UTF-8 text, or declare the field BINARY"
 )
 _SET_ORDER = (
     "an array field holds its elements in order, and a set's order is arbitrary (it can "

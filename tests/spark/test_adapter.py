@@ -2521,6 +2521,31 @@ def test_a_binary_field_refuses_a_str_as_spark_does(arrow_type, value, problem) 
 @pytest.mark.parametrize(
     ("arrow_type", "value", "problem"),
     [
+        # pyarrow decoded bytes that are UTF-8 and refused the others: a job passed on some
+        # rows and failed on others, or stored binary data as text
+        (pa.string(), b"abc", r"'r' \(string\) cannot hold b'abc' \(bytes\): a STRING field"),
+        (pa.string(), b"\xff", r"'r' \(string\) cannot hold b'\\xff' \(bytes\): a STRING"),
+        (pa.large_string(), bytearray(b"ab"), r"'r' \(large_string\) cannot hold"),
+        (pa.string(), memoryview(b"ab"), r"\(memoryview\): a STRING field"),
+        (pa.list_(pa.string()), ["a", b"b"], r"'r\[1\]' \(string\) cannot hold b'b'"),
+        (pa.list_(pa.string()), np.array([b"a"]), r"'r\[0\]' \(string\)"),  # numpy's |S1
+        (pa.struct([("s", pa.string())]), {"s": b"x"}, r"'r.s' \(string\)"),
+        (pa.map_(pa.string(), pa.string()), {"k": b"v"}, r"\"r\['k'\]\" \(string\)"),
+        (pa.map_(pa.string(), pa.int64()), {b"k": 1}, r"'r key' \(string\)"),
+        # text converts as it is
+        (pa.string(), "é", None),
+        (pa.string(), np.str_("é"), None),
+        (pa.list_(pa.string()), ["a", None], None),
+        (pa.map_(pa.string(), pa.string()), {"k": "v"}, None),
+    ],
+)
+def test_a_string_field_refuses_bytes_even_when_they_are_utf8(arrow_type, value, problem) -> None:
+    _converted(arrow_type, value, problem and problem + r".*value.decode\(\).*BINARY")
+
+
+@pytest.mark.parametrize(
+    ("arrow_type", "value", "problem"),
+    [
         # pyarrow's words: "Decimal type with precision 31 does not fit into precision
         # inferred from first array element: 38", for a Decimal the field cannot hold
         (pa.decimal128(38, 10), Decimal("1e30"), "holds 28 digit.s. before the point, and "
