@@ -321,7 +321,7 @@ def _names_alike(data_type: Any) -> tuple[str, str] | None:
 
 def _nested_types(data_type: Any, path: str = "") -> Iterator[tuple[str, Any]]:
     """``data_type`` and every type inside it, each with its path (``s.a``, ``tags[]``,
-    ``m{}`` for a map's values), outermost first."""
+    ``m{key}`` for a map's keys, ``m{}`` for its values), outermost first."""
     from pyspark.sql.types import ArrayType, MapType, StructType
 
     yield path, data_type
@@ -331,6 +331,7 @@ def _nested_types(data_type: Any, path: str = "") -> Iterator[tuple[str, Any]]:
     elif isinstance(data_type, ArrayType):
         yield from _nested_types(data_type.elementType, f"{path}[]")
     elif isinstance(data_type, MapType):
+        yield from _nested_types(data_type.keyType, f"{path}{{key}}")
         yield from _nested_types(data_type.valueType, f"{path}{{}}")
 
 
@@ -508,7 +509,8 @@ def _arrow_schema(struct: Any, what: str) -> pa.Schema:
         nested = (
             ""
             if path in struct.names
-            else " (inside a struct or an array: do it there, with withField or transform)"
+            else " (inside a struct, an array or a map: do it there, with withField, "
+            "transform, transform_keys or transform_values)"
         )
         raise ConfigurationError(
             f"The {what} field {path!r} is an {interval_type.simpleString()}, which Spark "

@@ -3164,6 +3164,38 @@ def test_char_and_varchar_fields_are_refused_with_the_string_type_to_use(spark) 
         spark.conf.unset("spark.sql.preserveCharVarcharTypeInfo")
 
 
+def test_types_spark_cannot_hand_to_arrow_are_found_in_map_keys_too() -> None:
+    # Map keys were skipped: a CHAR or YEAR-MONTH interval key got the bare "The output
+    # schema has a type Arrow cannot carry ([UNSUPPORTED_DATA_TYPE_FOR_ARROW_CONVERSION]
+    # VarcharType(3) ...)", and struct keys with names alike in case were not told of.
+    from pyspark.sql.types import (
+        IntegerType,
+        MapType,
+        StructField,
+        StructType,
+        VarcharType,
+        YearMonthIntervalType,
+    )
+
+    from stateful_async.spark._adapter import _arrow_schema, _names_alike
+
+    def refusal(key_type: Any) -> str:
+        struct = StructType([StructField("m", MapType(key_type, IntegerType()))])
+        with pytest.raises(ConfigurationError) as refused:
+            _arrow_schema(struct, "output")
+        return str(refused.value)
+
+    varchar = refusal(VarcharType(3))
+    assert varchar.startswith("The output field 'm{key}' is a varchar(3), which Spark cannot")
+    assert varchar.endswith("Declare it a string instead: `m` map<string,int>.")
+    interval = refusal(YearMonthIntervalType())
+    assert interval.startswith("The output field 'm{key}' is an interval year to month")
+    assert "transform_keys" in interval
+    alike = StructType([StructField("a", IntegerType()), StructField("A", IntegerType())])
+    struct = StructType([StructField("m", MapType(alike, IntegerType()))])
+    assert _names_alike(struct) == ("m{key}.a", "m{key}.A")
+
+
 def test_event_time_names_its_column_as_spark_does_ignoring_case(spark, tmp_path) -> None:
     # It was refused as "not in the DataFrame", although Spark resolves "TS" to ts.
     async def f(row):  # type: ignore[no-untyped-def]
@@ -3292,7 +3324,7 @@ def test_year_to_month_intervals_are_refused_with_an_expression_to_use(spark) ->
         ordered_wait(df.drop("iv"), f, "id long")
     text = str(refused.value)
     assert "The input field 's.ym' is an interval month" in text
-    assert "AS col first (inside a struct or an array: do it there, with withField or" in text
+    assert "AS col first (inside a struct, an array or a map: do it there, with withField," in text
     with pytest.raises(ConfigurationError) as refused:
         ordered_wait(df.select("id"), f, "id long, iv interval year to month")
     text = str(refused.value)
