@@ -6,6 +6,7 @@ import datetime as dt
 import math
 import numbers
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
@@ -441,6 +442,34 @@ def _with_strings(data_type: Any) -> Any:
     return data_type
 
 
+def _sql_type(data_type: Any) -> str:
+    """``data_type`` as Spark SQL reads it in a cast or a DDL string: its simpleString,
+    with a struct's field names in backticks where they hold more than letters, digits
+    and underscores (simpleString leaves ``struct<a b:string>``, which does not parse)."""
+    from pyspark.sql.types import ArrayType, MapType, StructType
+
+    if isinstance(data_type, StructType):
+        fields = (f"{_sql_name(f.name)}:{_sql_type(f.dataType)}" for f in data_type.fields)
+        return f"struct<{','.join(fields)}>"
+    if isinstance(data_type, ArrayType):
+        return f"array<{_sql_type(data_type.elementType)}>"
+    if isinstance(data_type, MapType):
+        return f"map<{_sql_type(data_type.keyType)},{_sql_type(data_type.valueType)}>"
+    return str(data_type.simpleString())
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _sql_name(name: str) -> str:
+    """A field name as Spark SQL reads it: as it is if plain, else in backticks."""
+    return name if _PLAIN_NAME.fullmatch(name) else _backticked(name)
+
+
+def _backticked(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
 _INTERVAL_FIELDS = {
     0: ("day", 86_400_000_000),
     1: ("hour", 3_600_000_000),
@@ -491,8 +520,8 @@ def _arrow_schema(struct: Any, what: str) -> pa.Schema:
     char = _char_field(struct)
     if char is not None:  # a DDL string's char(n), or a table's with preserveCharVarcharTypeInfo
         top, path, char_type = char
-        name = "`" + top.name.replace("`", "``") + "`"
-        as_string = _with_strings(top.dataType).simpleString()
+        name = _backticked(top.name)
+        as_string = _sql_type(_with_strings(top.dataType))
         raise ConfigurationError(
             f"The {what} field {path!r} is a {char_type.simpleString()}, which Spark cannot "
             "hand to Arrow (mapInArrow, which the adapter runs on, needs Arrow-compatible "

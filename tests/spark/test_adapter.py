@@ -3164,6 +3164,39 @@ def test_char_and_varchar_fields_are_refused_with_the_string_type_to_use(spark) 
         spark.conf.unset("spark.sql.preserveCharVarcharTypeInfo")
 
 
+def test_the_string_type_to_use_for_a_char_quotes_nested_names_that_need_it() -> None:
+    # The advice left nested names bare: cast(`s t` AS struct<a b:string,...>), which
+    # Spark cannot parse. (Followed on Spark, the quoted advice casts and declares.)
+    from pyspark.sql.types import (
+        ArrayType,
+        CharType,
+        IntegerType,
+        MapType,
+        StructField,
+        StructType,
+        VarcharType,
+    )
+
+    from stateful_async.spark._adapter import _arrow_schema
+
+    inner = StructType(
+        [
+            StructField("a b", CharType(3)),
+            StructField("c`d", ArrayType(VarcharType(2))),
+            StructField("e.f", MapType(VarcharType(2), IntegerType())),
+            StructField("plain_1", IntegerType()),
+        ]
+    )
+    quoted = "struct<`a b`:string,`c``d`:array<string>,`e.f`:map<string,int>,plain_1:int>"
+    for what, advice in [
+        ("input", f"Cast it to a string first: select cast(`s t` AS {quoted}) AS `s t`."),
+        ("output", f"Declare it a string instead: `s t` {quoted}."),
+    ]:
+        with pytest.raises(ConfigurationError) as refused:
+            _arrow_schema(StructType([StructField("s t", inner)]), what)
+        assert str(refused.value).endswith(advice), str(refused.value)
+
+
 def test_types_spark_cannot_hand_to_arrow_are_found_in_map_keys_too() -> None:
     # Map keys were skipped: a CHAR or YEAR-MONTH interval key got the bare "The output
     # schema has a type Arrow cannot carry ([UNSUPPORTED_DATA_TYPE_FOR_ARROW_CONVERSION]
