@@ -195,9 +195,12 @@ def _lossy_checks(
 def _column_test(arrow_type: pa.DataType, refused: bool = False) -> Callable[[Iterable[Any]], bool]:
     """See ``_lossy_checks``: whether a column's values are all of the types the field's
     check always passes (None's included), or Decimals pyarrow reads right (``refused``:
-    never for Decimals, whose check then says why pyarrow refused one)."""
+    never for Decimals and integers, whose checks then say why pyarrow refused one: too
+    many digits, or beyond the type's range)."""
+    if refused and (pa.types.is_decimal(arrow_type) or pa.types.is_integer(arrow_type)):
+        return _never
     if pa.types.is_decimal(arrow_type):
-        return _never if refused else _read_right
+        return _read_right
     plain = frozenset({type(None), *_plain_types(arrow_type)})
     return lambda values: plain.issuperset(map(type, values))
 
@@ -254,22 +257,26 @@ def _check_for(
     checks a batch that converted has no need of. Without, a DECIMAL's check finds only the
     values pyarrow read wrongly (see ``_DECIMAL_WIDTH``)."""
     if pa.types.is_integer(arrow_type):
+        low, high, beyond = _integer_range(arrow_type)
 
         def check_integer(value: Any) -> _Loss | None:
-            if type(value) is int:
+            if type(value) is int and not refused:
                 return None
             if isinstance(value, np.bool_):  # pyarrow refuses a bool, but takes numpy's as 1
                 return _Loss("", arrow_type, value, _BOOLEAN_NUMBER)
-            if isinstance(value, numbers.Integral):
-                return None
-            if isinstance(value, (numbers.Number, decimal.Decimal)):
+            if isinstance(value, bool) or not isinstance(value, (numbers.Number, decimal.Decimal)):
+                return None  # pyarrow refuses it outright
+            if not isinstance(value, numbers.Integral):
                 try:
-                    if value == int(value):  # type: ignore[arg-type]
-                        return None  # 2.0 is 2: pyarrow converts it without loss
+                    whole = value == int(value)  # type: ignore[arg-type]
                 except (ValueError, OverflowError, TypeError):
-                    pass  # nan, inf, complex
-                return _Loss("", arrow_type, value, "an integer field would truncate it")
-            return None  # anything else pyarrow refuses outright
+                    whole = False  # nan, inf, complex
+                if not whole:  # 2.0 is 2: pyarrow converts it without loss
+                    return _Loss("", arrow_type, value, "an integer field would truncate it")
+            # (of a value pyarrow refused) "Value 300 too large to fit in C integer type"
+            if refused and not low <= int(value) <= high:  # type: ignore[arg-type]
+                return _Loss("", arrow_type, value, beyond)
+            return None
 
         return check_integer
     if pa.types.is_struct(arrow_type):
@@ -802,6 +809,26 @@ def _numpy_unit(value: np.datetime64 | np.timedelta64, arrow_type: pa.DataType) 
         f"count of {arrow_type.unit} (or refuse it): convert it first, e.g. "
         f"values.astype('{kind}[{arrow_type.unit}]') for a numpy array"
     )
+
+
+_INTEGER_NAMES = {8: "TINYINT", 16: "SMALLINT", 32: "INT", 64: "BIGINT"}  # Spark's
+
+
+def _integer_range(arrow_type: pa.DataType) -> tuple[int, int, str]:
+    """The smallest and largest values of an integer type, and why a value beyond them
+    cannot go into it, saying what to declare."""
+    bits = arrow_type.bit_width
+    signed = pa.types.is_signed_integer(arrow_type)
+    low, high = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+    name = _INTEGER_NAMES[bits] if signed else str(arrow_type)
+    wider = [n for b, n in _INTEGER_NAMES.items() if b > bits]
+    advice = (
+        f"declare a wider integer type ({', '.join(wider)})"
+        if wider
+        else "declare the field DECIMAL(38,0), or DOUBLE if approximate will do"
+    )
+    article = "an" if name[0] in "AEIOU" else "a"
+    return low, high, f"{article} {name} field holds whole numbers from {low} to {high}: {advice}"
 
 
 def _pairs(value: Any) -> bool:

@@ -2546,6 +2546,28 @@ def test_a_string_field_refuses_bytes_even_when_they_are_utf8(arrow_type, value,
 @pytest.mark.parametrize(
     ("arrow_type", "value", "problem"),
     [
+        # pyarrow's "Value -129 too large to fit in C integer type", naming the whole struct
+        (pa.int8(), -129, r"'r' \(int8\) cannot hold -129 \(int\): a TINYINT field holds "),
+        (pa.int32(), 2**31, r"an INT field holds whole numbers from -2147483648 to 2147483647"),
+        (pa.int16(), np.int64(40_000), r"a SMALLINT field .*\(INT, BIGINT\)"),
+        (pa.int64(), 2**63, r"a BIGINT field .*declare the field DECIMAL\(38,0\)"),
+        (pa.int8(), 300.0, r"cannot hold 300.0 \(float\): a TINYINT field"),
+        (pa.struct([("l", pa.list_(pa.int8()))]), {"l": [1, 300]}, r"'r.l\[1\]' \(int8\)"),
+        (pa.map_(pa.int8(), pa.int8()), {1: 2, 300: 3}, r"'r key' \(int8\) cannot hold 300"),
+        (pa.map_(pa.string(), pa.int8()), {"k": 300}, r"\"r\['k'\]\" \(int8\) cannot hold 300"),
+        (pa.int8(), 127, None),
+        (pa.int8(), np.int64(-128), None),
+    ],
+)
+def test_an_integer_beyond_its_fields_range_is_named_with_the_range(
+    arrow_type, value, problem
+) -> None:
+    _converted(arrow_type, value, problem)
+
+
+@pytest.mark.parametrize(
+    ("arrow_type", "value", "problem"),
+    [
         # pyarrow's words: "Decimal type with precision 31 does not fit into precision
         # inferred from first array element: 38", for a Decimal the field cannot hold
         (pa.decimal128(38, 10), Decimal("1e30"), "holds 28 digit.s. before the point, and "
