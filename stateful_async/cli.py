@@ -9,7 +9,9 @@
 Errors in what the user asked for (a missing location, an unknown id, a function that
 cannot be imported, an output path that exists or cannot be written) print one clear message
 and exit with status 2; the demo exits with status 1 if its Spark job fails (PySpark's error,
-then where Spark's log is) or if a check it promises fails or cannot be made.
+then where Spark's log is) or if a check it promises fails or cannot be made. A command
+whose reader stops reading (``checkpoints list ... | head -1``) stops quietly with status 141
+(128 + SIGPIPE), as a Unix tool that SIGPIPE ends does.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import base64
 import datetime as dt
 import decimal
+import errno
 import importlib
 import inspect
 import json
@@ -59,10 +62,21 @@ checkpoints_app = typer.Typer(
 )
 app.add_typer(checkpoints_app, name="checkpoints")
 
-out = Console()
-err = Console(stderr=True)
+
+class _Console(Console):
+    """rich's Console, whose reader closing the pipe ends the command as a plain write's
+    does (_quiet_when_the_reader_leaves), not with rich's own exit, status 1."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more from this console
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
+out = _Console()
+err = _Console(stderr=True)
 
 USER_ERROR = 2
+CLOSED_PIPE = 128 + 13  # SIGPIPE's number (signal.SIGPIPE, which Windows has not)
 
 
 class Fail(Exception):
@@ -81,12 +95,38 @@ def _user_errors() -> Iterator[None]:
         raise typer.Exit(USER_ERROR) from None
 
 
+@contextmanager
+def _quiet_when_the_reader_leaves() -> Iterator[None]:
+    """Stop quietly, with status CLOSED_PIPE, when what reads stdout closes it (``| head``)
+    before all is written. Python ignores SIGPIPE, so the write raises BrokenPipeError:
+    Click took it for a failure (status 1, no word), and what stayed in stdout's buffer
+    failed again at exit ("Exception ignored ... BrokenPipeError")."""
+    try:
+        yield
+        sys.stdout.flush()  # what is buffered still: the reader may have left meanwhile
+    except BrokenPipeError:
+        # as Python's documentation of SIGPIPE advises: stdout to /dev/null, so that the
+        # flush at exit has nowhere to fail
+        with suppress(OSError, ValueError):  # (a stdout with no file descriptor: a test's)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, sys.stdout.fileno())
+            finally:
+                os.close(devnull)
+        raise typer.Exit(CLOSED_PIPE) from None
+
+
 class _Command(TyperCommand):
     """A command that reads its arguments once before Click does, to refuse with a clear
     message what Click would refuse with a puzzling one (a negative checkpoint id, which
     Click takes for an unknown option: "No such option: -1") or take without a word (an
     option that selects one thing given twice, of which Click keeps the last). With --help,
-    nothing is refused: the help is printed, for a negative id too."""
+    nothing is refused: the help is printed, for a negative id too. It stops quietly when
+    the reader of its output leaves (_quiet_when_the_reader_leaves)."""
+
+    def invoke(self, ctx: Any) -> Any:
+        with _quiet_when_the_reader_leaves():
+            return super().invoke(ctx)
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         if not ctx.resilient_parsing:  # (shell completion parses leniently)
@@ -257,7 +297,7 @@ StorageOpt = Annotated[
 # -- demo ------------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=_Command)
 def demo(
     rows: Annotated[
         int, typer.Option(help="Records to enrich (100 or more per partition).")
@@ -517,7 +557,7 @@ def _print_table(table: Table) -> None:
     if out.is_terminal and needed <= out.width:
         out.print(table)
         return
-    Console(width=max(out.width, measure.maximum)).print(table)
+    _Console(width=max(out.width, measure.maximum)).print(table)
 
 
 def _size(n: int) -> str:

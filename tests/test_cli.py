@@ -1081,6 +1081,42 @@ def test_an_unknown_location_is_a_clear_error(tmp_path, command) -> None:
     assert f"The checkpoint location {a_file} is a file, not a directory." in result.output
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["checkpoints", "list", "{}"],
+        ["checkpoints", "show", "{}", "2"],
+        ["checkpoints", "show", "{}", "2", "--format", "json"],
+        ["replay", "{}", "2", "--function", "replay_functions:echo"],
+    ],
+)
+def test_a_command_whose_reader_closes_the_pipe_stops_quietly_with_sigpipe_s_status(
+    checkpoints, functions, command
+) -> None:
+    # `stateful-async checkpoints list ... | head -1`: the command exited with status 1, as
+    # for a failure, where a Unix tool stops with 141 (128 + SIGPIPE); and what was left in
+    # stdout's buffer could fail again at exit ("Exception ignored ... BrokenPipeError").
+    import signal
+    import subprocess
+    import sys
+
+    location, _ = checkpoints
+    read, write = os.pipe()
+    os.close(read)  # a reader that has left before the first line
+    try:
+        args = [str(location) if a == "{}" else a for a in command]
+        done = subprocess.run(
+            [sys.executable, "-m", "stateful_async.cli", *args],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (128 + signal.SIGPIPE, "")
+
+
 def test_an_unknown_id_lists_the_ids_that_exist(checkpoints) -> None:
     location, _ = checkpoints
     result = invoke("checkpoints", "show", str(location), "7")
