@@ -682,6 +682,9 @@ def show_checkpoint(
     with _user_errors():
         store = _store(location, storage_option)
         snapshots = _snapshots(store, _job(store, job), checkpoint_id, operator, partition, run)
+        # each row as replay gives it to the function (MAP values as dicts), so that the two
+        # write a value alike
+        shown = [(s, _as_the_function_sees_them(store, s)) for s in snapshots]
         if format is Format.json:
             payload = [
                 {
@@ -701,14 +704,14 @@ def show_checkpoint(
                             "timestamp": e.timestamp,
                             "value": None if _is_watermark(e) else e.value,
                         }
-                        for e, seq in zip(s.elements, s.input_seqs, strict=True)
+                        for e, seq in zip(elements, s.input_seqs, strict=True)
                     ],
                 }
-                for s in snapshots
+                for s, elements in shown
             ]
             sys.stdout.write(_to_json(payload, indent=2) + "\n")
             return
-        for s in snapshots:
+        for s, elements in shown:
             m = s.metadata
             watermarks = sum(map(_is_watermark, s.elements))
             records = len(s.elements) - watermarks
@@ -734,7 +737,7 @@ def show_checkpoint(
             table = Table()
             for column in ("#", "kind", "input seq", "timestamp", "value"):
                 table.add_column(column)
-            for i, (e, seq) in enumerate(zip(s.elements, s.input_seqs, strict=True)):
+            for i, (e, seq) in enumerate(zip(elements, s.input_seqs, strict=True)):
                 table.add_row(
                     str(i),
                     "watermark" if _is_watermark(e) else "record",
@@ -1023,8 +1026,9 @@ def _os_reason(exc: OSError) -> str:
 
 
 def _as_the_function_sees_them(store: Any, snapshot: Any) -> list[Any]:
-    """A snapshot's elements with each record's row as a Spark job's function receives it:
-    the store gives ``MAP`` values as pyarrow does, as lists of (key, value) pairs."""
+    """A snapshot's elements with each record's row as a Spark job's function receives it
+    (what replay calls the function with, and show writes): the store gives ``MAP`` values
+    as pyarrow does, as lists of (key, value) pairs."""
     from . import StreamRecord
     from .spark._task import _argument_maker
 

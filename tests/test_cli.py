@@ -659,6 +659,37 @@ def test_replay_hands_map_values_to_the_function_as_dicts(tmp_path, functions) -
     assert json.loads(result.stdout.splitlines()[0]) == {"id": 7, "greeting": "seven"}
 
 
+def test_show_and_replay_write_map_values_alike(tmp_path, functions) -> None:
+    # show wrote the store's (key, value) pairs, [["en", "seven"], ...], where replay wrote
+    # the dict the function receives, {"en": "seven", ...}: one row, two renderings.
+    by_key = pa.map_(pa.string(), pa.string())
+    SnapshotStore(tmp_path / "ckpt").subtask("job", "enrich", 0).commit(
+        "run",
+        2,
+        [StreamRecord({"id": 7, "names": {"en": "seven"}, "daily": [[(1, 1.5)]]})],
+        [],
+        input_schema=pa.schema(
+            [
+                ("id", pa.int64()),
+                ("names", by_key),
+                ("daily", pa.list_(pa.map_(pa.int32(), pa.float64()))),
+            ]
+        ),
+        output_schema=OUTPUT,
+        position=1,
+    )
+    wanted = {"id": 7, "names": {"en": "seven"}, "daily": [{"1": 1.5}]}
+    replayed = replay(tmp_path / "ckpt", "replay_functions:echo")
+    assert replayed.exit_code == 0, replayed.output
+    assert json.loads(replayed.stdout.splitlines()[0]) == wanted
+    shown = invoke("checkpoints", "show", str(tmp_path / "ckpt"), "2", "--format", "json")
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout)[0]["elements"][0]["value"] == wanted
+    table = invoke("checkpoints", "show", str(tmp_path / "ckpt"), "2")
+    assert table.exit_code == 0, table.output
+    assert json.dumps(wanted) in table.stdout
+
+
 def test_replay_writes_json_for_map_values_whose_keys_are_not_strings(tmp_path, functions) -> None:
     # A Spark job's MAP<DATE, ...> (or a binary, decimal, timestamp key) reaches the function
     # as a dict with such keys: writing its results raised "keys must be str, int, float,
