@@ -578,7 +578,7 @@ def list_checkpoints(
     """A table of checkpoints: one row per (job, run, id), summed over partitions."""
     with _user_errors():
         store = _store(location, storage_option)
-        jobs = [_job(store, job)] if job else _jobs(store)
+        jobs = _jobs(store) if job is None else [_job(store, job)]
         groups: dict[tuple[str, str, str, int], dict[str, Any]] = {}
         for name in jobs:
             found = store.map_subtasks(
@@ -612,7 +612,7 @@ def list_checkpoints(
                         g["unsized"] += 1
                     g["final"] += meta.final
                     g["expired"] += meta.expired
-        if not groups and job:  # the location may hold other jobs' checkpoints
+        if not groups and job is not None:  # the location may hold other jobs' checkpoints
             raise Fail(
                 f"Job {job} has no checkpoints left at {store.location} (all deleted, as "
                 "by `checkpoints expire --retain 0`)."

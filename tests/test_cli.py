@@ -1390,9 +1390,11 @@ def test_a_storage_option_given_twice_with_different_values_is_refused(checkpoin
 
 def test_an_unknown_job_lists_the_jobs(checkpoints) -> None:
     location, _ = checkpoints
-    result = invoke("checkpoints", "list", str(location), "--job", "other")
-    assert result.exit_code == 2
-    assert "Job 'other' has no checkpoints" in result.output and "Jobs there: job" in result.output
+    for other in ("other", ""):  # an empty one (a script's unset variable) too: it listed all
+        result = invoke("checkpoints", "list", str(location), "--job", other)
+        assert result.exit_code == 2, result.output
+        assert f"Job '{other}' has no checkpoints" in result.output
+        assert "Jobs there: job" in result.output
 
 
 def test_help_names_every_command() -> None:
