@@ -75,6 +75,14 @@ class _Console(Console):
 out = _Console()
 err = _Console(stderr=True)
 
+
+def _say(console: Console, text: str, highlight: bool = True) -> None:
+    """``text`` (markup) as one line in a pipe or file, where rich would cut it at 80
+    columns mid-sentence (a path too: a log's reader, or grep, found neither whole); a
+    terminal gets it wrapped at words, at its width."""
+    console.print(text, highlight=highlight, soft_wrap=not console.is_terminal)
+
+
 USER_ERROR = 2
 CLOSED_PIPE = 128 + 13  # SIGPIPE's number (signal.SIGPIPE, which Windows has not)
 
@@ -720,8 +728,9 @@ def show_checkpoint(
                 for n, kind in ((records, "record"), (watermarks, "watermark"))
                 if n
             ]
-            # a line of its own (a table's title wraps at the table's width), whole in a pipe
-            out.print(
+            # a line of its own (a table's title wraps at the table's width)
+            _say(
+                out,
                 escape(
                     f"{'Final checkpoint' if m.final else 'Checkpoint'} {m.checkpoint_id} of job "
                     f"{m.job_id}, partition {m.subtask} (run {m.run_id}): "
@@ -729,7 +738,6 @@ def show_checkpoint(
                     f"{m.position:,}"
                 ),
                 highlight=False,
-                soft_wrap=not out.is_terminal,
             )
             if not s.elements:
                 continue
@@ -801,7 +809,7 @@ def expire_checkpoints(
             f"that never completed), older than {hours} hour(s), deleted."
         )
         if failed:
-            out.print(orphan_line)
+            _say(out, orphan_line)
             _fail_in_tables(
                 failed,
                 len(orphans) + len(failed),
@@ -818,14 +826,15 @@ def expire_checkpoints(
         whose = f"Job {name}" + (
             f", {len(done)} of {len(done) + len(failed)} partition(s)" if failed else ""
         )
-        out.print(
+        _say(
+            out,
             f"{escape(whose)}: {sum(len(set(e)) for e in expired.values())} checkpoint(s) "
             f"expired ({sum(map(len, expired.values()))} partition snapshot(s); state dropped, "
             f"results kept for later checkpoints), {sum(len(set(d)) for d in deleted.values())} "
             f"deleted ({sum(map(len, deleted.values()))} partition snapshot(s)), "
-            f"{sum(r.files_removed for r in done.values())} file(s) removed from storage."
+            f"{sum(r.files_removed for r in done.values())} file(s) removed from storage.",
         )
-        out.print(orphan_line)
+        _say(out, orphan_line)
         if failed:
             _fail_in_tables(
                 failed,
@@ -933,7 +942,7 @@ def replay(
                 sys.stdout.write(line + "\n")
         elif output.suffix == ".parquet" and not results:
             # no rows, no schema: an empty file without columns would only mislead
-            err.print(f"No results, so no Parquet file was written to {escape(str(output))}.")
+            _say(err, f"No results, so no Parquet file was written to {escape(str(output))}.")
         elif output.suffix == ".parquet":
             import pyarrow as pa
             import pyarrow.parquet as pq
@@ -954,11 +963,12 @@ def replay(
                 text = "".join(line + "\n" for line in lines)
             _write(output, "x", lambda handle: handle.write(text))
         records = sum(1 for s in snapshots for e in s.elements if not _is_watermark(e))
-        err.print(
+        _say(
+            err,
             f"Replayed checkpoint {checkpoint_id} {_of_runs(snapshots)}: {records} in-flight "
             "record(s) of "
             f"{len(snapshots)} partition(s) gave {len(results)} result(s)"
-            + (f", written to {escape(str(output))}." if output and results else ".")
+            + (f", written to {escape(str(output))}." if output and results else "."),
         )
 
 

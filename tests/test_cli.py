@@ -272,6 +272,30 @@ def test_expire_keeps_the_newest_and_reports(checkpoints) -> None:
     assert "checkpoint 7 of job job" in invoke("checkpoints", "show", str(location), "7").output
 
 
+def test_summaries_are_whole_lines_in_a_pipe(checkpoints, functions, tmp_path) -> None:
+    # rich cut them at 80 columns mid-sentence, and a path with them: "... gave \n12
+    # result(s), written to /tmp/pytest-.../re\nplayed.jsonl." (a log's reader, or grep,
+    # found neither whole)
+    location, _ = checkpoints
+    written = tmp_path / "a directory with a rather long name" / "replayed.jsonl"
+    written.parent.mkdir()
+    result = replay(location, "replay_functions:echo", "--output", str(written))
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        "Replayed checkpoint 2 of run run: 12 in-flight record(s) of 2 partition(s) gave 12 "
+        f"result(s), written to {written}."
+    ]
+    result = invoke("checkpoints", "expire", str(location), "--retain", "1")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        "Job job: 1 checkpoint(s) expired (2 partition snapshot(s); state dropped, results "
+        "kept for later checkpoints), 0 deleted (0 partition snapshot(s)), 2 file(s) removed "
+        "from storage.",
+        "0 file(s) no checkpoint used (left by commits that never completed), older than 24 "
+        "hour(s), deleted.",
+    ]
+
+
 def test_expire_deletes_files_no_checkpoint_uses_once_older_than_the_grace_period(
     checkpoints,
 ) -> None:
