@@ -947,6 +947,13 @@ def replay(
             import pyarrow as pa
             import pyarrow.parquet as pq
 
+            row = next((r for r in results if not isinstance(r, dict)), None)
+            if row is not None:  # (pyarrow: "'set' object has no attribute 'keys'")
+                raise Fail(
+                    f"A Parquet file takes results that are dicts, one a row; the function "
+                    f"gave a {type(row).__name__}: {row!r:.200}. Return dicts, or write the "
+                    "results as JSON lines instead (--output with .jsonl)."
+                )
             try:
                 table = pa.Table.from_pylist(results)
             except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:

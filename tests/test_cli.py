@@ -128,6 +128,9 @@ REPLAY_MODULE = textwrap.dedent(
     async def echo(row):
         return [row]
 
+    async def gives_a_set(row):
+        return [{1, 2}]
+
     async def nothing(row):
         return []
 
@@ -1064,6 +1067,15 @@ def test_replay_to_parquet_of_results_with_mixed_types_says_to_use_json_lines(
     assert result.exit_code == 2, result.output
     assert "do not fit one Parquet schema" in result.output
     assert "(--output with .jsonl)" in " ".join(result.output.split())
+    assert not target.exists()
+    # results that are no dicts: a traceback of pyarrow's ("'set' object has no attribute
+    # 'keys'"), status 1
+    result = replay(location, "replay_functions:gives_a_set", "--output", str(target))
+    assert result.exit_code == 2, result.output
+    assert (
+        "A Parquet file takes results that are dicts, one a row; the function gave a set: "
+        "{1, 2}. Return dicts, or write the results as JSON lines instead (--output with .jsonl)."
+    ) in " ".join(result.output.split())
     assert not target.exists()
 
 
