@@ -303,6 +303,7 @@ def pyflink_part(quick: bool) -> dict[str, Any]:
         if best is None or result["rows_per_s"] > best["rows_per_s"]:
             best = result
     assert best is not None
+    best["runs"] = 1 if quick else 2
     return best
 
 
@@ -366,6 +367,32 @@ def ok(part: Any) -> bool:
 
 def fmt_rate(value: float) -> str:
     return f"{value:,.0f}"
+
+
+def best_of(runs: int, unit: str = "") -> str:
+    """Which run a figure is: "best of 2" (``unit`` " runs": "best of 2 runs"), or "one run"."""
+    return f"best of {runs}{unit}" if runs > 1 else "one run"
+
+
+def pyflink_runs(results: dict[str, Any]) -> int:
+    """How many PyFlink runs its figures are the best of (a run saved before pyflink_part
+    recorded it: two, one in --quick)."""
+    return int(results.get("pyflink", {}).get("runs", 1 if results.get("quick") else 2))
+
+
+def runs_of(rows: list[dict[str, Any]]) -> str:
+    """Which run of each case a table of best runs shows: "`ordered_wait` best of 2, the
+    others once", from the runs each case made."""
+    repeated = [f"`{r['case']}` best of {len(r['runs_s'])}" for r in rows if len(r["runs_s"]) > 1]
+    if not repeated:
+        return "each once"
+    once = len(repeated) < len(rows)
+    return ", ".join(repeated) + (", the others once" if once else "")
+
+
+def joined(items: list[str]) -> str:
+    """["1", "8", "32"] as "1, 8 and 32"."""
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
 
 
 def pct(value: float) -> str:
@@ -464,8 +491,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             measured = (
                 f"{raw:.2f}x rows/s ({fmt_rate(ours)}, median of "
                 f"{spark.get('throughput_repeat', spark['repeat'])}, vs "
-                f"{fmt_rate(pyflink['rows_per_s'])}, PyFlink's steady state, best of "
-                f"{1 if results.get('quick') else 2})"
+                f"{fmt_rate(pyflink['rows_per_s'])}, PyFlink's steady state, "
+                f"{best_of(pyflink_runs(results))})"
             )
             if pyflink.get("rows_per_cpu_s"):
                 measured += (
@@ -623,8 +650,8 @@ def render(results: dict[str, Any], plots: Path, doc_dir: Path) -> str:
     )
     if results.get("quick"):
         add(
-            "> **This report comes from a `--quick` smoke run: inputs are small, each case ran "
-            "once, and the figures are not meaningful.**\n"
+            "> **This report comes from a `--quick` smoke run: inputs are small, cases ran "
+            "once or a few times, and the figures are not meaningful.**\n"
         )
 
     add("## The machine\n")
@@ -693,6 +720,15 @@ def failed(part: Any) -> str:
 
 def section_operator(results: dict[str, Any], figures: dict[str, str], rel: str) -> str:
     op = results.get("operator")
+    # sleep20ms runs a number of elements per unit of capacity: 100 (25 in --quick)
+    per_capacity = next(
+        (
+            r["elements"] // r["capacity"]
+            for r in (op.get("throughput") or [] if ok(op) else [])
+            if r["function"] == "sleep20ms"
+        ),
+        100,
+    )
     lines = [
         "## 1. Operator overhead — `benchmarks/operator_bench.py`\n",
         "`AsyncWaitOperator` against the leanest hand-written bounded asyncio loop running "
@@ -701,7 +737,8 @@ def section_operator(results: dict[str, Any], figures: dict[str, str], rel: str)
         "- unordered: a semaphore bounds the tasks in flight, results taken as they complete.\n",
         "Functions: `noop` returns at once (pure overhead); `sleep20ms` awaits "
         "`asyncio.sleep(0.02)` (a 20 ms service that costs no CPU). Capacities 10, 100, 1000; "
-        "`sleep20ms` runs `capacity x 100` elements (about 2 s at the Little's-law rate). "
+        f"`sleep20ms` runs `capacity x {per_capacity}` elements (about "
+        f"{per_capacity * 0.02:g} s at the Little's-law rate). "
         "Each pair runs interleaved, best of each kept. Ratio = operator / hand-written "
         "(1.0 = no overhead; target >= 0.8).\n",
     ]
@@ -926,7 +963,8 @@ def section_spark(
         )
     body.append(
         [
-            "Little's-law bound (64 / 20 ms x 2 tasks)",
+            f"Little's-law bound ({spark['capacity']} / {spark['latency_ms']:g} ms x "
+            f"{spark['partitions']} tasks)",
             "",
             fmt_rate(bound),
             "",
@@ -976,7 +1014,7 @@ def section_spark(
     sb = slow["littles_law_rows_per_s"]
     lines.append(
         f"At {slow['latency_ms']} ms latency, where CPU is not the limit (bound "
-        f"{fmt_rate(sb)} rows/s; `ordered_wait` best of 2, the others once):\n"
+        f"{fmt_rate(sb)} rows/s; {runs_of(slow['table'])}):\n"
     )
     lines.append(
         table(
@@ -1071,6 +1109,7 @@ def section_spark(
             rows[k]["rows_per_s"] for k in ("ordered_wait", "unordered_wait", "handwritten_asyncio")
         )
         slow_by = {r["case"]: r["rows_per_s"] for r in slow["table"]}
+        slow_runs = {r["case"]: len(r["runs_s"]) for r in slow["table"]}
         slow_ratio = slow_by["ordered_wait"] / slow_by["handwritten_asyncio"]
         per_task = slow["table"][0]["rows"] // spark["partitions"]
         lines.append(
@@ -1105,8 +1144,13 @@ def section_spark(
             f"latency costs about one round trip per {batch / CAPACITY:.0f} round trips of "
             f"work: {CAPACITY / batch * 100:.1f} %. At 200 ms, where CPU is not the limit, "
             f"`ordered_wait` runs at {slow_ratio:.2f}x the hand-written loop (table above, "
-            "its best of 2 runs against the loop's one; "
-            f"with {per_task:,} rows per task the hand-written loop gathers "
+            f"its {best_of(slow_runs['ordered_wait'], ' runs')} against the loop's "
+            + (
+                "one; "
+                if slow_runs["handwritten_asyncio"] == 1
+                else f"{best_of(slow_runs['handwritten_asyncio'], ' runs')}; "
+            )
+            + f"with {per_task:,} rows per task the hand-written loop gathers "
             f"{-(-per_task // batch)} batch(es) per task). The "
             "1.2x would show only where the per-batch drain is a large part of the time: "
             "small Arrow batches, latency that varies, or batches that barely exceed the "
@@ -1289,7 +1333,9 @@ def section_pyflink(results: dict[str, Any], by_key: dict[str, Any]) -> str:
         "`NumberSequenceSource` in and `DiscardingSink` out. Its rate is taken over the "
         "steady-state window measured inside the async function (first call to last "
         "completion), which leaves Flink's start-up out and favours PyFlink; the job's wall "
-        "time is shown too. Best of two runs (one in `--quick`).\n",
+        "time is shown too."
+        + (f" {best_of(pyflink_runs(results), ' runs').capitalize()}." if ok(pf) else "")
+        + "\n",
     ]
     if not ok(pf):
         lines.append(f"**{pf.get('status', 'not run').capitalize()}:** {pf.get('reason', '')}\n")
@@ -1524,11 +1570,13 @@ def section_checkpoint(
     else:
         lines.append(failed(spark))
     store = results.get("store")
+    committers = sorted({r["committers"] for r in store["concurrency"]}) if ok(store) else []
     lines.append("### Snapshot store — `benchmarks/checkpoint_bench.py`\n")
     lines.append(
         "Commit, load and restore latency of one checkpoint by the number of in-flight "
         "elements (median of several; the first commit of a table also creates it), and "
-        "commit latency with 1, 8 and 32 processes committing at once, paced like periodic "
+        f"commit latency with {joined([str(n) for n in committers or [1, 8, 32]])} processes "
+        "committing at once, paced like periodic "
         "checkpoints, in this store's layout (one Delta table per subtask) against the same "
         "processes appending to one shared Delta table.\n"
     )
@@ -1619,7 +1667,8 @@ def section_checkpoint(
                 "Earlier runs' fences: a task starting a new run (taking it over and committing "
                 "its first checkpoint, as a streaming query's task does every micro-batch) on "
                 "a subtask table holding the app transactions of earlier runs, "
-                f"{day['earlier_runs']:,} a day (a micro-batch every 10 s): *a day* is what "
+                f"{day['earlier_runs']:,} a day (a micro-batch every "
+                f"{86_400 / day['earlier_runs']:g} s): *a day* is what "
                 "the table holds with the store's retention (a day after a run's last write), "
                 "*a month* what it held after a month before they expired (and more every "
                 "day); median of several new runs, each by a log of its own.\n"

@@ -106,6 +106,49 @@ def test_a_figure_measured_in_addition_is_not_counted_among_the_targets() -> Non
     )
 
 
+def test_a_quick_runs_report_names_the_counts_it_ran_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: the labels were the full run's ("capacity x 100", "best of 2", "1, 8 and 32
+    # processes", "a micro-batch every 10 s") whatever a --quick run had done
+    saved = json.loads((BENCHMARKS.parent / "docs" / "benchmarks" / "results.json").read_text())
+    saved["quick"] = True
+    for row in saved["operator"]["throughput"]:
+        if row["function"] == "sleep20ms":
+            row["elements"] = row["capacity"] * 25
+    saved["operator"]["repeat"] = 1
+    for row in saved["spark"]["slow"]["table"]:
+        row["runs_s"] = row["runs_s"][:1]
+    for shape in saved["spark"]["latency_variance"]:
+        shape["repeat"] = 1
+    for row in saved["spark"]["batch_sweep"]:
+        for case in ("ordered_wait", "handwritten_asyncio"):
+            row[case]["runs_s"] = row[case]["runs_s"][:1]
+    saved["pyflink"]["runs"] = 1
+    store = saved["store"]
+    store["concurrency"] = [r for r in store["concurrency"] if r["committers"] in (1, 8)]
+    for row in store["fences"]:
+        row["earlier_runs"] //= 10
+    monkeypatch.setattr(run_all, "make_plots", lambda results, plots: {})
+    text = run_all.render(saved, tmp_path, tmp_path)
+    assert "`sleep20ms` runs `capacity x 25` elements (about 0.5 s at the" in text
+    assert "bound 640 rows/s; each once):" in text
+    assert "(table above, its one run against the loop's one;" in text
+    assert "PyFlink's steady state, one run)" in text
+    assert "the job's wall time is shown too. One run.\n" in text
+    assert "commit latency with 1 and 8 processes committing at once" in text
+    assert "864 a day (a micro-batch every 100 s)" in text
+    assert "best of 2" not in text and "32 processes" not in text
+    # the full run's figures still say what that run did
+    full = json.loads((BENCHMARKS.parent / "docs" / "benchmarks" / "results.json").read_text())
+    text = run_all.render(full, tmp_path, tmp_path)
+    assert "`sleep20ms` runs `capacity x 100` elements (about 2 s at the" in text
+    assert "bound 640 rows/s; `ordered_wait` best of 2, the others once):" in text
+    assert "PyFlink's steady state, best of 2)" in text
+    assert "commit latency with 1, 8 and 32 processes" in text
+    assert "8,640 a day (a micro-batch every 10 s)" in text
+
+
 def test_skipped_parts_do_not_fail_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     report(tmp_path, monkeypatch, saved_run())  # no SystemExit
 
