@@ -32,6 +32,7 @@
    run still does), interleaved; medians, and the Delta versions each left.
 
     python benchmarks/checkpoint_bench.py --micro-batches   # section 6 alone (~1 minute)
+    python benchmarks/checkpoint_bench.py --json out.json   # the figures as JSON too
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 from child import child_output  # benchmarks/ is on sys.path: these are scripts
+from options import output_file
 from peak_rss import peak_rss_mib
 
 from checkpoint import SnapshotStore
@@ -578,15 +580,20 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--json", metavar="PATH", type=output_file, help="also write the figures as JSON"
+    )
     parser.add_argument("--micro-batches", action="store_true", help="section 6 alone")
     args = parser.parse_args()
     if args.micro_batches:
         result = {"micro_batch": micro_batches(40 if args.quick else 100, 1 if args.quick else 3)}
-        print(json.dumps(result, indent=2) if args.json else "\n".join(_later_sections(result)[1:]))
-        return
-    result = run(quick=args.quick)
-    print(json.dumps(result, indent=2) if args.json else report(result))
+        text = "\n".join(_later_sections(result)[1:])
+    else:
+        result = run(quick=args.quick)
+        text = report(result)
+    if args.json:  # as spark_bench's and pyflink_bench's --json: a file, the table printed
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print(text)
 
 
 if __name__ == "__main__":

@@ -166,6 +166,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
         ("pyflink_bench.py", ["--capacity", "-1"], "--capacity: an integer >= 1"),
         ("pyflink_bench.py", ["--latency-ms", "-5"], "latency_ms must be at least 0"),
         ("pyflink_bench.py", ["--json", "/nonexistent/out.json"], "does not exist"),
+        ("checkpoint_bench.py", ["--json", "/nonexistent/out.json"], "does not exist"),
+        ("checkpoint_bench.py", ["--json", "/tmp"], "'/tmp' is a directory; give a file name"),
         ("sink_bench.py", ["--rows", "0"], "--rows: an integer >= 1 is needed; got '0'"),
         ("sink_bench.py", ["--partitions", "0"], "--partitions: an integer >= 1"),
         ("run_all.py", ["--from-json", "/nonexistent.json"], "cannot read /nonexistent.json"),
@@ -199,6 +201,24 @@ def test_a_bad_option_value_is_refused_before_anything_runs(
         pytest.fail(f"{script} {' '.join(args)} started a run instead of refusing the value")
     assert process.returncode == 2, stderr
     assert message in stderr and "Traceback" not in stderr, stderr
+
+
+def test_the_store_benchmark_writes_its_json_to_the_file_given(tmp_path: Path) -> None:
+    # before: checkpoint_bench --json was a flag that printed JSON instead of the table,
+    # where spark_bench's and pyflink_bench's --json PATH write a file and print the table
+    out = tmp_path / "store.json"
+    script = str(BENCHMARKS / "checkpoint_bench.py")
+    done = subprocess.run(
+        [sys.executable, script, "--micro-batches", "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].startswith("expiry      micro-batches")
+    figures = json.loads(out.read_text())
+    assert [r["expiry"] for r in figures["micro_batch"]] == ["own files", "vacuum"]
+    assert all(r["micro_batches"] == 40 for r in figures["micro_batch"])
 
 
 def test_sink_output_without_figures_is_a_failed_part(monkeypatch: pytest.MonkeyPatch) -> None:
