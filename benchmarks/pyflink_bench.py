@@ -12,7 +12,10 @@ environment under a cache directory (``$STATEFUL_ASYNC_BENCH_CACHE``, default
 ``aiohttp`` there with pip, and runs the job with that interpreter in a subprocess. If
 that cannot be done (no Java, pip fails, the job fails) it prints why and reports
 ``skipped: <reason>``; a job that ran but did not enrich every row once (the service's
-request count, the rows the function saw) reports ``failed: <reason>``.
+request count, the rows the function saw) reports ``failed: <reason>``. The job runs in a
+process group of its own (its JVM and Python workers in it), ended when the job is done,
+fails or times out, and by the job itself should this benchmark die first (killed, even
+with SIGKILL).
 
 Two rates are reported: rows over the job's wall time (mini-cluster start-up, Python
 worker start and all), and rows over the steady-state window measured inside the async
@@ -44,6 +47,9 @@ from options import output_file, positive_int  # benchmarks/ is on sys.path: the
 PYFLINK_REQUIREMENT = "apache-flink>=2,<3"
 PARALLELISM = 2
 JOB_TIMEOUT_S = 900
+# Set by _run_job for the job: its stdin is a pipe the benchmark holds, whose end of file
+# means the benchmark died (see _stop_with_parent).
+STOP_ON_STDIN_EOF = "PYFLINK_BENCH_STOP_ON_STDIN_EOF"
 
 
 # -- the PyFlink job (runs inside the PyFlink virtual environment) -------------------------
@@ -120,6 +126,23 @@ def job(url: str, rows: int, capacity: int, outdir: str) -> None:
     import pyflink
 
     print(json.dumps({"wall_s": wall, "pyflink_version": pyflink.version.__version__}))
+
+
+def _stop_with_parent() -> None:
+    """In the job: end its process group (this process, the JVM, the Python workers) once
+    the benchmark that started it is gone. The benchmark stops the group itself when it
+    ends, fails or times out, but a benchmark killed (SIGKILL, or a SIGTERM nobody handles:
+    no ``finally`` runs) cannot; the pipe it holds as the job's stdin closes however it
+    dies, as the mock service's does (``--stop-on-stdin-eof``)."""
+    if os.environ.get(STOP_ON_STDIN_EOF) != "1" or os.getpgrp() != os.getpid():
+        return  # not started by _run_job, in a process group of its own: nothing to watch
+
+    def watch() -> None:
+        while os.read(0, 4096):
+            pass
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="benchmark-watch").start()
 
 
 # -- the driver side (runs in the project's environment) -----------------------------------
@@ -269,13 +292,22 @@ class CpuSampler:
 def _run_job(
     python: Path, url: str, rows: int, capacity: int, outdir: str, service_pid: int | None
 ) -> dict[str, Any]:
-    process = subprocess.Popen(
-        [str(python), __file__, "--job", url, str(rows), str(capacity), outdir],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group: the JVM and Python workers in it
-    )
+    job_stdin, held = os.pipe()  # held open while this process lives: _stop_with_parent
+    try:
+        process = subprocess.Popen(
+            [str(python), __file__, "--job", url, str(rows), str(capacity), outdir],
+            stdin=job_stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own process group: the JVM and Python workers in it
+            env={**os.environ, STOP_ON_STDIN_EOF: "1"},
+        )
+    except BaseException:
+        os.close(held)
+        raise
+    finally:
+        os.close(job_stdin)
     sampler = CpuSampler(process.pid, service_pid)
     try:
         out, err = process.communicate(timeout=JOB_TIMEOUT_S)
@@ -286,6 +318,7 @@ def _run_job(
     finally:
         sampler.stop()
         _stop_group(process.pid)
+        os.close(held)
     if process.returncode != 0:
         lines = [line for line in err.strip().splitlines() if line.strip()]
         cause = next(
@@ -415,6 +448,7 @@ def _latency_ms(text: str) -> float:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--job":
+        _stop_with_parent()
         job(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

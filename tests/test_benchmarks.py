@@ -271,6 +271,67 @@ def test_a_pyflink_job_that_requested_one_key_twice_and_another_never_is_failed(
     assert "(2 keys not requested exactly once)" in result["reason"]
 
 
+# A PyFlink job that runs until stopped, with a child of its own (as its JVM is): the job's
+# `from pyflink...` imports this package instead of PyFlink.
+FAKE_PYFLINK = """\
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+time.sleep(600)
+"""
+# The benchmark's side of that job: _run_job, with this interpreter as PyFlink's.
+PYFLINK_DRIVER = """\
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import pyflink_bench
+pyflink_bench._run_job(Path(sys.executable), "http://127.0.0.1:9", 10, 4, sys.argv[2], None)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_pyflink_benchmark_killed_leaves_no_job_running(tmp_path: Path, signum: int) -> None:
+    """before: the job ran in a process group of its own, stopped by the benchmark's
+    ``finally``; a benchmark killed (SIGKILL, a SIGTERM) left it running, JVM and all."""
+    (tmp_path / "pyflink").mkdir()
+    (tmp_path / "pyflink" / "__init__.py").write_text(FAKE_PYFLINK)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    driver = subprocess.Popen(
+        [sys.executable, "-c", PYFLINK_DRIVER, str(BENCHMARKS), str(tmp_path)], env=env
+    )
+    job: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(job) < 2:  # the job and its child
+            assert time.monotonic() < deadline, "the fake job did not start"
+            time.sleep(0.2)
+            job = psutil.Process(driver.pid).children(recursive=True)
+        driver.send_signal(signum)
+        driver.wait(30)
+        deadline = time.monotonic() + 30
+        while _running(job) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _running(job) == []
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        for proc in _running(job):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+
+def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    running = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):  # gone
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                running.append(proc)
+    return running
+
+
 def test_a_child_that_fails_says_why() -> None:
     """A figure measured in a child process of its own: when the child fails, the error (and
     with it the report's "failed" line) carries the child's own error, not only its exit
