@@ -404,6 +404,20 @@ def test_the_thread_pool_competitor_keeps_one_connection_per_thread(
     assert 1 <= len(connects) <= 4  # one per thread at most, for the whole task
 
 
+def test_the_spark_report_tells_the_latency_shapes_and_the_bounded_case_apart() -> None:
+    # before: "exponential latency, median 20 ms" (its median is 14 ms: 20 ms is its mean),
+    # and two "ordered_wait (capacity 1024)" lines, one of them with max_in_flight 64
+    saved = json.loads((BENCHMARKS.parent / "docs" / "benchmarks" / "results.json").read_text())
+    lines = spark_bench.report(saved["spark"]).splitlines()
+    assert "exponential latency, mean 20 ms" in lines
+    assert "lognormal latency, median 20 ms, mean 33 ms" in lines
+    wide = [line.split("  ")[0] for line in lines if line.startswith("ordered_wait (capacity 1024")]
+    assert (
+        wide
+        == ["ordered_wait (capacity 1024)", "ordered_wait (capacity 1024, max_in_flight 64)"] * 2
+    )
+
+
 def test_interleaved_cases_take_turns_at_running_first() -> None:
     cases = ("none", "every 10k", "every 1k")
     orders = [spark_bench.rotated(cases, rep) for rep in range(6)]
