@@ -167,6 +167,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
         ("pyflink_bench.py", ["--latency-ms", "-5"], "latency_ms must be at least 0"),
         ("pyflink_bench.py", ["--json", "/nonexistent/out.json"], "does not exist"),
         ("checkpoint_bench.py", ["--json", "/nonexistent/out.json"], "does not exist"),
+        ("operator_bench.py", ["--json", "/nonexistent/out.json"], "does not exist"),
         ("checkpoint_bench.py", ["--json", "/tmp"], "'/tmp' is a directory; give a file name"),
         ("sink_bench.py", ["--rows", "0"], "--rows: an integer >= 1 is needed; got '0'"),
         ("sink_bench.py", ["--partitions", "0"], "--partitions: an integer >= 1"),
