@@ -153,6 +153,7 @@ def sizes(repeat: int, sizes_: list[int]) -> list[dict[str, Any]]:
 def _committer(root: str, layout: str, subtask: int, count: int, period: float, go: str) -> None:
     from deltalake import write_deltalake
 
+    benchmark = os.getppid()  # the go file comes from it: should it die first, none will
     log = SnapshotStore(root).subtask("bench", "op", subtask)
     batch = elements(100)
     shared = os.path.join(root, "shared")
@@ -163,6 +164,8 @@ def _committer(root: str, layout: str, subtask: int, count: int, period: float, 
     ).ref
     print("ready", flush=True)
     while not os.path.exists(go):
+        if os.getppid() != benchmark:  # orphaned: the benchmark was killed before "go"
+            sys.exit("checkpoint_bench committer: the benchmark is gone; stopping")
         time.sleep(0.001)
     rng = random.Random(subtask)
     time.sleep(rng.uniform(0, period))

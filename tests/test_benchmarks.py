@@ -365,6 +365,53 @@ def test_a_committer_that_dies_before_ready_leaves_no_committer_behind(
                 proc.wait(10)
 
 
+# A store benchmark whose committers are ready and which is killed before it says "go".
+COMMITTERS_DRIVER = """\
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import checkpoint_bench
+
+class NeverGo:
+    def __init__(self, path): pass
+    def touch(self):
+        print("ready", flush=True)
+        time.sleep(600)
+
+checkpoint_bench.Path = NeverGo
+checkpoint_bench.concurrency([2], count=1, period=0.1)
+"""
+
+
+def test_committers_whose_benchmark_was_killed_do_not_wait_for_ever() -> None:
+    # before: each polled for the go file every millisecond, for ever (the benchmark that
+    # makes it, and removes their directory, was gone)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", COMMITTERS_DRIVER, str(BENCHMARKS)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    committers: list[psutil.Process] = []
+    try:
+        assert driver.stdout is not None and driver.stdout.readline() == "ready\n"
+        committers = [
+            p for p in psutil.Process(driver.pid).children() if "--committer" in p.cmdline()
+        ]
+        assert len(committers) == 2
+        driver.kill()
+        driver.wait(30)
+        deadline = time.monotonic() + 30
+        while _running(committers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _running(committers) == []
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        for proc in _running(committers):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+
 def _live_committers() -> list[psutil.Process]:
     """This process's descendants that are checkpoint_bench committers and still running
     (other tests' descendants may be exiting meanwhile: zombies, or gone, are skipped)."""
