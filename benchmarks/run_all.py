@@ -374,6 +374,12 @@ def best_of(runs: int, unit: str = "") -> str:
     return f"best of {runs}{unit}" if runs > 1 else "one run"
 
 
+def median_of(runs: int, unit: str = "") -> str:
+    """Which run a figure is: "median of 5" (``unit`` " runs": "median of 5 runs"), or "one
+    run"."""
+    return f"median of {runs}{unit}" if runs > 1 else "one run"
+
+
 def pyflink_runs(results: dict[str, Any]) -> int:
     """How many PyFlink runs its figures are the best of (a run saved before pyflink_part
     recorded it: two, one in --quick)."""
@@ -476,8 +482,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             "hand",
             "`ordered_wait` >= 1.2x the hand-written (per-batch gather) asyncio `mapInArrow`, "
             "Spark, 20 ms",
-            f"{ratio:.2f}x rows/s ({fmt_rate(ours)} vs {fmt_rate(hand)}, median of {runs} "
-            "runs in a rotating order)"
+            f"{ratio:.2f}x rows/s ({fmt_rate(ours)} vs {fmt_rate(hand)}, "
+            f"{median_of(runs, ' runs in a rotating order')})"
             + (f"; best runs {best / hand_best:.2f}x" if best and hand_best else "")
             + f"; per CPU-second {ours_cpu / hand_cpu:.2f}x",
             ratio >= 1.2,
@@ -489,8 +495,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             # cores busy), so its CPU per row does not stand for its rows/s.
             raw = ours / pyflink["rows_per_s"]
             measured = (
-                f"{raw:.2f}x rows/s ({fmt_rate(ours)}, median of "
-                f"{spark.get('throughput_repeat', spark['repeat'])}, vs "
+                f"{raw:.2f}x rows/s ({fmt_rate(ours)}, "
+                f"{median_of(spark.get('throughput_repeat', spark['repeat']))}, vs "
                 f"{fmt_rate(pyflink['rows_per_s'])}, PyFlink's steady state, "
                 f"{best_of(pyflink_runs(results))})"
             )
@@ -532,8 +538,9 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             "checkpoint",
             f"checkpoints every {sc['interval']:,} records cost <= 5 % of rows/s "
             "(`ordered_wait`, the service workload)",
-            f"{cost:.1f} % rows/s ({medians:.3f}x, median of {len(sc['runs_s']['checkpoint'])} "
-            f"runs in a rotating order); best runs {sc['cost_pct']:.1f} %; per CPU-second "
+            f"{cost:.1f} % rows/s ({medians:.3f}x, "
+            f"{median_of(len(sc['runs_s']['checkpoint']), ' runs in a rotating order')}); "
+            f"best runs {sc['cost_pct']:.1f} %; per CPU-second "
             f"{(1 - cpu_ratio) * 100:.1f} %",
             cost <= 5,
             f"{cost - 5:.1f} points over" if cost > 5 else "",
@@ -744,7 +751,7 @@ def section_operator(results: dict[str, Any], figures: dict[str, str], rel: str)
     ]
     if not ok(op):
         return "\n".join(lines) + failed(op)
-    lines.append(f"Best of {op['repeat']}.\n")
+    lines.append(f"{best_of(op['repeat']).capitalize()}.\n")
     lines.append(
         table(
             ["function", "mode", "capacity", "elements", "operator/s", "hand-written/s", "ratio"],
@@ -924,7 +931,9 @@ def section_spark(
     hand_cpu = rows["handwritten_asyncio"]["rows_per_cpu_s"]
     runs = spark.get("throughput_repeat", spark["repeat"])
     lines.append(
-        f"Rows per case as shown; {runs} runs of each case (the UDF once), the cases "
+        "Rows per case as shown; "
+        + (f"{runs} runs of each case (the UDF once)" if runs > 1 else "one run of each case")
+        + ", the cases "
         "interleaved in an order that rotates from round to round, so that no case always "
         "runs after the same one. Two figures per case, each the median over its runs: "
         "**rows/s**, on which the target is judged; and **rows per CPU-second** of our own "
@@ -1039,12 +1048,14 @@ def section_spark(
         own_cpu = (
             rows["ordered_wait"]["rows_per_cpu_s"] / rows["handwritten_asyncio"]["rows_per_cpu_s"]
         )
+        sweep_runs = len(sweep_rows[0]["ordered_wait"]["runs_s"])
         lines.append(
             "**Smaller Arrow batches** (`spark.sql.execution.arrow.maxRecordsPerBatch`; "
             "`ordered_wait` against the hand-written loop only, "
             f"{sweep_rows[0]['rows']:,} rows, interleaved, same service and capacity; each "
-            f"smaller batch size is the best of {len(sweep_rows[0]['ordered_wait']['runs_s'])} "
-            "runs, while the default's row is the table above's, median runs): the "
+            "smaller batch size "
+            + (f"is the best of {sweep_runs} runs" if sweep_runs > 1 else "ran once")
+            + ", while the default's row is the table above's, median runs): the "
             "hand-written loop drains its requests at every batch boundary and `ordered_wait` "
             "does not, so the drain weighs more as batches shrink towards the capacity "
             f"({CAPACITY}).\n"
@@ -1219,8 +1230,13 @@ def section_latency_variance(
     lines = [
         "**Latency that varies.** A real service's latency is not constant. The same "
         f"competitors at Spark's default Arrow batches ({batch:,} rows), "
-        f"{variance[0]['rows']:,} rows ({variance[0]['rows'] // partitions:,} per task), best of "
-        f"{variance[0].get('repeat', 1)} interleaved run(s), against the service with an "
+        f"{variance[0]['rows']:,} rows ({variance[0]['rows'] // partitions:,} per task), "
+        + (
+            f"best of {variance[0]['repeat']} interleaved run(s)"
+            if variance[0].get("repeat", 1) > 1
+            else "one run of each"
+        )
+        + ", against the service with an "
         "exponential latency (mean 20 ms) and a lognormal one (median 20 ms, sigma 1: mean "
         "33 ms, 1 % of requests over 205 ms). `ordered_wait` runs at the same capacity, at "
         f"{WIDE} times it, and at {WIDE} times it with `max_in_flight` at the capacity; *peak "
@@ -1463,7 +1479,13 @@ def section_checkpoint(
         lines.append(
             f"**On the service workload** (20 ms, capacity {CAPACITY}, {sc['rows']:,} rows in 2 "
             f"partitions, so {sc['rows'] // 2 // sc['interval']} checkpoints per partition plus "
-            f"the final one; interleaved, {len(sc['runs_s']['none'])} runs of each; the "
+            "the final one; interleaved, "
+            + (
+                f"{len(sc['runs_s']['none'])} runs of each"
+                if len(sc["runs_s"]["none"]) > 1
+                else "one run of each"
+            )
+            + "; the "
             "function is the "
             "service client inside a disarmed `CrashOnElement`, so that these runs are also "
             "section 5's failure-free runs): `ordered_wait` with a checkpoint every "

@@ -125,6 +125,9 @@ def test_a_quick_runs_report_names_the_counts_it_ran_with(
         for case in ("ordered_wait", "handwritten_asyncio"):
             row[case]["runs_s"] = row[case]["runs_s"][:1]
     saved["pyflink"]["runs"] = 1
+    saved["spark"]["throughput_repeat"] = 1
+    sc = saved["spark"]["service_checkpoint"]
+    sc["runs_s"] = {case: runs[:1] for case, runs in sc["runs_s"].items()}
     store = saved["store"]
     store["concurrency"] = [r for r in store["concurrency"] if r["committers"] in (1, 8)]
     for row in store["fences"]:
@@ -139,6 +142,11 @@ def test_a_quick_runs_report_names_the_counts_it_ran_with(
     assert "commit latency with 1 and 8 processes committing at once" in text
     assert "864 a day (a micro-batch every 100 s)" in text
     assert "best of 2" not in text and "32 processes" not in text
+    assert "Rows per case as shown; one run of each case, the cases" in text
+    assert "interleaved, one run of each; the function" in text
+    assert "smaller batch size ran once, while" in text
+    assert "rows (24,000 per task), one run of each, against" in text
+    assert not re.search(r"(median|best) of 1\b| 1 runs", text, re.IGNORECASE)
     # the full run's figures still say what that run did
     full = json.loads((BENCHMARKS.parent / "docs" / "benchmarks" / "results.json").read_text())
     text = run_all.render(full, tmp_path, tmp_path)
