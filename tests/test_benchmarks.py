@@ -330,17 +330,27 @@ def test_a_pyflink_benchmark_killed_leaves_no_job_running(tmp_path: Path, signum
             assert time.monotonic() < deadline, "the fake job did not start"
             time.sleep(0.2)
             job = psutil.Process(driver.pid).children(recursive=True)
+    finally:
+        _stop_expecting_gone(driver, job, signum)
+
+
+def _stop_expecting_gone(
+    driver: subprocess.Popen[Any], procs: list[psutil.Process], signum: int
+) -> None:
+    """Stops ``driver`` with ``signum`` and asserts ``procs`` (what it started) are gone
+    within 30 s; whatever is left of either is killed, pass or fail."""
+    try:
         driver.send_signal(signum)
         driver.wait(30)
         deadline = time.monotonic() + 30
-        while _running(job) and time.monotonic() < deadline:
+        while _running(procs) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _running(job) == []
+        assert _running(procs) == []
     finally:
         if driver.poll() is None:
             driver.kill()
             driver.wait()
-        for proc in _running(job):
+        for proc in _running(procs):
             with contextlib.suppress(psutil.Error):
                 proc.kill()
 
@@ -418,19 +428,8 @@ def test_committers_whose_benchmark_was_killed_do_not_wait_for_ever() -> None:
             p for p in psutil.Process(driver.pid).children() if "--committer" in p.cmdline()
         ]
         assert len(committers) == 2
-        driver.kill()
-        driver.wait(30)
-        deadline = time.monotonic() + 30
-        while _running(committers) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _running(committers) == []
     finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
-        for proc in _running(committers):
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
+        _stop_expecting_gone(driver, committers, signal.SIGKILL)
 
 
 def _live_committers() -> list[psutil.Process]:
