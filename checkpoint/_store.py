@@ -477,6 +477,8 @@ class SubtaskLog:
 
         Within a run, newest means the highest id; across runs, the most recently created.
         """
+        if run_id is not None:
+            _run_id(run_id)
         if max_id is not None:
             max_id = _checkpoint_id(max_id, "max_id")
         return newest_restorable(self.checkpoints(), run_id, max_id)
@@ -487,8 +489,9 @@ class SubtaskLog:
         run of the job, deleted by hand) or unrestorable, and until the id itself expires
         (``_TRANSACTION_RETENTION`` after the run's last write). A retry numbers its
         checkpoints above it, or its commits would be refused as late ones."""
+        app_id = _app_id(_run_id(run_id))
         table = self._open(refresh=True)
-        return None if table is None else table.transaction_version(_app_id(run_id))
+        return None if table is None else table.transaction_version(app_id)
 
     def sizes(self) -> dict[CheckpointRef, int]:
         """Bytes of the Parquet files that hold one checkpoint each, by checkpoint (read
@@ -520,6 +523,8 @@ class SubtaskLog:
         """The restorable checkpoint with this id (of ``run_id``, or the newest such whose
         chain is intact, if one is)."""
         checkpoint_id = _checkpoint_id(checkpoint_id)
+        if run_id is not None:
+            _run_id(run_id)
         metas = self.checkpoints()
         matches = [
             m
@@ -981,7 +986,7 @@ class SubtaskLog:
         have a checkpoint (``take_over``) whose ids expired (no attempt wrote for
         ``_TRANSACTION_RETENTION``), or whose first commit landed after this look.
         """
-        app_id, claim_app = _app_id(run_id), _claim_app_id(run_id)
+        app_id, claim_app = _app_id(_run_id(run_id)), _claim_app_id(run_id)
         for _ in range(_COMMIT_RETRIES):
             table = self._open(refresh=True)
             if table is None:
@@ -1067,6 +1072,7 @@ class SubtaskLog:
 
     def claimed_by(self, run_id: str, owner: str) -> bool:
         """Whether ``owner`` made the newest claim on ``run_id``."""
+        _run_id(run_id)
         table = self._open(refresh=True)
         if table is None:
             return False
@@ -1094,6 +1100,8 @@ class SubtaskLog:
         if count is None or count < 0:
             raise CheckpointError(f"retain must be an integer >= 0; got {retain!r}.")
         retain = count
+        if run_id is not None:
+            _run_id(run_id)
         for tries_left in reversed(range(_EXPIRE_TRIES)):
             try:
                 return self._expire(retain, vacuum, run_id)
@@ -1793,6 +1801,15 @@ def _checkpoint_id(value: Any, name: str = "checkpoint_id") -> int:
     return number
 
 
+def _run_id(value: Any, name: str = "run_id") -> str:
+    """A run id a caller gave; anything but a non-empty string is refused, as every run id
+    is stored as one: ``latest(run_id=1)`` found nothing, ``load`` said run 1 had no such
+    checkpoint beside the list of those of run '1', and ``claim(1)`` claimed run '1'."""
+    if not isinstance(value, str) or not value:
+        raise CheckpointError(f"{name} must be a non-empty string; got {value!r}.")
+    return value
+
+
 def _check_commit_args(
     run_id: str,
     checkpoint_id: int,
@@ -1802,8 +1819,7 @@ def _check_commit_args(
 ) -> tuple[int, int]:
     """The checkpoint id and position as plain ints (numpy's integers too, as everywhere
     else); CheckpointError for an argument ``commit`` cannot take."""
-    if not isinstance(run_id, str) or not run_id:
-        raise CheckpointError(f"run_id must be a non-empty string; got {run_id!r}.")
+    _run_id(run_id)
     if not isinstance(elements, Sequence):
         raise CheckpointError(
             "elements must be a list of StreamRecord and Watermark elements (the operator's "
@@ -1839,12 +1855,9 @@ def _checked_parent(parent: Any) -> CheckpointRef | None:
             f"checkpoint this one follows, or CheckpointRef(run_id, checkpoint_id)), or None; "
             f"got {parent!r}."
         )
-    if not isinstance(parent.run_id, str) or not parent.run_id:
-        raise CheckpointError(
-            f"parent's run_id must be a non-empty string; got {parent.run_id!r} in {parent!r}."
-        )
     return CheckpointRef(
-        parent.run_id, _checkpoint_id(parent.checkpoint_id, "parent's checkpoint_id")
+        _run_id(parent.run_id, "parent's run_id"),
+        _checkpoint_id(parent.checkpoint_id, "parent's checkpoint_id"),
     )
 
 

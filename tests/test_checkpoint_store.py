@@ -990,6 +990,35 @@ def test_a_checkpoint_id_that_is_no_integer_is_refused_not_called_missing(
     assert log.latest(max_id=np.int32(1)).checkpoint_id == 1  # type: ignore[union-attr]
 
 
+def test_a_run_id_that_is_no_string_is_refused_not_called_missing(tmp_path: Path) -> None:
+    # Run ids are stored as strings: run_id=1 gave load() "There is no checkpoint 1 of ...
+    # run 1 ... Checkpoints that exist: run 1: 1", latest() None, expire() nothing expired,
+    # while claim(1) claimed run '1'. commit() refused it; every other call now does too.
+    store = SnapshotStore(tmp_path)
+    log = store.subtask("job", "op", 0)
+    commit(log, "1", 1)
+    commit(log, "1", 2, parent=CheckpointRef("1", 1))
+    version = DeltaTable(log.uri).version()
+    for call in (
+        lambda: store.load("job", "op", 0, 1, 1),  # type: ignore[arg-type]
+        lambda: store.restore("job", "op", 0, 1, 1),  # type: ignore[arg-type]
+        lambda: log.find(1, 1),  # type: ignore[arg-type]
+        lambda: log.latest(run_id=1),  # type: ignore[arg-type]
+        lambda: log.latest(run_id=""),
+        lambda: log.last_committed_id(1),  # type: ignore[arg-type]
+        lambda: log.claim(1),  # type: ignore[arg-type]
+        lambda: log.take_over(1),  # type: ignore[arg-type]
+        lambda: log.claimed_by(1, "owner"),  # type: ignore[arg-type]
+        lambda: log.expire(1, run_id=1),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(CheckpointError, match=r"^run_id must be a non-empty string; got"):
+            call()
+    assert DeltaTable(log.uri).version() == version  # nothing claimed, nothing expired
+    assert [m.expired for m in log.checkpoints()] == [False, False]
+    assert store.load("job", "op", 0, 1, "1").metadata.ref == CheckpointRef("1", 1)
+    assert log.latest(run_id="1").checkpoint_id == 2  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -1124,7 +1153,7 @@ def test_a_fingerprint_that_is_no_string_is_refused(tmp_path: Path, fingerprint:
         ),
         ("run:1", r"parent must be a CheckpointRef .*got 'run:1'\."),
         (CheckpointRef("run", "1"), r"parent's checkpoint_id must be an integer >= 1; got '1'\."),
-        (CheckpointRef(None, 1), r"parent's run_id must be a non-empty string; got None in"),
+        (CheckpointRef(None, 1), r"parent's run_id must be a non-empty string; got None"),
     ],
     ids=["tuple", "string", "string-id", "no-run"],
 )
