@@ -1819,7 +1819,14 @@ def _check_commit_args(
 ) -> tuple[int, int]:
     """The checkpoint id and position as plain ints (numpy's integers too, as everywhere
     else); CheckpointError for an argument ``commit`` cannot take."""
-    _run_id(run_id)
+    if not _run_id(run_id).strip():
+        # Refused when written only: reads still take a blank id a table may hold from
+        # before this check.
+        raise CheckpointError(
+            f"run_id must hold more than whitespace; got {run_id!r}. It names the run in "
+            "every listing of checkpoints (run <run_id>: 1-3) and in each CheckpointRef "
+            "(<run_id>:<checkpoint_id>)."
+        )
     if not isinstance(elements, Sequence):
         raise CheckpointError(
             "elements must be a list of StreamRecord and Watermark elements (the operator's "

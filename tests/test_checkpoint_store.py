@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -1017,6 +1018,37 @@ def test_a_run_id_that_is_no_string_is_refused_not_called_missing(tmp_path: Path
     assert [m.expired for m in log.checkpoints()] == [False, False]
     assert store.load("job", "op", 0, 1, "1").metadata.ref == CheckpointRef("1", 1)
     assert log.latest(run_id="1").checkpoint_id == 2  # type: ignore[union-attr]
+
+
+def test_a_blank_run_id_is_refused_when_committed_and_read_where_a_table_holds_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # run_id=" " was committed, and listed as "run  : 1"
+    from checkpoint import _store
+
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    for blank in (" ", "\t\n"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"^run_id must hold more than whitespace; got {re.escape(repr(blank))}\.",
+        ):
+            commit(log, blank, 1)
+    assert not log.exists()
+    # A ':' is taken (a run's id may hold its application's id): a ref is read from the
+    # right, the checkpoint id being an integer.
+    assert str(commit(log, "app:1.stage2", 1).ref) == "app:1.stage2:1"
+    # A table written before the check keeps its blank run readable by its id.
+    checked = _store._check_commit_args
+    monkeypatch.setattr(
+        _store, "_check_commit_args", lambda run_id, *args: checked(run_id.strip() or "old", *args)
+    )
+    commit(log, " ", 1)
+    monkeypatch.undo()
+    fresh = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    assert fresh.load(1, " ").metadata.ref == CheckpointRef(" ", 1)
+    assert fresh.latest(run_id=" ").run_id == " "  # type: ignore[union-attr]
+    assert fresh.last_committed_id(" ") == 1
+    assert fresh.latest(run_id="app:1.stage2").checkpoint_id == 1  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
