@@ -760,10 +760,7 @@ class SubtaskLog:
                 f'fingerprint must be a string (InputFingerprint.hexdigest(), or "" when none '
                 f"is recorded); got {fingerprint!r}."
             )
-        if not isinstance(final, bool) and not (numpy_kind(final) == "b" and np.ndim(final) == 0):
-            # None was returned as None and read back as False; "no" failed in pyarrow
-            raise CheckpointError(f"final must be True or False; got {final!r}.")
-        final = bool(final)
+        final = _flag(final, "final")
         if not isinstance(input_schema, pa.Schema) or not isinstance(output_schema, pa.Schema):
             raise CheckpointError("input_schema and output_schema must be pyarrow.Schema objects.")
         result_table = _as_result_table(results, output_schema)
@@ -1087,7 +1084,8 @@ class SubtaskLog:
 
         The state of older checkpoints is removed; their results are kept as long as a
         retained checkpoint's chain needs them; everything else is deleted. One Delta
-        commit; then, with ``vacuum``, the files it removed are deleted from storage.
+        commit; then, with ``vacuum`` (True or False, numpy's bool too), the files it
+        removed are deleted from storage.
 
         An attempt of a run passes ``run_id``: once a later attempt has taken the run over
         (``claim``), or while it does, this attempt expires nothing (the other one now
@@ -1100,6 +1098,7 @@ class SubtaskLog:
         if count is None or count < 0:
             raise CheckpointError(f"retain must be an integer >= 0; got {retain!r}.")
         retain = count
+        vacuum = _flag(vacuum, "vacuum")
         if run_id is not None:
             _run_id(run_id)
         for tries_left in reversed(range(_EXPIRE_TRIES)):
@@ -1705,6 +1704,7 @@ class SnapshotStore:
     ) -> ExpireReport:
         """Keep the ``retain`` newest checkpoints of every subtask of the job; see
         ``SubtaskLog.expire``."""
+        _flag(vacuum, "vacuum")  # refused before any table is touched
         total = ExpireReport()
         for report in self.map_subtasks(
             job_id, operator_id, lambda log: log.expire(retain, vacuum)
@@ -1799,6 +1799,14 @@ def _checkpoint_id(value: Any, name: str = "checkpoint_id") -> int:
     if number is None or number < 1:
         raise CheckpointError(f"{name} must be an integer >= 1; got {value!r}.")
     return number
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A True/False argument as a bool (numpy's too); anything else is refused: a string
+    "no" is true (``expire(vacuum="no")`` vacuumed), and None was stored as null."""
+    if not isinstance(value, bool) and not (numpy_kind(value) == "b" and np.ndim(value) == 0):
+        raise CheckpointError(f"{name} must be True or False; got {value!r}.")
+    return bool(value)
 
 
 def _run_id(value: Any, name: str = "run_id") -> str:

@@ -1223,6 +1223,28 @@ def test_a_final_flag_that_is_no_bool_is_refused(tmp_path: Path, final: Any) -> 
     assert SnapshotStore(tmp_path).subtask("job", "op", 0).load(1).metadata.final is True
 
 
+@pytest.mark.parametrize("vacuum", ["no", None, 0])
+def test_a_vacuum_flag_that_is_no_bool_is_refused_before_anything_is_expired(
+    tmp_path: Path, vacuum: Any
+) -> None:
+    # expire(vacuum="no") expired, then vacuumed: the files it removed were deleted
+    import numpy as np
+
+    store = SnapshotStore(tmp_path)
+    log = store.subtask("job", "op", 0)
+    commit_chain(log, "run", range(1, 4))
+    version = DeltaTable(log.uri).version()
+    message = rf"^vacuum must be True or False; got {vacuum!r}\."
+    with pytest.raises(CheckpointError, match=message):
+        log.expire(1, vacuum=vacuum)
+    with pytest.raises(CheckpointError, match=message):
+        store.expire("job", 1, vacuum=vacuum)
+    assert DeltaTable(log.uri).version() == version
+    assert [m.expired for m in log.checkpoints()] == [False, False, False]
+    report = store.expire("job", 1, vacuum=np.bool_(False))
+    assert (len(report.expired), report.files_removed) == (2, 0)
+
+
 @pytest.mark.parametrize(
     ("elements", "results", "message"),
     [
