@@ -455,6 +455,7 @@ class SubtaskLog:
 
     def checkpoints(self, include_expired: bool = True) -> list[CheckpointMetadata]:
         """Every checkpoint of this subtask, oldest first."""
+        include_expired = _flag(include_expired, "include_expired")
         table = self._open(refresh=True)
         if table is None:
             return []
@@ -555,6 +556,7 @@ class SubtaskLog:
         """One checkpoint: its in-flight elements and the results it committed. With
         ``results=False`` only the elements are read (``results`` is empty): for a caller
         that reads the results along the chain with ``chain_results``."""
+        results = _flag(results, "results")
         meta = self.find(checkpoint_id, run_id)
         table = self._open()
         assert table is not None
@@ -984,6 +986,7 @@ class SubtaskLog:
         ``_TRANSACTION_RETENTION``), or whose first commit landed after this look.
         """
         app_id, claim_app = _app_id(_run_id(run_id)), _claim_app_id(run_id)
+        force = _flag(force, "force")
         for _ in range(_COMMIT_RETRIES):
             table = self._open(refresh=True)
             if table is None:
@@ -1633,6 +1636,7 @@ class SnapshotStore:
         """Every checkpoint of every subtask of a job (optionally one operator), sorted by
         operator, then oldest first (the time each was committed), checkpoint id and
         subtask."""
+        _flag(include_expired, "include_expired")  # refused before any table is read
         metas = [
             meta
             for found in self.map_subtasks(

@@ -1245,6 +1245,29 @@ def test_a_vacuum_flag_that_is_no_bool_is_refused_before_anything_is_expired(
     assert (len(report.expired), report.files_removed) == (2, 0)
 
 
+def test_other_flags_that_are_no_bool_are_refused_not_taken_as_true(tmp_path: Path) -> None:
+    # checkpoints(include_expired="no") listed the expired checkpoints, claim(force="no")
+    # claimed a run that had committed nothing, load(results="no") read the results
+    import numpy as np
+
+    store = SnapshotStore(tmp_path)
+    log = store.subtask("job", "op", 0)
+    commit_chain(log, "run", range(1, 3))
+    log.expire(1)
+    version = DeltaTable(log.uri).version()
+    for call, name in (
+        (lambda: log.checkpoints(include_expired="no"), "include_expired"),
+        (lambda: store.checkpoints("job", include_expired="no"), "include_expired"),
+        (lambda: log.claim("other-run", force="no"), "force"),
+        (lambda: log.load(2, results="no"), "results"),
+    ):
+        with pytest.raises(CheckpointError, match=rf"^{name} must be True or False; got 'no'\."):
+            call()
+    assert DeltaTable(log.uri).version() == version  # no claim
+    assert [m.checkpoint_id for m in log.checkpoints(include_expired=np.bool_(False))] == [2]
+    assert log.load(2, results=np.bool_(False)).results.num_rows == 0
+
+
 @pytest.mark.parametrize(
     ("elements", "results", "message"),
     [
