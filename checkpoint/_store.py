@@ -1627,6 +1627,7 @@ class SnapshotStore:
                 yield name
 
     def subtasks(self, job_id: str, operator_id: str) -> list[int]:
+        _layout.check_name("operator id", operator_id)
         self._require_job(job_id)
         return _layout.subtask_numbers(self._dirs(job_id, operator_id))
 
@@ -1743,14 +1744,16 @@ class SnapshotStore:
         subtask order. The tables are independent and each costs a few requests (object
         stores) or file reads: a few threads work on them at once, as delta-rs does its I/O
         without holding the GIL (200 partitions on local disk: listing 1.4x, expiry 1.4x)."""
+        if operator_id is not None:
+            # 1 failed with a bare TypeError from the path join; "" meant every operator
+            _layout.check_name("operator id", operator_id)
         logs = [
             self.subtask(job_id, operator, number)
-            for operator in ([operator_id] if operator_id else self.operators(job_id))
+            for operator in ([operator_id] if operator_id is not None else self.operators(job_id))
             for number in self.subtasks(job_id, operator)
         ]
-        if operator_id and not logs:
+        if operator_id is not None and not logs:
             # a mistyped operator id: expire() reported nothing expired, checkpoints() none
-            _layout.check_name("operator id", operator_id)
             raise self._no_operator(job_id, operator_id)
         if len(logs) <= 1:
             return [fn(log) for log in logs]

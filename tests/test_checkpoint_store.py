@@ -1299,6 +1299,29 @@ def test_results_or_elements_that_are_not_rows_are_refused(
     )
 
 
+@pytest.mark.parametrize("operator_id", [1, ""])
+def test_a_job_wide_call_refuses_an_operator_id_that_names_no_directory(
+    tmp_path: Path, operator_id: Any
+) -> None:
+    # operator_id=1 failed with a bare "TypeError: sequence item 2: expected str instance,
+    # int found"; "" listed, expired and read every operator of the job
+    store = SnapshotStore(tmp_path)
+    for operator in ("op", "other"):
+        commit_chain(store.subtask("job", operator, 0), "run", range(1, 3))
+    message = rf"^operator id {operator_id!r} cannot name a checkpoint directory"
+    for call in (
+        lambda: store.checkpoints("job", operator_id),
+        lambda: store.read_job("job", operator_id),
+        lambda: store.expire("job", 1, operator_id),
+        lambda: store.remove_orphans("job", 0, operator_id),
+        lambda: store.subtasks("job", operator_id),
+    ):
+        with pytest.raises(CheckpointError, match=message):
+            call()
+    assert len(store.checkpoints("job")) == 4  # nothing expired
+    assert len(store.checkpoints("job", "op")) == 2
+
+
 def test_a_subtask_past_32_bits_is_refused_before_any_commit(tmp_path: Path) -> None:
     # It failed its first commit with pyarrow's "Value 2147483648 too large to fit in C
     # integer type"
