@@ -162,7 +162,9 @@ def test_a_driver_that_exited_still_accounts_for_the_processes_it_left(tmp_path:
     try:
         assert not gone(child.pid) and child.ppid() != driver.pid  # orphaned, running
         assert driver.pids() == [child.pid]  # the leak is seen ...
+        assert driver._watchdog is not None  # (still guarded, should this process die)
         assert driver.kill() == [child.pid]  # ... and ended
+        assert driver._watchdog is None  # nothing left to guard
         assert gone(child.pid)
         assert driver.pids() == []
     finally:
@@ -184,6 +186,53 @@ def test_killing_a_running_driver_kills_the_processes_it_started(tmp_path: Path)
         assert driver.pids() == []
     finally:
         driver.kill()
+
+
+# A test process that starts a driver (which starts a child and sleeps), prints the
+# driver's pid and the child's, and then sleeps until it is killed.
+OWNS_A_DRIVER = textwrap.dedent(
+    """
+    import sys, time
+    from stateful_async.chaos import DriverProcess
+    driver = DriverProcess(
+        [sys.executable, "-c", sys.argv[2] + "import time; time.sleep(300)\\n"],
+        log_dir=sys.argv[1],
+    )
+    while not driver.stdout().strip():
+        time.sleep(0.05)
+    print(driver.pid, driver.stdout().split()[0], flush=True)
+    time.sleep(300)
+    """
+)
+
+
+def test_a_driver_whose_test_process_was_killed_is_killed_with_what_it_started(
+    tmp_path: Path,
+) -> None:
+    # Before, a test process SIGKILLed (a timeout's kill -9, an OOM kill) left its driver
+    # running its Spark job, with the driver's JVM and Python workers, for ever. Its
+    # watchdog now holds a pipe from the test process and kills the driver's session.
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNS_A_DRIVER, str(tmp_path), LEAVES_A_CHILD],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pids: list[int] = []
+    try:
+        assert owner.stdout is not None
+        pids = [int(pid) for pid in owner.stdout.readline().split()]
+        assert len(pids) == 2 and not any(gone(pid) for pid in pids)
+        owner.kill()
+        assert owner.wait(timeout=30) == -9
+        _cluster.wait_until(
+            lambda: all(gone(pid) for pid in pids), 60, "The driver outlived its test process"
+        )
+    finally:
+        owner.kill()
+        owner.wait(timeout=30)
+        for pid in pids:  # the processes this test started, by pid, had nothing killed them
+            if not gone(pid):
+                psutil.Process(pid).kill()
 
 
 def test_a_cluster_whose_start_failed_leaves_no_directory_or_exit_hook(

@@ -16,7 +16,8 @@ so another process can attach to it (``LocalCluster.attach``): that is how the c
 
 ``DriverProcess`` runs a Spark driver (for example the reference job,
 ``python -m stateful_async.chaos.job``) as a child process in its own session, so a test
-can SIGKILL the driver with its JVM and Python workers, by pid.
+can SIGKILL the driver with its JVM and Python workers, by pid. A watchdog process (as a
+cluster's) kills them should the process that started the driver die first.
 """
 
 from __future__ import annotations
@@ -522,29 +523,76 @@ def _unusable_state_message(
 # "\tat org.apache.spark...(Master.scala:42)", "\t... 12 more": a Java stack trace's frames
 _STACK_FRAME = re.compile(r"\s+(at |\.\.\. \d+ more)")
 _STOP_MARK = "stop"  # cluster.lock held by a stop: "<pid> stop"
-# A cluster's watchdog (LocalCluster._start_watchdog): it waits, importing nothing, for its
-# owner to write _STOPPED to its stdin. Should the pipe close first, the owner died without
-# stopping the cluster (SIGKILL, a SIGTERM nobody handles: atexit runs for neither), and
-# the watchdog stops it: argv is the cluster's directory, and "owned" if it is to go too.
-# It imports stateful_async from the owner's (first on its PYTHONPATH), not from the working
-# directory that python -c puts first on sys.path: another checkout or version there would
-# be imported instead, and a watchdog failing to import (its stderr is /dev/null) stops
-# nothing.
+# A watchdog (_launch_watchdog): it waits, importing nothing, for its owner to write
+# _STOPPED to its stdin. Should the pipe close first, the owner died without stopping what
+# it watches (SIGKILL, a SIGTERM nobody handles: atexit runs for neither), and the watchdog
+# stops it: argv is "cluster", the cluster's directory and "owned" if it is to go too (a
+# LocalCluster); or "driver", the driver's pid and start time (a DriverProcess). It imports
+# stateful_async from the owner's (first on its PYTHONPATH), not from the working directory
+# that python -c puts first on sys.path: another checkout or version there would be
+# imported instead, and a watchdog failing to import stops nothing.
 _STOPPED = "stopped\n"
 _WATCHDOG = f"""\
 import sys
 if sys.path[:1] == [""]:
     del sys.path[0]
 if sys.stdin.readline() != {_STOPPED!r}:
-    from stateful_async.chaos._cluster import _stop_for_dead_owner
-    _stop_for_dead_owner(sys.argv[1], owned=sys.argv[2:] == ["owned"])
+    from stateful_async.chaos._cluster import _on_dead_owner
+    _on_dead_owner(sys.argv[1:])
 """
 
 
+def _launch_watchdog(args: Sequence[str], log_path: Path) -> subprocess.Popen[str]:
+    """Start a watchdog (``_WATCHDOG``) that acts on ``args`` should this process die
+    before ``_dismiss_watchdog``; it logs to ``log_path``. It holds a pipe from this
+    process: the system closes it when this process dies, however it dies."""
+    package_root = str(Path(__file__).resolve().parents[2])  # where stateful_async is
+    path = os.environ.get("PYTHONPATH")
+    with open(log_path, "a") as log:
+        return subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, *args],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=log,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [path])]),
+            },
+            start_new_session=True,  # a Ctrl-C to this process's group is not for it
+            text=True,
+        )
+
+
+def _dismiss_watchdog(watchdog: subprocess.Popen[str] | None) -> None:
+    """Tell ``watchdog`` that what it watches is stopped, and reap it."""
+    if watchdog is None:
+        return
+    assert watchdog.stdin is not None
+    try:
+        watchdog.stdin.write(_STOPPED)
+        watchdog.stdin.close()
+    except OSError:  # it died
+        pass
+    try:
+        watchdog.wait(10)
+    except subprocess.TimeoutExpired:
+        watchdog.kill()
+        watchdog.wait()
+
+
+def _on_dead_owner(args: Sequence[str]) -> None:
+    """What a watchdog does once its owner died without dismissing it (``args``: see
+    ``_WATCHDOG``)."""
+    if args[0] == "driver":
+        _kill_for_dead_owner(int(args[1]), float(args[2]))
+    else:
+        _stop_for_dead_owner(args[1], owned=list(args[2:]) == ["owned"])
+
+
 def _stop_for_dead_owner(base_dir: str, owned: bool) -> None:
-    """What a watchdog does once its cluster's owner died without stopping it. What it
-    could not stop stays recorded (the directory is kept, for ``cluster stop --dir``), and
-    why goes to its log, logs/watchdog.log."""
+    """What a cluster's watchdog does once its owner died without stopping the cluster.
+    What it could not stop stays recorded (the directory is kept, for ``cluster stop
+    --dir``), and why goes to its log, logs/watchdog.log."""
     try:
         LocalCluster.attach(base_dir).stop()  # waits for the owner's start, if it was one
     except ClusterError as exc:  # none recorded (a failed start stopped what it started),
@@ -553,6 +601,19 @@ def _stop_for_dead_owner(base_dir: str, owned: bool) -> None:
             return  # the only record of what may still run
     if owned:
         shutil.rmtree(base_dir, ignore_errors=True)
+
+
+def _kill_for_dead_owner(pid: int, create_time: float) -> None:
+    """What a driver's watchdog does once the process that started the driver died: SIGKILL
+    the driver and every process of its session (its JVM, the JVM's Python workers)."""
+    processes = _session_processes(ProcessRecord(pid, create_time))
+    _kill_all(processes)
+    survivors = _wait_gone(processes, 30)
+    if survivors:
+        print(
+            f"stateful-async driver watchdog: driver processes survived SIGKILL: {survivors}.",
+            file=sys.stderr,
+        )
 
 
 def _lock_holder(text: str) -> tuple[str, float | None, str]:
@@ -829,43 +890,18 @@ class LocalCluster:
     def _start_watchdog(self) -> None:
         """Start a process that stops the cluster should this one die without stopping it
         (atexit does not run on SIGKILL or on a SIGTERM nobody handles, and the daemons,
-        in sessions of their own, would run on). It holds a pipe from this process: the
-        system closes it when this process dies, however it dies."""
+        in sessions of their own, would run on)."""
         assert self.base_dir is not None
-        package_root = str(Path(__file__).resolve().parents[2])  # where stateful_async is
-        path = os.environ.get("PYTHONPATH")
         (self.base_dir / "logs").mkdir(exist_ok=True)
-        with open(self.base_dir / "logs" / "watchdog.log", "a") as log:
-            self._watchdog = subprocess.Popen(
-                [sys.executable, "-c", _WATCHDOG, str(self.base_dir)]
-                + (["owned"] if self._owns_dir else []),
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=log,
-                env={
-                    **os.environ,
-                    "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [path])]),
-                },
-                start_new_session=True,  # a Ctrl-C to this process's group is not for it
-                text=True,
-            )
+        self._watchdog = _launch_watchdog(
+            ["cluster", str(self.base_dir), *(["owned"] if self._owns_dir else [])],
+            self.base_dir / "logs" / "watchdog.log",
+        )
 
     def _dismiss_watchdog(self) -> None:
         """Tell the watchdog the cluster is stopped, and reap it."""
         watchdog, self._watchdog = self._watchdog, None
-        if watchdog is None:
-            return
-        assert watchdog.stdin is not None
-        try:
-            watchdog.stdin.write(_STOPPED)
-            watchdog.stdin.close()
-        except OSError:  # it died
-            pass
-        try:
-            watchdog.wait(10)
-        except subprocess.TimeoutExpired:
-            watchdog.kill()
-            watchdog.wait()
+        _dismiss_watchdog(watchdog)
 
     def _start_master(self, deadline: float) -> None:
         """Launch the master on free ports and wait until its web UI answers as this
@@ -1621,6 +1657,31 @@ class LocalCluster:
         return f"LocalCluster({self.master_url}, workers={sorted(self.workers)})"
 
 
+def _session_processes(driver: ProcessRecord) -> list[Any]:
+    """The driver ``driver`` names, if it runs, and every live process of its session: its
+    children and, after the driver exited, the orphans it left (re-parented, same session)."""
+    import psutil
+
+    found: dict[int, Any] = {}
+    process = driver.process()
+    if process is not None:
+        found.update((p.pid, p) for p in _tree(process))
+    # The session id is the driver's pid. A pid that names a live session is never
+    # reused, so a member started after the driver belongs to this driver's session.
+    for member in psutil.process_iter(["create_time", "status"]):
+        try:
+            if (
+                os.getsid(member.pid) == driver.pid
+                and member.info["create_time"] >= driver.create_time - 0.01
+                and member.info["status"] != psutil.STATUS_ZOMBIE
+            ):
+                found[member.pid] = member
+        except (OSError, psutil.Error):
+            continue  # exited while we looked
+    found.pop(os.getpid(), None)
+    return [p for p in found.values() if _running(p)]
+
+
 class DriverProcess:
     """A Spark driver program in a child process with its own session, e.g.
 
@@ -1632,6 +1693,11 @@ class DriverProcess:
     session, so every process it starts (its JVM, the JVM's Python workers) stays in that
     session even once the driver has exited and they were re-parented: ``pids()`` lists
     them all and ``kill()`` SIGKILLs them all, by pid.
+
+    Should the process that started the driver exit before ``kill()`` (or a ``wait()``
+    that found nothing of the session left), however it exits (SIGKILL included), a
+    watchdog process SIGKILLs the driver and its session all the same; why it could not
+    goes to ``<log_dir>/<name>.watchdog.log``.
     """
 
     def __init__(
@@ -1656,7 +1722,19 @@ class DriverProcess:
                 env={**os.environ, **(env or {})},
                 start_new_session=True,
             )
-        self.record = ProcessRecord.of(self.process.pid)
+        self._watchdog: subprocess.Popen[str] | None = None
+        try:
+            self.record = ProcessRecord.of(self.process.pid)
+            # Its session would run on, Spark job and JVM included, after a test that
+            # died (SIGKILL, a timeout's kill) without kill().
+            self._watchdog = _launch_watchdog(
+                ["driver", str(self.record.pid), repr(self.record.create_time)],
+                self.log_dir / f"{name}.watchdog.log",
+            )
+        except BaseException:
+            self.process.kill()
+            self.process.wait()
+            raise
 
     @property
     def pid(self) -> int:
@@ -1672,37 +1750,20 @@ class DriverProcess:
     def wait(self, timeout: float) -> int:
         """Wait for the driver to exit; on timeout, kill it and raise ``TimeoutError``."""
         try:
-            return self.process.wait(timeout)
+            code = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise TimeoutError(
                 f"The driver {' '.join(self.argv[:4])} ... did not finish within {timeout} s "
                 f"and was killed. Its stderr ends with:\n{self.stderr_tail()}"
             ) from None
+        if not self._processes():  # nothing left for the watchdog to kill
+            self._dismiss_watchdog()
+        return code
 
     def _processes(self) -> list[Any]:
-        """The driver, if it runs, and every live process of its session: its children
-        and, after the driver exited, the orphans it left (re-parented, same session)."""
-        import psutil
-
-        found: dict[int, Any] = {}
-        driver = self.record.process()
-        if driver is not None:
-            found.update((p.pid, p) for p in _tree(driver))
-        # The session id is the driver's pid. A pid that names a live session is never
-        # reused, so a member started after the driver belongs to this driver's session.
-        for process in psutil.process_iter(["create_time", "status"]):
-            try:
-                if (
-                    os.getsid(process.pid) == self.pid
-                    and process.info["create_time"] >= self.record.create_time - 0.01
-                    and process.info["status"] != psutil.STATUS_ZOMBIE
-                ):
-                    found[process.pid] = process
-            except (OSError, psutil.Error):
-                continue  # exited while we looked
-        found.pop(os.getpid(), None)
-        return [p for p in found.values() if _running(p)]
+        """The driver, if it runs, and every live process of its session."""
+        return _session_processes(self.record)
 
     def pids(self) -> list[int]:
         """The driver and every live process it started, including those left running
@@ -1721,7 +1782,12 @@ class DriverProcess:
         survivors = _wait_gone(processes, timeout)
         if survivors:
             raise ClusterError(f"Driver processes survived SIGKILL: {survivors}.")
+        self._dismiss_watchdog()
         return sorted(killed)
+
+    def _dismiss_watchdog(self) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        _dismiss_watchdog(watchdog)
 
     def stdout(self) -> str:
         return self.stdout_path.read_text(errors="replace")
