@@ -359,24 +359,47 @@ def test_a_worker_is_not_started_again_while_another_start_holds_the_directory(
     # Before, two `start-worker 1` at once both found worker 1 dead and both launched one;
     # the state file kept the second, and `cluster stop` left the first running.
     monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))  # no spark-class
-    dead = {"pid": exited_pid(), "create_time": 0.0}  # names no live process
     state = tmp_path / "cluster"
     (state / "logs").mkdir(parents=True)
-    (state / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
-    cluster = LocalCluster.attach(state)
-    holder = LocalCluster.attach(state)._lock_start()  # another start-worker, mid-way
-    try:
-        with pytest.raises(
-            ClusterError,
-            match=rf"Another process \(pid {os.getpid()}\) is starting a cluster or a "
-            rf"worker in {re.escape(str(state))} right now",
-        ):
+    with a_recorded_daemon(state):  # the master runs; worker 0 does not
+        cluster = LocalCluster.attach(state)
+        holder = LocalCluster.attach(state)._lock_start()  # another start-worker, mid-way
+        try:
+            with pytest.raises(
+                ClusterError,
+                match=rf"Another process \(pid {os.getpid()}\) is starting a cluster or a "
+                rf"worker in {re.escape(str(state))} right now",
+            ):
+                cluster.start_worker(0)
+        finally:
+            holder.close()
+        # once it is done, the worker is launched (and here fails: there is no spark-class)
+        with pytest.raises(ClusterError, match="Cannot start the Spark worker-0 with"):
             cluster.start_worker(0)
-    finally:
-        holder.close()
-    # once it is done, the worker is launched (and here fails: there is no spark-class)
-    with pytest.raises(ClusterError, match="Cannot start the Spark worker-0 with"):
-        cluster.start_worker(0)
+
+
+def test_a_worker_is_not_started_in_a_cluster_whose_master_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, start_worker launched a worker JVM that could never register (no master to
+    # register with) and only then failed, saying the master was not running but not what to
+    # do; the worker ran on meanwhile, retrying for minutes a master that was gone.
+    launched: list[int] = []
+    monkeypatch.setattr(LocalCluster, "_launch_worker", lambda self, index: launched.append(index))
+    dead = {"pid": exited_pid(), "create_time": 0.0}  # names no live process
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "cluster.json").write_text(json.dumps(recorded_cluster(dead, dead)))
+    cluster = LocalCluster.attach(tmp_path)
+    started = time.monotonic()
+    with pytest.raises(ClusterError) as refused:
+        cluster.start_worker(0, timeout=60)
+    assert time.monotonic() - started < 10
+    assert str(refused.value).startswith(
+        f"Cannot start worker 0: the Spark master (pid {dead['pid']}) is not running. No "
+        "worker can join a cluster whose master is gone: stop the cluster (python -m "
+        f"stateful_async.chaos.cluster stop --dir {tmp_path}) and start a new one. Daemon logs:"
+    )
+    assert launched == []
 
 
 def test_a_stop_waits_for_a_start_holding_the_directory_then_stops_what_it_recorded(
@@ -1100,16 +1123,31 @@ def test_a_state_file_whose_records_have_fields_this_version_does_not_know_is_re
     assert not (tmp_path / "cluster.json").exists()
 
 
+@pytest.fixture
+def a_running_process() -> Iterator[_cluster.ProcessRecord]:
+    """A process that runs (a sleep this test started), named by its record."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        yield _cluster.ProcessRecord.of(process.pid)
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
 def test_a_cluster_started_with_a_timeout_keeps_it_for_the_commands_that_attach_to_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    a_running_process: _cluster.ProcessRecord,
 ) -> None:
     # Before, cluster.json did not record startup_timeout, so attach() (every command but
     # start) took the default: 'start-worker' allowed 180 s whatever 'start --timeout' was.
     monkeypatch.setattr(_cluster, "spark_home", lambda: str(tmp_path))
     dead = _cluster.ProcessRecord(exited_pid(), 0.0)
+    master = a_running_process  # start-worker refuses a cluster whose master is gone
 
     def fake_start_master(self: LocalCluster, deadline: float) -> None:
-        self.master, self.master_port, self.webui_port = dead, 3, 4
+        self.master, self.master_port, self.webui_port = master, 3, 4
         self._save()
 
     def fake_launch_worker(self: LocalCluster, index: int) -> None:

@@ -958,7 +958,8 @@ class LocalCluster:
     def start_worker(self, index: int, timeout: float | None = None) -> WorkerInfo:
         """Start worker ``index`` again (after ``kill_worker``), on new ports, and wait until
         the master counts it alive, up to ``timeout`` seconds (a finite number above 0;
-        default: ``startup_timeout``)."""
+        default: ``startup_timeout``). With the master gone, ``ClusterError`` at once, and
+        nothing is launched."""
         if timeout is None:
             timeout = self.startup_timeout
         else:
@@ -985,6 +986,12 @@ class LocalCluster:
             raise ClusterError(
                 f"Worker {index} is already running (pid {self.workers[index].pid})."
             )
+        # a worker launched without one would never register: refused before, not after a wait
+        self._check_master(
+            f"Cannot start worker {index}: the",
+            "No worker can join a cluster whose master is gone: stop the cluster (python -m "
+            f"stateful_async.chaos.cluster stop --dir {self.base_dir}) and start a new one.",
+        )
         self._launch_worker(index)
         self._wait_registered([index], timeout)
         return self.workers[index]  # relaunched on other ports if its first ones were taken
@@ -1291,16 +1298,17 @@ class LocalCluster:
             f"time. The daemon said: {failure}"
         )
 
-    def _check_master(self) -> None:
-        """Raise if the master is gone (the workers cannot register without it)."""
+    def _check_master(self, subject: str = "The", advice: str = "") -> None:
+        """Raise if the master is gone (the workers cannot register without it): "``subject``
+        Spark master ... is not running. ``advice`` <the daemons' logs>"."""
         assert self.master is not None
         process = self._popen.get(self.master.pid)
         code = None if process is None else process.poll()
         if code is not None or not self.master.alive():
             raise ClusterError(
-                f"The Spark master (pid {self.master.pid}) "
+                f"{subject} Spark master (pid {self.master.pid}) "
                 + ("is not running" if code is None else f"exited with code {code}")
-                + f". {self._log_tail()}"
+                + f". {advice + ' ' if advice else ''}{self._log_tail()}"
             )
 
     def _dead_workers(self, besides: Sequence[int] = ()) -> dict[int, int | None]:
