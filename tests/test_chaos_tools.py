@@ -937,6 +937,36 @@ def test_a_cluster_is_stopped_by_its_watchdog_once_its_owner_is_gone_not_before(
         assert not (tmp_path / "cluster.json").exists()
 
 
+@contextlib.contextmanager
+def a_child_forked_without_exec() -> Iterator[None]:
+    """A child of this process, forked without exec (multiprocessing's fork), sleeping
+    meanwhile; killed at the end."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(300,))
+    child.start()
+    try:
+        yield
+    finally:
+        child.kill()
+        child.join(timeout=30)
+
+
+def test_a_cluster_is_stopped_by_its_watchdog_while_a_child_forked_by_its_owner_runs(
+    tmp_path: Path,
+) -> None:
+    # Before, a child forked without exec held the watchdog's pipe open: its owner gone, the
+    # cluster ran on until that child exited.
+    with a_recorded_daemon(tmp_path) as daemon:
+        owner = LocalCluster(1, base_dir=tmp_path, stop_at_exit=False)
+        owner._start_watchdog()
+        assert owner._watchdog is not None and owner._watchdog.stdin is not None
+        with a_child_forked_without_exec():
+            owner._watchdog.stdin.close()  # its owner died; its child lives on
+            assert owner._watchdog.wait(timeout=60) == 0
+            assert not daemon.is_running()
+
+
 def test_a_watchdog_that_cannot_stop_its_cluster_keeps_its_record_and_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -382,3 +382,23 @@ async def test_a_service_enrichment_opened_twice_closes_its_first_session() -> N
     assert first.closed and fn._session is not first and not fn._session.closed
     await fn.close()
     assert fn._session is None
+
+
+def test_a_service_stops_when_its_owner_is_gone_while_a_child_it_forked_runs() -> None:
+    # Before, a child forked without exec (multiprocessing's fork) held the service's stdin
+    # open: its owner gone, the service ran on, listening, until that child exited.
+    import multiprocessing
+
+    service = MockService().start()
+    try:
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(300,))
+        child.start()
+        try:
+            assert service.process is not None and service.process.stdin is not None
+            service.process.stdin.close()  # its owner died; its child lives on
+            assert service.process.wait(timeout=30) == 0
+        finally:
+            child.kill()
+            child.join(timeout=30)
+    finally:
+        service.stop()

@@ -542,6 +542,29 @@ if sys.stdin.readline() != {_STOPPED!r}:
 """
 
 
+# Pipes to a child that stops what this process started once they close (a watchdog's, a
+# MockService's stdin): a child forked from this process without exec (multiprocessing's
+# fork, os.fork) would hold them open too, and what they guard would outlive this process
+# until that child exits. In such a child their fds are made to name /dev/null instead.
+_owner_pipes: set[IO[str]] = set()
+
+
+def _release_owner_pipes() -> None:
+    """In a child forked without exec: let go of the parent's ``_owner_pipes``."""
+    pipes = [pipe for pipe in _owner_pipes if not pipe.closed]
+    _owner_pipes.clear()  # the parent's to close, not this child's
+    if pipes:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            for pipe in pipes:
+                os.dup2(null, pipe.fileno(), inheritable=False)
+        finally:
+            os.close(null)
+
+
+os.register_at_fork(after_in_child=_release_owner_pipes)
+
+
 def _launch_watchdog(args: Sequence[str], log_path: Path) -> subprocess.Popen[str]:
     """Start a watchdog (``_WATCHDOG``) that acts on ``args`` should this process die
     before ``_dismiss_watchdog``; it logs to ``log_path``. It holds a pipe from this
@@ -549,7 +572,7 @@ def _launch_watchdog(args: Sequence[str], log_path: Path) -> subprocess.Popen[st
     package_root = str(Path(__file__).resolve().parents[2])  # where stateful_async is
     path = os.environ.get("PYTHONPATH")
     with open(log_path, "a") as log:
-        return subprocess.Popen(
+        watchdog = subprocess.Popen(
             [sys.executable, "-c", _WATCHDOG, *args],
             stdin=subprocess.PIPE,
             stdout=log,
@@ -561,6 +584,9 @@ def _launch_watchdog(args: Sequence[str], log_path: Path) -> subprocess.Popen[st
             start_new_session=True,  # a Ctrl-C to this process's group is not for it
             text=True,
         )
+    assert watchdog.stdin is not None
+    _owner_pipes.add(watchdog.stdin)
+    return watchdog
 
 
 def _dismiss_watchdog(watchdog: subprocess.Popen[str] | None) -> None:
@@ -568,6 +594,7 @@ def _dismiss_watchdog(watchdog: subprocess.Popen[str] | None) -> None:
     if watchdog is None:
         return
     assert watchdog.stdin is not None
+    _owner_pipes.discard(watchdog.stdin)
     try:
         watchdog.stdin.write(_STOPPED)
         watchdog.stdin.close()

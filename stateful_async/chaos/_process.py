@@ -17,7 +17,7 @@ from dataclasses import asdict
 from typing import IO, Any
 
 from .._exceptions import StatefulAsyncError
-from ._cluster import _is_seconds
+from ._cluster import _is_seconds, _owner_pipes
 from ._service import ServiceConfig
 
 
@@ -92,7 +92,8 @@ class MockService:
         # stopped when this interpreter exits, if nobody did (a child left listening would
         # outlive its test or script)
         atexit.register(self.stop)
-        assert self.process.stdout is not None
+        assert self.process.stdin is not None and self.process.stdout is not None
+        _owner_pipes.add(self.process.stdin)  # not held open by a child forked without exec
         deadline = time.monotonic() + timeout
         # "listening on 127.0.0.1:<port>", printed and flushed at once; waited for with the
         # deadline (a service that hangs before printing it must not hang its caller)
@@ -122,6 +123,8 @@ class MockService:
         if process is None:
             return
         atexit.unregister(self.stop)
+        if process.stdin is not None:
+            _owner_pipes.discard(process.stdin)
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
