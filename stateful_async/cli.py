@@ -10,8 +10,8 @@ Errors in what the user asked for (a missing location, an unknown id, a function
 cannot be imported, an output path that exists or cannot be written) print one clear message
 and exit with status 2; the demo exits with status 1 if its Spark job fails (PySpark's error,
 then where Spark's log is) or if a check it promises fails or cannot be made. A command
-whose reader stops reading (``checkpoints list ... | head -1``) stops quietly with status 141
-(128 + SIGPIPE), as a Unix tool that SIGPIPE ends does.
+whose reader stops reading (``checkpoints list ... | head -1``, its ``--help`` too) stops
+quietly with status 141 (128 + SIGPIPE), as a Unix tool that SIGPIPE ends does.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import decimal
 import errno
 import importlib
 import inspect
+import io
 import json
 import math
 import os
@@ -34,7 +35,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, redirect_stdout, suppress
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -47,20 +48,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 from ._exceptions import StatefulAsyncError, id_ranges, numpy_kind
-
-app = typer.Typer(
-    help="Flink's async I/O operator for PySpark, with durable snapshots in Delta tables.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-checkpoints_app = typer.Typer(
-    help="Inspect and maintain a checkpoint location.", no_args_is_help=True
-)
-app.add_typer(checkpoints_app, name="checkpoints")
 
 
 class _Console(Console):
@@ -124,19 +114,69 @@ def _quiet_when_the_reader_leaves() -> Iterator[None]:
         raise typer.Exit(CLOSED_PIPE) from None
 
 
+def _help_for_a_pipe(format_help: Callable[[], None]) -> None:
+    """Print a command's or a group's help (``format_help``) so that a reader closing the
+    pipe (``--help | head -1``) stops it as it stops a command: Typer prints the help
+    through a rich console of its own, which exits with status 1 on a closed pipe. In a
+    pipe or a file the help is rendered first, as it would be printed there, then written
+    as a plain write, which parse_args' _quiet_when_the_reader_leaves turns into status
+    CLOSED_PIPE (the help is printed while Click parses the arguments); a terminal gets it
+    as Typer prints it."""
+    if sys.stdout.isatty():
+        format_help()
+        return
+    rendered = io.StringIO()
+    with redirect_stdout(rendered):  # Typer's console writes to sys.stdout as it is then
+        format_help()
+    sys.stdout.write(rendered.getvalue())
+
+
+class _Group(TyperGroup):
+    """A group whose help (--help, or no command given) stops quietly when the reader of
+    its output leaves, as a command does."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        with _quiet_when_the_reader_leaves():
+            result: list[str] = super().parse_args(ctx, args)
+            return result
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        _help_for_a_pipe(lambda: super(_Group, self).format_help(ctx, formatter))
+
+
+app = typer.Typer(
+    cls=_Group,
+    help="Flink's async I/O operator for PySpark, with durable snapshots in Delta tables.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+checkpoints_app = typer.Typer(
+    cls=_Group, help="Inspect and maintain a checkpoint location.", no_args_is_help=True
+)
+app.add_typer(checkpoints_app, name="checkpoints")
+
+
 class _Command(TyperCommand):
     """A command that reads its arguments once before Click does, to refuse with a clear
     message what Click would refuse with a puzzling one (a negative checkpoint id, which
     Click takes for an unknown option: "No such option: -1") or take without a word (an
     option that selects one thing given twice, of which Click keeps the last). With --help,
     nothing is refused: the help is printed, for a negative id too. It stops quietly when
-    the reader of its output leaves (_quiet_when_the_reader_leaves)."""
+    the reader of its output (its help's too) leaves (_quiet_when_the_reader_leaves)."""
 
     def invoke(self, ctx: Any) -> Any:
         with _quiet_when_the_reader_leaves():
             return super().invoke(ctx)
 
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        _help_for_a_pipe(lambda: super(_Command, self).format_help(ctx, formatter))
+
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        with _quiet_when_the_reader_leaves():  # (the help is printed here)
+            return self._parse_args(ctx, args)
+
+    def _parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         if not ctx.resilient_parsing:  # (shell completion parses leniently)
             options, positional = _scan(self.get_params(ctx), args)
             # by the name typed: Click before 8.1.8 makes a new help option at each call

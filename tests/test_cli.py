@@ -1155,6 +1155,13 @@ def test_an_unknown_location_is_a_clear_error(tmp_path, command) -> None:
         ["checkpoints", "show", "{}", "2"],
         ["checkpoints", "show", "{}", "2", "--format", "json"],
         ["replay", "{}", "2", "--function", "replay_functions:echo"],
+        # the help, which Typer prints through a rich console that exits 1 on a closed pipe
+        ["--help"],
+        [],  # no command: the help too
+        ["checkpoints", "--help"],
+        ["checkpoints"],
+        ["checkpoints", "list", "--help"],
+        ["replay", "{}", "-1", "--help"],
     ],
 )
 def test_a_command_whose_reader_closes_the_pipe_stops_quietly_with_sigpipe_s_status(
@@ -1163,6 +1170,7 @@ def test_a_command_whose_reader_closes_the_pipe_stops_quietly_with_sigpipe_s_sta
     # `stateful-async checkpoints list ... | head -1`: the command exited with status 1, as
     # for a failure, where a Unix tool stops with 141 (128 + SIGPIPE); and what was left in
     # stdout's buffer could fail again at exit ("Exception ignored ... BrokenPipeError").
+    # `stateful-async --help | head -1` did so after the commands no longer did.
     import signal
     import subprocess
     import sys
