@@ -34,6 +34,7 @@ import stat
 import sys
 import threading
 import traceback
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout, suppress
 from enum import Enum
@@ -1279,11 +1280,13 @@ def _is_watermark(element: Any) -> bool:
 
 
 def _to_json(value: Any, indent: int | None = None) -> str:
-    """``value`` as standard JSON: dates as ISO strings, decimals as strings, bytes as
-    base64, numpy values as the Python values they hold (not as their ``str``: "5",
-    "True"), and floats that JSON has no number for (NaN, +-infinity) as the strings
-    ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (Python would write bare ``NaN``, which
-    strict parsers refuse)."""
+    """``value`` as standard JSON: dates and times as ISO strings, decimals and UUIDs as
+    strings, bytes as base64, durations as seconds, sets as sorted lists, numpy values as
+    the Python values they hold (not as their ``str``: "5", "True"), and floats that JSON
+    has no number for (NaN, +-infinity) as the strings ``"NaN"``, ``"Infinity"``,
+    ``"-Infinity"`` (Python would write bare ``NaN``, which strict parsers refuse). A value
+    of any other type (an object, a complex number) is refused (Fail), where its ``str``
+    ("{1, 2}" for a set, "<... object at 0x...>") was written as if it were a string."""
     return json.dumps(_finite(value), default=_json_default, indent=indent, allow_nan=False)
 
 
@@ -1301,7 +1304,18 @@ def _finite(value: Any) -> Any:
         return {_json_key(k): _finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
+    if isinstance(value, (set, frozenset)):  # a list, as pyarrow takes one; no order of its own
+        return [_finite(v) for v in _sorted_set(value)]
     return value
+
+
+def _sorted_set(items: set[Any] | frozenset[Any]) -> list[Any]:
+    """A set's items in a stable order (a set of strings iterates in another order in each
+    process): sorted, or by their JSON text where they do not compare (1 and "a")."""
+    try:
+        return sorted(items)
+    except TypeError:
+        return sorted(items, key=_to_json)
 
 
 def _json_key(key: Any) -> Any:
@@ -1312,6 +1326,13 @@ def _json_key(key: Any) -> Any:
         return key
     if isinstance(key, float):
         return _finite(key)
+    if isinstance(key, (tuple, frozenset)):  # a value JSON writes as a list, no key's text
+        raise Fail(
+            f"A dict to write as JSON has the key {key!r:.200} ({_type_name(key)}), which "
+            "JSON has no key for: its keys are strings, and numbers, booleans, dates, "
+            "decimals and bytes are written as their text. Give that dict keys of those "
+            "types (in replay, in the function's results)."
+        )
     return str(_finite(_json_default(key)))
 
 
@@ -1322,18 +1343,17 @@ def _key_text(key: Any) -> str:
     return json.dumps(key)  # True as true, None as null, 1.5 as 1.5
 
 
-def _same_json_key(first: Any, second: Any, text: str) -> str:
-    def kind(key: Any) -> str:
-        cls = type(key)
-        return (
-            cls.__qualname__
-            if cls.__module__ == "builtins"
-            else f"{cls.__module__}.{cls.__qualname__}"
-        )
-
+def _type_name(value: Any) -> str:
+    cls = type(value)
     return (
-        f"A dict to write as JSON has the keys {first!r} ({kind(first)}) and {second!r} "
-        f"({kind(second)}), which JSON writes as the same key {json.dumps(text)}: one "
+        cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    )
+
+
+def _same_json_key(first: Any, second: Any, text: str) -> str:
+    return (
+        f"A dict to write as JSON has the keys {first!r} ({_type_name(first)}) and {second!r} "
+        f"({_type_name(second)}), which JSON writes as the same key {json.dumps(text)}: one "
         "would hide the other. Give that dict's keys one type (in replay, in the "
         "function's results)."
     )
@@ -1372,11 +1392,19 @@ def _json_default(value: Any) -> Any:
         return value.isoformat()
     if isinstance(value, decimal.Decimal):
         return str(value)
-    if isinstance(value, bytes):
+    if isinstance(value, (bytes, bytearray, memoryview)):
         return base64.b64encode(value).decode("ascii")
     if isinstance(value, dt.timedelta):
         return value.total_seconds()
-    return str(value)
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    raise Fail(
+        f"A value to write as JSON, {value!r:.200} ({_type_name(value)}), has no JSON form. "
+        "JSON holds dicts, lists, strings, numbers, booleans and null; dates and times are "
+        "written as ISO strings, decimals and UUIDs as strings, bytes as base64, durations "
+        "as seconds, sets as sorted lists. Convert it to one of those (in replay, in the "
+        "function's results)."
+    )
 
 
 @contextmanager

@@ -795,6 +795,38 @@ def test_replay_writes_numpy_nanosecond_times_as_times_not_counts(tmp_path, func
     }  # fmt: skip
 
 
+def test_replay_writes_sets_as_sorted_lists_and_refuses_values_json_has_no_form_for(
+    tmp_path, functions
+) -> None:
+    # A value JSON has no type for was written as its str() without a word: a set as the
+    # string "{1, 2}", a bytearray as "bytearray(b'ab')", an object as "<... at 0x...>".
+    module = functions.parent / "odd_values.py"
+    source = (
+        "import uuid\n\n"
+        "async def kinds(row):\n"
+        "    return [{'id': row['id'], 'tags': {'b', 'a'}, 'ids': frozenset({3, 1, 2}),\n"
+        "             'raw': bytearray(b'ab'), 'uuid': uuid.UUID(int=5)}]\n\n"
+        "async def complex_number(row):\n"
+        "    return [{'id': row['id'], 'z': complex(1, 2)}]\n\n"
+        "async def tuple_key(row):\n"
+        "    return [{'id': row['id'], 'by': {(1, 2): 'x'}}]\n"
+    )
+    assert replayed_row(tmp_path, module, source, "kinds") == {
+        "id": 7, "tags": ["a", "b"], "ids": [1, 2, 3], "raw": "YWI=",
+        "uuid": "00000000-0000-0000-0000-000000000005",
+    }  # fmt: skip
+    for function, said in (
+        ("complex_number", "A value to write as JSON, (1+2j) (complex), has no JSON form."),
+        ("tuple_key", "A dict to write as JSON has the key (1, 2) (tuple), which JSON has no"),
+    ):
+        for output in ([], ["--output", str(tmp_path / "out.jsonl")]):
+            result = replay(tmp_path / "ckpt", f"odd_values:{function}", *output)
+            assert result.exit_code == 2, result.output
+            assert f"Error: {said}" in " ".join(result.output.split())
+            assert not result.stdout.startswith("{")  # nothing printed
+            assert not (tmp_path / "out.jsonl").exists()
+
+
 @pytest.mark.parametrize("suffix", ["", ".jsonl", ".json"])
 def test_replay_refuses_dict_keys_that_json_writes_as_one(tmp_path, functions, suffix) -> None:
     # A date key and its ISO string merged into one JSON key, the last value kept; 1 and
