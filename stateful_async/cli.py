@@ -498,7 +498,7 @@ def demo(
 
 def _store(location: str, storage_option: list[str] | None = None) -> Any:
     from checkpoint import SnapshotStore
-    from checkpoint._layout import location_exists, missing_location
+    from checkpoint._layout import is_local, location_exists, missing_location
 
     options: dict[str, str] = {}
     for setting in storage_option or []:
@@ -514,6 +514,17 @@ def _store(location: str, storage_option: list[str] | None = None) -> Any:
             )
         options[key.strip()] = value
     store = SnapshotStore(location, options or None)
+    if options and is_local(store.location):  # (a mistyped URI, maybe: s3:/bucket/...)
+        _say(
+            err,
+            escape(
+                f"Warning: the --storage-option (-o) settings {', '.join(options)} are not "
+                f"used: {store.location} is a local directory, and storage options are for "
+                "object stores. Leave -o out, or give the location as the store's URI "
+                "(s3://bucket/path, ...)."
+            ),
+            highlight=False,
+        )
     if not location_exists(store.location, store.storage_options):
         raise Fail(missing_location(store.location))
     _check_layout(store)

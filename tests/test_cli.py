@@ -1464,6 +1464,25 @@ def test_a_storage_option_given_twice_with_different_values_is_refused(checkpoin
     assert invoke("checkpoints", "list", str(location), *same).exit_code == 0
 
 
+def test_a_storage_option_on_a_local_location_is_said_to_be_unused(checkpoints) -> None:
+    # -o settings with a local location (a mistyped URI, maybe) were dropped without a word.
+    location, _ = checkpoints
+    options = ["-o", "AWS_REGION=eu-west-1", "-o", "AWS_SECRET_ACCESS_KEY=s3cr3t"]
+    for command in (["checkpoints", "list"], ["checkpoints", "show", "--format", "json"]):
+        args = [*command[:2], str(location), *(["2"] if "show" in command else []), *command[2:]]
+        result = invoke(*args, *options)
+        assert result.exit_code == 0, result.output
+        assert " ".join(result.stderr.split()) == (
+            "Warning: the --storage-option (-o) settings AWS_REGION, AWS_SECRET_ACCESS_KEY "
+            f"are not used: {location} is a local directory, and storage options are for "
+            "object stores. Leave -o out, or give the location as the store's URI "
+            "(s3://bucket/path, ...)."
+        )
+        assert "s3cr3t" not in result.output  # values may be secrets
+    assert json.loads(result.stdout)[0]["checkpoint_id"] == 2  # stdout: the JSON alone
+    assert invoke("checkpoints", "list", str(location)).stderr == ""  # no -o, no warning
+
+
 def test_an_unknown_job_lists_the_jobs(checkpoints) -> None:
     location, _ = checkpoints
     for other in ("other", ""):  # an empty one (a script's unset variable) too: it listed all
