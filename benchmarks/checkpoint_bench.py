@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,6 +57,7 @@ from peak_rss import peak_rss_mib
 
 from checkpoint import SnapshotStore
 from stateful_async import StreamRecord, Watermark
+from stateful_async.cli import _sigterm_unwinds
 
 INPUT = pa.schema(
     [
@@ -165,6 +167,7 @@ def _committer(root: str, layout: str, subtask: int, count: int, period: float, 
     print("ready", flush=True)
     while not os.path.exists(go):
         if os.getppid() != benchmark:  # orphaned: the benchmark was killed before "go"
+            shutil.rmtree(root, ignore_errors=True)  # its temporary directory, which it left
             sys.exit("checkpoint_bench committer: the benchmark is gone; stopping")
         time.sleep(0.001)
     rng = random.Random(subtask)
@@ -588,12 +591,17 @@ def main() -> None:
     )
     parser.add_argument("--micro-batches", action="store_true", help="section 6 alone")
     args = parser.parse_args()
-    if args.micro_batches:
-        result = {"micro_batch": micro_batches(40 if args.quick else 100, 1 if args.quick else 3)}
-        text = "\n".join(_later_sections(result)[1:])
-    else:
-        result = run(quick=args.quick)
-        text = report(result)
+    # a SIGTERM (kill, a timeout) unwinds as Ctrl-C does: the finally blocks stop what the
+    # run started and remove its temporary directories
+    with _sigterm_unwinds():
+        if args.micro_batches:
+            result = {
+                "micro_batch": micro_batches(40 if args.quick else 100, 1 if args.quick else 3)
+            }
+            text = "\n".join(_later_sections(result)[1:])
+        else:
+            result = run(quick=args.quick)
+            text = report(result)
     if args.json:  # as spark_bench's and pyflink_bench's --json: a file, the table printed
         Path(args.json).write_text(json.dumps(result, indent=2))
     print(text)

@@ -128,18 +128,19 @@ def job(url: str, rows: int, capacity: int, outdir: str) -> None:
     print(json.dumps({"wall_s": wall, "pyflink_version": pyflink.version.__version__}))
 
 
-def _stop_with_parent() -> None:
-    """In the job: end its process group (this process, the JVM, the Python workers) once
-    the benchmark that started it is gone. The benchmark stops the group itself when it
-    ends, fails or times out, but a benchmark killed (SIGKILL, or a SIGTERM nobody handles:
-    no ``finally`` runs) cannot; the pipe it holds as the job's stdin closes however it
-    dies, as the mock service's does (``--stop-on-stdin-eof``)."""
+def _stop_with_parent(outdir: str) -> None:
+    """In the job: remove its output directory and end its process group (this process,
+    the JVM, the Python workers) once the benchmark that started it is gone. The benchmark
+    does both itself when it ends, fails, times out or gets a SIGTERM, but a benchmark
+    killed with SIGKILL cannot (no ``finally`` runs); the pipe it holds as the job's stdin
+    closes however it dies, as the mock service's does (``--stop-on-stdin-eof``)."""
     if os.environ.get(STOP_ON_STDIN_EOF) != "1" or os.getpgrp() != os.getpid():
         return  # not started by _run_job, in a process group of its own: nothing to watch
 
     def watch() -> None:
         while os.read(0, 4096):
             pass
+        shutil.rmtree(outdir, ignore_errors=True)
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True, name="benchmark-watch").start()
@@ -448,7 +449,7 @@ def _latency_ms(text: str) -> float:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--job":
-        _stop_with_parent()
+        _stop_with_parent(sys.argv[5])
         job(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -460,7 +461,12 @@ def main() -> None:
         "--json", metavar="PATH", type=output_file, help="also write the figures as JSON"
     )
     args = parser.parse_args()
-    result = run(args.quick, args.capacity, args.latency_ms, args.rows)
+    from stateful_async.cli import _sigterm_unwinds  # not at the top: the job has no stateful_async
+
+    # a SIGTERM (kill, a timeout) unwinds as Ctrl-C does: the finally blocks stop what the
+    # run started and remove its temporary directories
+    with _sigterm_unwinds():
+        result = run(args.quick, args.capacity, args.latency_ms, args.rows)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     print(report(result))

@@ -248,11 +248,16 @@ def child_part(script: str, args: list[str], watch: ProcessWatch) -> dict[str, A
                 text=True,
             )
             assert process.stderr is not None
-            for line in process.stderr:  # progress lines are relayed, everything is kept
-                err.write(line)
-                if line.startswith("spark_bench: "):
-                    print(line.rstrip(), file=sys.stderr, flush=True)
-            process.wait()
+            try:
+                for line in process.stderr:  # progress lines are relayed, everything is kept
+                    err.write(line)
+                    if line.startswith("spark_bench: "):
+                        print(line.rstrip(), file=sys.stderr, flush=True)
+                process.wait()
+            finally:  # this run was stopped (Ctrl-C, SIGTERM): the child stops as it does
+                if process.poll() is None:
+                    process.terminate()
+                    process.wait()
         stdout = Path(out_path).read_text()
         watch.sample()
         if process.returncode != 0:
@@ -2306,7 +2311,12 @@ def main() -> None:
     if args.from_json:
         results = args.from_json
     else:
-        results = run(args.quick, args.skip_pyflink, args.skip_sink)
+        from stateful_async.cli import _sigterm_unwinds
+
+        # a SIGTERM (kill, a timeout) unwinds as Ctrl-C does: the parts' finally blocks stop
+        # what they started and remove their temporary directories
+        with _sigterm_unwinds():
+            results = run(args.quick, args.skip_pyflink, args.skip_sink)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     out = Path(args.out)

@@ -50,7 +50,16 @@ def main() -> None:
     )
     args = parser.parse_args()
     rows = args.rows or (200_000 if args.quick else 4_000_000)
+    from stateful_async.cli import _sigterm_unwinds
 
+    # a SIGTERM (kill, a timeout) unwinds as Ctrl-C does: the finally block stops Spark and
+    # removes the temporary directory
+    with _sigterm_unwinds():
+        measure(rows, args.partitions)
+
+
+def measure(rows: int, partitions: int) -> None:
+    """Writes the same cached DataFrame with both writers and prints the table."""
     from deltalake import DeltaTable
 
     from checkpoint import delta_dataset
@@ -60,7 +69,7 @@ def main() -> None:
     register_delta_sink(spark)
     work = Path(tempfile.mkdtemp(prefix="sink-bench-"))
     try:
-        df = spark.range(0, rows, numPartitions=args.partitions).selectExpr(*COLUMNS).cache()
+        df = spark.range(0, rows, numPartitions=partitions).selectExpr(*COLUMNS).cache()
         assert df.count() == rows  # materialise the cache: both writers read memory
         warm = spark.range(0, 1000, numPartitions=2).selectExpr(*COLUMNS)
         warm.write.mode("overwrite").parquet(str(work / "warm-parquet"))
@@ -76,7 +85,7 @@ def main() -> None:
         assert delta_dataset(table).to_table(columns=["id"]).num_rows == rows
 
         parquet_rate, sink_rate = rows / parquet_s, rows / sink_s
-        print(f"rows: {rows:,}   tasks: {args.partitions}   machine: local[2,3]")
+        print(f"rows: {rows:,}   tasks: {partitions}   machine: local[2,3]")
         print(f"{'writer':<28}{'seconds':>9}{'rows/s':>14}{'MiB on disk':>13}")
         for name, seconds, rate, path in (
             ("spark df.write.parquet", parquet_s, parquet_rate, parquet_path),

@@ -1314,7 +1314,12 @@ def main() -> None:
         "--json", metavar="PATH", type=output_file, help="also write the figures as JSON"
     )
     args = parser.parse_args()
-    result = run(quick=args.quick, capacity=args.capacity)
+    from stateful_async.cli import _sigterm_unwinds
+
+    # a SIGTERM (kill, a timeout) unwinds as Ctrl-C does: the finally blocks stop what the
+    # run started and remove its temporary directories
+    with _sigterm_unwinds():
+        result = run(quick=args.quick, capacity=args.capacity)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)

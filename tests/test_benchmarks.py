@@ -293,35 +293,51 @@ def test_a_pyflink_job_that_requested_one_key_twice_and_another_never_is_failed(
     assert "(2 keys not requested exactly once)" in result["reason"]
 
 
-# A PyFlink job that runs until stopped, with a child of its own (as its JVM is): the job's
-# `from pyflink...` imports this package instead of PyFlink.
-FAKE_PYFLINK = """\
+# A PyFlink good enough for the benchmark's check, whose job runs until stopped, with a
+# child of its own (as its JVM is): the job's first import (pyflink.common) never returns.
+FAKE_PYFLINK = {
+    "__init__.py": "from . import version\n",
+    "version.py": "__version__ = '2.test'\n",
+    "datastream.py": "class AsyncDataStream:\n    ordered_wait = None\n",
+    "common.py": """\
 import subprocess, sys, time
 subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 time.sleep(600)
-"""
-# The benchmark's side of that job: _run_job, with this interpreter as PyFlink's.
-PYFLINK_DRIVER = """\
-import sys
-from pathlib import Path
-sys.path.insert(0, sys.argv[1])
-import pyflink_bench
-pyflink_bench._run_job(Path(sys.executable), "http://127.0.0.1:9", 10, 4, sys.argv[2], None)
-"""
+""",
+}
+
+
+def fake_pyflink_venv(tmp_path: Path) -> dict[str, str]:
+    """pyflink_bench's cache with a "virtual environment" whose Python is this one, seeing
+    FAKE_PYFLINK; returns the environment to run the benchmark in (its own TMPDIR)."""
+    (tmp_path / "fake" / "pyflink").mkdir(parents=True)
+    for name, text in FAKE_PYFLINK.items():
+        (tmp_path / "fake" / "pyflink" / name).write_text(text)
+    python = tmp_path / "cache" / "pyflink-venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    (tmp_path / "tmp").mkdir()
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]),
+        "STATEFUL_ASYNC_BENCH_CACHE": str(tmp_path / "cache"),
+        "TMPDIR": str(tmp_path / "tmp"),
+        "JAVA_HOME": os.environ.get("JAVA_HOME", str(tmp_path)),  # PyFlink's, not needed here
+    }
 
 
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
-def test_a_pyflink_benchmark_killed_leaves_no_job_running(tmp_path: Path, signum: int) -> None:
+def test_a_pyflink_benchmark_killed_leaves_no_job_running_and_no_directory(
+    tmp_path: Path, signum: int
+) -> None:
     """before: the job ran in a process group of its own, stopped by the benchmark's
-    ``finally``; a benchmark killed (SIGKILL, a SIGTERM) left it running, JVM and all."""
-    (tmp_path / "pyflink").mkdir()
-    (tmp_path / "pyflink" / "__init__.py").write_text(FAKE_PYFLINK)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-    }
+    ``finally``; a benchmark killed (SIGKILL, a SIGTERM) left it running, JVM and all. Then
+    it left its pyflink-bench-* directory (SIGTERM ran no ``finally``; nothing removed it
+    after a SIGKILL)."""
+    script = str(BENCHMARKS / "pyflink_bench.py")
     driver = subprocess.Popen(
-        [sys.executable, "-c", PYFLINK_DRIVER, str(BENCHMARKS), str(tmp_path)], env=env
+        [sys.executable, script, "--rows", "10"], env=fake_pyflink_venv(tmp_path)
     )
     job: list[psutil.Process] = []
     try:
@@ -329,9 +345,20 @@ def test_a_pyflink_benchmark_killed_leaves_no_job_running(tmp_path: Path, signum
         while len(job) < 2:  # the job and its child
             assert time.monotonic() < deadline, "the fake job did not start"
             time.sleep(0.2)
-            job = psutil.Process(driver.pid).children(recursive=True)
+            job = [
+                p for p in psutil.Process(driver.pid).children(recursive=True) if _is_job(p)
+            ]
+            job += [child for p in job for child in p.children()]
+        assert list((tmp_path / "tmp").iterdir())  # its pyflink-bench-* directory
     finally:
         _stop_expecting_gone(driver, job, signum)
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def _is_job(proc: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return "--job" in proc.cmdline()
+    return False
 
 
 def _stop_expecting_gone(
@@ -413,13 +440,14 @@ checkpoint_bench.concurrency([2], count=1, period=0.1)
 """
 
 
-def test_committers_whose_benchmark_was_killed_do_not_wait_for_ever() -> None:
+def test_committers_whose_benchmark_was_killed_do_not_wait_for_ever(tmp_path: Path) -> None:
     # before: each polled for the go file every millisecond, for ever (the benchmark that
-    # makes it, and removes their directory, was gone)
+    # makes it, and removes their directory, was gone); then they left the directory
     driver = subprocess.Popen(
         [sys.executable, "-c", COMMITTERS_DRIVER, str(BENCHMARKS)],
         stdout=subprocess.PIPE,
         text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     committers: list[psutil.Process] = []
     try:
@@ -430,6 +458,27 @@ def test_committers_whose_benchmark_was_killed_do_not_wait_for_ever() -> None:
         assert len(committers) == 2
     finally:
         _stop_expecting_gone(driver, committers, signal.SIGKILL)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_store_benchmark_stopped_with_sigterm_removes_its_directories(tmp_path: Path) -> None:
+    # before: a SIGTERM ended it at once, no finally ran: its stores' directories stayed
+    driver = subprocess.Popen(
+        [sys.executable, str(BENCHMARKS / "checkpoint_bench.py"), "--micro-batches", "--quick"],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.iterdir()):
+            assert time.monotonic() < deadline and driver.poll() is None, "no store was made"
+            time.sleep(0.1)
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert list(tmp_path.iterdir()) == []
 
 
 def _live_committers() -> list[psutil.Process]:
