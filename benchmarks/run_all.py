@@ -2280,7 +2280,7 @@ def main() -> None:
         "--json",
         metavar="PATH",
         help="where to keep every figure as JSON (default: results.json in the plots' "
-        "directory; --from-json renders the report from it again)",
+        "directory; --from-json renders the report from it again; not with --from-json)",
     )
     parser.add_argument(
         "--from-json",
@@ -2289,6 +2289,11 @@ def main() -> None:
         help="write the report from a saved run; run nothing",
     )
     args = parser.parse_args()
+    if args.json and args.from_json:  # nothing runs: there would be no new figures to keep
+        parser.error(
+            "--json keeps the figures of a run, and --from-json runs nothing: leave --json out "
+            "(the figures are in the --from-json file already)"
+        )
     if not args.json and not args.from_json:
         args.json = str(Path(args.plots) / "results.json")
     # where the figures go exists before a run of many minutes, not after it

@@ -196,6 +196,11 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
         ("run_all.py", ["--from-json", "{tmp}/broken.json"], "broken.json is not JSON"),
         ("run_all.py", ["--from-json", "{tmp}/other.json"], "other.json holds no run's figures"),
         ("run_all.py", ["--from-json", "{tmp}/run.json", "--out", "{tmp}"], "is a directory"),
+        (
+            "run_all.py",
+            ["--from-json", "{tmp}/run.json", "--json", "{tmp}/again.json"],
+            "--json keeps the figures of a run, and --from-json runs nothing: leave --json out",
+        ),
     ],
 )
 def test_a_bad_option_value_is_refused_before_anything_runs(
@@ -345,9 +350,7 @@ def test_a_pyflink_benchmark_killed_leaves_no_job_running_and_no_directory(
         while len(job) < 2:  # the job and its child
             assert time.monotonic() < deadline, "the fake job did not start"
             time.sleep(0.2)
-            job = [
-                p for p in psutil.Process(driver.pid).children(recursive=True) if _is_job(p)
-            ]
+            job = [p for p in psutil.Process(driver.pid).children(recursive=True) if _is_job(p)]
             job += [child for p in job for child in p.children()]
         assert list((tmp_path / "tmp").iterdir())  # its pyflink-bench-* directory
     finally:
