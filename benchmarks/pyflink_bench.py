@@ -9,13 +9,14 @@ counterpart of Spark's ``noop`` sink in ``spark_bench.py``).
 PyFlink is never a dependency of this project: the script creates its own virtual
 environment under a cache directory (``$STATEFUL_ASYNC_BENCH_CACHE``, default
 ``~/.cache/stateful-async-bench/pyflink-venv``), installs ``apache-flink>=2,<3`` and
-``aiohttp`` there with pip, and runs the job with that interpreter in a subprocess. If
-that cannot be done (no Java, pip fails, the job fails) it prints why and reports
-``skipped: <reason>``; a job that ran but did not enrich every row once (the service's
-request count, the rows the function saw) reports ``failed: <reason>``. The job runs in a
-process group of its own (its JVM and Python workers in it), ended when the job is done,
-fails or times out, and by the job itself should this benchmark die first (killed, even
-with SIGKILL).
+``aiohttp`` there with pip (first run only: several hundred MB, pip's progress printed, at
+most 30 minutes; ``./dev bench --skip-pyflink`` runs the suite without this part), and runs
+the job with that interpreter in a subprocess. If that cannot be done (no Java, pip fails,
+the job fails) it prints why and reports ``skipped: <reason>``; a job that ran but did not
+enrich every row once (the service's request count, the rows the function saw) reports
+``failed: <reason>``. The job runs in a process group of its own (its JVM and Python
+workers in it), ended when the job is done, fails or times out, and by the job itself
+should this benchmark die first (killed, even with SIGKILL).
 
 Two rates are reported: rows over the job's wall time (mini-cluster start-up, Python
 worker start and all), and rows over the steady-state window measured inside the async
@@ -47,6 +48,9 @@ from options import output_file, positive_int  # benchmarks/ is on sys.path: the
 PYFLINK_REQUIREMENT = "apache-flink>=2,<3"
 PARALLELISM = 2
 JOB_TIMEOUT_S = 900
+PROBE_TIMEOUT_S = 120  # asking the virtual environment's Python for its PyFlink version
+INSTALL_TIMEOUT_S = 1800  # pip installing PyFlink (several hundred MB) on first use
+SKIP_HINT = "./dev bench --skip-pyflink runs the suite without the PyFlink part"
 # Set by _run_job for the job: its stdin is a pipe the benchmark holds, whose end of file
 # means the benchmark died (see _stop_with_parent).
 STOP_ON_STDIN_EOF = "PYFLINK_BENCH_STOP_ON_STDIN_EOF"
@@ -164,23 +168,79 @@ def _venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
+def _probe(python: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code``; a ``Skip`` if it cannot be run or does not answer in time (an
+    import that hangs), rather than an error that fails the part."""
+    try:
+        return subprocess.run(
+            [str(python), "-c", code], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise Skip(
+            f"{python} did not answer within {PROBE_TIMEOUT_S} s when asked for its PyFlink "
+            f"(remove {python.parent.parent} to have it installed afresh); {SKIP_HINT}"
+        ) from None
+    except OSError as exc:
+        raise Skip(f"cannot run {python}: {exc}; {SKIP_HINT}") from None
+
+
 def _usable(python: Path) -> str | None:
     """The PyFlink version if ``python`` has PyFlink with a Python ordered_wait and aiohttp."""
     if not python.exists():
         return None
-    probe = subprocess.run(
-        [
-            str(python),
-            "-c",
-            "import pyflink, aiohttp; from pyflink.datastream import AsyncDataStream; "
-            "assert hasattr(AsyncDataStream, 'ordered_wait'), 'no ordered_wait'; "
-            "print(pyflink.version.__version__)",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    probe = _probe(
+        python,
+        "import pyflink, aiohttp; from pyflink.datastream import AsyncDataStream; "
+        "assert hasattr(AsyncDataStream, 'ordered_wait'), 'no ordered_wait'; "
+        "print(pyflink.version.__version__)",
     )
     return probe.stdout.strip() if probe.returncode == 0 else None
+
+
+def _pip_install(python: Path, log: Any) -> None:
+    """pip installs PyFlink and aiohttp into ``python``'s environment, relaying its progress
+    (each package collected, downloaded, installed) to ``log``: the download is several
+    hundred MB. A ``Skip`` with pip's last lines if it fails or exceeds INSTALL_TIMEOUT_S."""
+    process = subprocess.Popen(
+        [str(python), "-m", "pip", "install", "--progress-bar", "off"]
+        + [PYFLINK_REQUIREMENT, "aiohttp"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    timed_out = threading.Event()
+
+    def time_out() -> None:
+        timed_out.set()
+        process.kill()
+
+    timer = threading.Timer(INSTALL_TIMEOUT_S, time_out)
+    timer.start()
+    tail: list[str] = []
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            line = line.strip()
+            if line:
+                tail = [*tail[-2:], line]
+            if line.startswith(("Collecting", "Downloading", "Installing", "Successfully")):
+                log(f"pyflink_bench: pip: {line}")
+        process.wait()
+    finally:
+        timer.cancel()
+        if process.poll() is None:  # stopped (Ctrl-C, SIGTERM): so is pip
+            process.kill()
+            process.wait()
+    if process.returncode == 0:
+        return
+    if timed_out.is_set():
+        raise Skip(
+            f"installing {PYFLINK_REQUIREMENT} timed out after {INSTALL_TIMEOUT_S} s; {SKIP_HINT}"
+        )
+    raise Skip(
+        f"installing {PYFLINK_REQUIREMENT} failed (pip exit {process.returncode}): "
+        f"{' | '.join(tail) or 'no output'}; {SKIP_HINT}"
+    )
 
 
 def ensure_pyflink(log: Any = print) -> Path:
@@ -192,10 +252,14 @@ def ensure_pyflink(log: Any = print) -> Path:
     python = _venv_python(venv)
     if _usable(python):
         return python
-    log(f"pyflink_bench: installing {PYFLINK_REQUIREMENT} into {venv} (first run only)")
+    log(
+        f"pyflink_bench: installing {PYFLINK_REQUIREMENT} and aiohttp into {venv} with pip "
+        f"(first run only: several hundred MB, at most {INSTALL_TIMEOUT_S // 60} min; "
+        f"{SKIP_HINT})"
+    )
     venv.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        if not python.exists():
+    if not python.exists():
+        try:
             subprocess.run(
                 [sys.executable, "-m", "venv", str(venv)],
                 check=True,
@@ -203,28 +267,17 @@ def ensure_pyflink(log: Any = print) -> Path:
                 text=True,
                 timeout=300,
             )
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "--quiet", PYFLINK_REQUIREMENT, "aiohttp"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-    except subprocess.CalledProcessError as exc:
-        tail = (exc.stderr or exc.stdout or "").strip().splitlines()[-3:]
-        raise Skip(f"installing {PYFLINK_REQUIREMENT} failed: {' | '.join(tail)}") from exc
-    except subprocess.TimeoutExpired as exc:
-        raise Skip(f"installing {PYFLINK_REQUIREMENT} timed out after {exc.timeout} s") from exc
+        except subprocess.CalledProcessError as exc:
+            tail = (exc.stderr or exc.stdout or "").strip().splitlines()[-3:]
+            raise Skip(f"creating {venv} failed: {' | '.join(tail)}; {SKIP_HINT}") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise Skip(f"creating {venv} timed out after {exc.timeout} s; {SKIP_HINT}") from exc
+    _pip_install(python, log)
     if not _usable(python):
-        probe = subprocess.run(
-            [
-                str(python),
-                "-c",
-                "from pyflink.datastream import AsyncDataStream as A; "
-                "print(hasattr(A, 'ordered_wait'))",
-            ],
-            capture_output=True,
-            text=True,
+        probe = _probe(
+            python,
+            "from pyflink.datastream import AsyncDataStream as A; "
+            "print(hasattr(A, 'ordered_wait'))",
         )
         raise Skip(
             "the installed PyFlink has no Python AsyncDataStream.ordered_wait "

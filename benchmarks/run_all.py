@@ -1348,9 +1348,13 @@ def section_pyflink(results: dict[str, Any], by_key: dict[str, Any]) -> str:
         "`AsyncFunction` whose `async_invoke` is an `async def`, run on an asyncio loop in "
         "the Python worker; process mode only). The benchmark installs `apache-flink>=2,<3` "
         "and aiohttp into a virtual environment of its own "
-        "(`~/.cache/stateful-async-bench/pyflink-venv`; never a dependency of this project) "
-        "and runs `AsyncDataStream.ordered_wait` on the same workload: the same mock service "
-        "at 20 ms, parallelism 2, capacity 64, the same aiohttp client settings, "
+        "(`~/.cache/stateful-async-bench/pyflink-venv`, or under `$STATEFUL_ASYNC_BENCH_CACHE`; "
+        "never a dependency of this project): on the first run pip downloads several hundred "
+        "MB, its progress printed, for at most 30 minutes; if Java is missing or the install "
+        "or the job fails, the part is skipped with the reason, and `./dev bench "
+        "--skip-pyflink` leaves it out. It then runs `AsyncDataStream.ordered_wait` on the "
+        "same workload: the same mock service at 20 ms, parallelism 2, capacity 64, the "
+        "same aiohttp client settings, "
         "`NumberSequenceSource` in and `DiscardingSink` out. Its rate is taken over the "
         "steady-state window measured inside the async function (first call to last "
         "completion), which leaves Flink's start-up out and favours PyFlink; the job's wall "
@@ -2264,8 +2268,13 @@ def saved_run(path: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run of every part")
-    parser.add_argument("--skip-pyflink", action="store_true")
-    parser.add_argument("--skip-sink", action="store_true")
+    parser.add_argument(
+        "--skip-pyflink",
+        action="store_true",
+        help="leave out the PyFlink part (its first run pip installs PyFlink, several "
+        "hundred MB, into ~/.cache/stateful-async-bench/pyflink-venv)",
+    )
+    parser.add_argument("--skip-sink", action="store_true", help="leave out the Delta sink part")
     parser.add_argument(
         "--out",
         default=str(ROOT / "docs" / "benchmarks.md"),

@@ -298,6 +298,66 @@ def test_a_pyflink_job_that_requested_one_key_twice_and_another_never_is_failed(
     assert "(2 keys not requested exactly once)" in result["reason"]
 
 
+def test_a_pyflink_check_that_hangs_is_skipped_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: the check's TimeoutExpired escaped run(): the part "failed" with no reason
+    python = tmp_path / "pyflink-venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+
+    def hang(args: list[str], **kwargs: Any) -> Any:
+        raise subprocess.TimeoutExpired(args, kwargs["timeout"])
+
+    monkeypatch.setattr(pyflink_bench, "cache_dir", lambda: tmp_path)
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path))
+    monkeypatch.setattr(pyflink_bench.subprocess, "run", hang)
+    result = pyflink_bench.run(rows=10, log=lambda message: None)
+    assert result["status"] == "skipped", result
+    assert result["reason"].startswith(f"{python} did not answer within 120 s"), result
+    assert "--skip-pyflink" in result["reason"]
+
+
+# pip, as the PyFlink virtual environment's Python: an install that fails partway
+FAILING_PIP = """\
+#!/bin/sh
+if [ "$2" = pip ]; then
+    echo "Collecting apache-flink<3,>=2"
+    echo "  Downloading apache_flink-2.9.tar.gz (1.2 MB)"
+    echo "ERROR: No matching distribution found for apache-flink-libraries" >&2
+    exit 1
+fi
+exit 1  # the check: no PyFlink here
+"""
+
+
+def test_a_pyflink_install_shows_its_progress_and_says_why_it_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: pip ran silent for up to 30 minutes, and a failure did not say how to skip it
+    python = tmp_path / "pyflink-venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(FAILING_PIP)
+    python.chmod(0o755)
+    monkeypatch.setattr(pyflink_bench, "cache_dir", lambda: tmp_path)
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path))
+    said: list[str] = []
+    result = pyflink_bench.run(rows=10, log=said.append)
+    assert said[0].startswith("pyflink_bench: installing apache-flink>=2,<3 and aiohttp into")
+    assert "at most 30 min; ./dev bench --skip-pyflink runs the suite without" in said[0]
+    assert said[1:3] == [
+        "pyflink_bench: pip: Collecting apache-flink<3,>=2",
+        "pyflink_bench: pip: Downloading apache_flink-2.9.tar.gz (1.2 MB)",
+    ]
+    assert result["status"] == "skipped", result
+    assert result["reason"] == (
+        "installing apache-flink>=2,<3 failed (pip exit 1): Collecting apache-flink<3,>=2 | "
+        "Downloading apache_flink-2.9.tar.gz (1.2 MB) | ERROR: No matching distribution found "
+        "for apache-flink-libraries; ./dev bench --skip-pyflink runs the suite without the "
+        "PyFlink part"
+    )
+
+
 # A PyFlink good enough for the benchmark's check, whose job runs until stopped, with a
 # child of its own (as its JVM is): the job's first import (pyflink.common) never returns.
 FAKE_PYFLINK = {
