@@ -137,11 +137,19 @@ def _names_differing_in_case(fields: list[pa.Field], prefix: str) -> Iterator[tu
         first = seen.setdefault(f.name.lower(), path)
         if first != path:
             yield first, path
-        kind = f.type
-        while pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_map(kind):
-            kind = kind.item_type if pa.types.is_map(kind) else kind.value_type
-        if pa.types.is_struct(kind):
-            yield from _names_differing_in_case(list(kind), path + ".")
+        yield from _case_twins_inside(f.type, path)
+
+
+def _case_twins_inside(kind: pa.DataType, path: str) -> Iterator[tuple[str, str]]:
+    """``_names_differing_in_case`` of the structs inside a field of type ``kind``: in list
+    elements and map values (named as the field's own), and map keys (``m{key}.a``)."""
+    if pa.types.is_struct(kind):
+        yield from _names_differing_in_case(list(kind), path + ".")
+    elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        yield from _case_twins_inside(kind.value_type, path)
+    elif pa.types.is_map(kind):
+        yield from _case_twins_inside(kind.key_type, path + "{key}")
+        yield from _case_twins_inside(kind.item_type, path)
 
 
 def _delta_can_hold(field: pa.Field) -> bool:

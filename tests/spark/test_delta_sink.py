@@ -1147,6 +1147,19 @@ def test_names_differing_only_in_case_are_named_not_blamed_on_their_types(
             pa.schema([("l", pa.list_(pa.struct([("x", pa.int32()), ("X", pa.int32())])))]),
             "'l.x' and 'l.X'",
         ),
+        (  # in a map's keys (they were skipped: 'have no Delta type', cast an interval...)
+            pa.schema(
+                [
+                    (
+                        "m",
+                        pa.list_(
+                            pa.map_(pa.struct([("k", pa.int32()), ("K", pa.int32())]), pa.int32())
+                        ),
+                    )
+                ]
+            ),
+            "'m{key}.k' and 'm{key}.K'",
+        ),
     ]:
         with pytest.raises(ConfigurationError) as caught:
             plan_write(options, schema)
