@@ -868,9 +868,15 @@ _NOT_NULL = "the output schema declares it NOT NULL (return a value, or declare 
 @functools.lru_cache(maxsize=256)
 def requires(field: pa.Field) -> bool:
     """Whether ``field``, or a field anywhere inside it, is NOT NULL (a map's keys and
-    entries always are, and pyarrow refuses a null key itself: only its values count)."""
+    entries always are, and pyarrow refuses a null key itself: only its values, and the
+    fields inside its keys, count)."""
     if pa.types.is_map(field.type):
-        return not field.nullable or requires(field.type.item_field)
+        inside_keys = _children(field.type.key_type)
+        return (
+            not field.nullable
+            or any(requires(child) for child in inside_keys)
+            or requires(field.type.item_field)
+        )
     return not field.nullable or any(requires(child) for child in _children(field.type))
 
 
@@ -940,8 +946,8 @@ def first_forbidden_null(
 ) -> tuple[int, str] | None:
     """The first row of ``batch`` holding a null where one of ``fields`` (its columns, by
     name, with their NOT NULL flags) forbids one, and where in the column it is (``s.a``,
-    ``tags[1]``, ``m['k']``); None if there is none. A NOT NULL field of a null struct,
-    list or map is not a null in it."""
+    ``tags[1]``, ``m['k']``, ``m{key}.a`` in a map's key); None if there is none. A NOT
+    NULL field of a null struct, list or map is not a null in it."""
     found = _first_null(batch, fields)
     return None if found is None else (found[0], found[1].name + found[2].path)
 
@@ -978,6 +984,8 @@ def _null_loss(value: Any, field: pa.Field) -> _Loss | None:
                 return loss.under(f".{child.name}")
     elif pa.types.is_map(arrow_type):
         for k, v in _map_entries(value):
+            if (loss := _null_loss(k, arrow_type.key_field)) is not None:
+                return loss.under("{key}")
             if (loss := _null_loss(v, arrow_type.item_field)) is not None:
                 return loss.under(f"[{k!r}]")
     elif _children(arrow_type):

@@ -322,6 +322,7 @@ def _newly_required(planned: pa.Field, now: pa.Field, prefix: str) -> Iterator[s
     elif pa.types.is_list(a) or pa.types.is_large_list(a):
         yield from _newly_required(a.value_field, b.value_field, path + ".")
     elif pa.types.is_map(a):
+        yield from _newly_required(a.key_field, b.key_field, path + ".")
         yield from _newly_required(a.item_field, b.item_field, path + ".")
 
 

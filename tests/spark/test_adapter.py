@@ -2897,6 +2897,7 @@ NOT_NULL_SCHEMA = pa.schema(
         ("l", pa.list_(pa.field("item", pa.int64(), nullable=False))),
         ("m", pa.map_(pa.string(), pa.field("value", pa.int64(), nullable=False))),
         ("sl", pa.list_(pa.struct([pa.field("x", pa.int64(), nullable=False)]))),
+        ("mk", pa.map_(pa.struct([pa.field("p", pa.int64(), nullable=False)]), pa.int64())),
     ]
 )
 
@@ -2912,13 +2913,14 @@ NOT_NULL_SCHEMA = pa.schema(
         ({"l": [4, None]}, r"'l\[1\]' \(int64\) cannot hold None"),
         ({"m": {"k": None}}, r"\"m\['k'\]\" \(int64\) cannot hold None"),
         ({"sl": [{"x": 1}, {}]}, r"'sl\[1\].x' \(int64\) cannot hold None"),
+        ({"mk": [({"p": None}, 1)]}, r"'mk\{key\}.p' \(int64\) cannot hold None"),  # was let by
     ],
 )
 def test_a_null_in_a_not_null_field_is_refused_naming_the_field_and_the_row(value, problem) -> None:
     from stateful_async.spark._results import to_batch
 
     # the second of three rows carries the value, behind a first row with nested values
-    fine = {"id": 1, "st": None, "l": [1, 2], "m": {"a": 1}, "sl": [{"x": 1}]}
+    fine = {"id": 1, "st": None, "l": [1, 2], "m": {"a": 1}, "sl": [{"x": 1}], "mk": None}
     rows = [fine, {**fine, "id": 2, **value}, {**fine, "id": 3}]
     sources = [{"id": 10}, {"id": 20}, {"id": 30}]
     if problem is None:
@@ -2934,7 +2936,7 @@ def test_only_schemas_with_not_null_fields_pay_for_the_null_check() -> None:
     # Spark's maps have NOT NULL keys (pyarrow refuses a null key itself): no scan for them
     plain = pa.schema([("m", pa.map_(pa.string(), pa.int64())), ("l", pa.list_(pa.int64()))])
     assert _required_fields(plain) == ()
-    assert [i for i, _ in _required_fields(NOT_NULL_SCHEMA)] == [0, 1, 2, 3, 4]
+    assert [i for i, _ in _required_fields(NOT_NULL_SCHEMA)] == [0, 1, 2, 3, 4, 5]
 
 
 def test_a_null_in_a_not_null_output_column_fails_with_the_message_not_a_jvm_trace(

@@ -521,34 +521,51 @@ def test_a_table_made_not_null_while_a_write_ran_refuses_its_commit(
     # against those: a table created (or its schema replaced) meanwhile with NOT NULL
     # fields took the write's nulls, and with a nested one delta-rs could no longer read it.
     table = tmp_path / "table"
-    schema = pa.schema([("id", pa.int64()), ("s", pa.struct([("a", pa.int64())]))])
+    key = pa.struct([("p", pa.int64())])
+    schema = pa.schema(
+        [
+            ("id", pa.int64()),
+            ("s", pa.struct([("a", pa.int64())])),
+            ("mk", pa.map_(key, pa.int64())),
+        ]
+    )
     strict = pa.schema(
         [
             pa.field("id", pa.int64(), nullable=False),
             pa.field("s", pa.struct([pa.field("a", pa.int64(), nullable=False)])),
+            # a field inside a map's key (it was not looked at)
+            ("mk", pa.map_(pa.struct([pa.field("p", pa.int64(), nullable=False)]), pa.int64())),
         ]
     )
     if change == "schema replaced meanwhile":
-        write_deltalake(str(table), pa.table({"id": [0], "s": [{"a": 0}]}, schema=schema))
+        write_deltalake(
+            str(table), pa.table({"id": [0], "s": [{"a": 0}], "mk": [None]}, schema=schema)
+        )
     opts = _unit_options(table)
     plan = plan_write(opts, schema)
-    data = pa.table({"id": [1, None], "s": [{"a": None}, None]}, schema=schema)
+    data = pa.table(
+        {"id": [1, None], "s": [{"a": None}, None], "mk": [[({"p": None}, 1)], None]},
+        schema=schema,
+    )
     message = write_task_files(
         opts, plan, iter(data.to_batches()), partition_id=0, attempt=0, batch_id=0,
         query_id="q",
     )  # fmt: skip
     write_deltalake(
-        str(table), pa.table({"id": [7], "s": [{"a": 7}]}, schema=strict), mode="overwrite",
-        schema_mode="overwrite",
+        str(table), pa.table({"id": [7], "s": [{"a": 7}], "mk": [None]}, schema=strict),
+        mode="overwrite", schema_mode="overwrite",
     )  # fmt: skip
     before = DeltaTable(str(table)).version()
     with pytest.raises(
         SinkSchemaMismatchError,
-        match=r"declares 'id', 's\.a' NOT NULL, which it did not when this write was planned",
+        match=r"declares 'id', 's\.a', 'mk\.key\.p' NOT NULL, which it did not when this "
+        "write was planned",
     ):
         commit_write(opts, plan, list(message.files), mode="append", app_id="q", version=0)
     assert DeltaTable(str(table)).version() == before
-    assert DeltaTable(str(table)).to_pyarrow_table().to_pylist() == [{"id": 7, "s": {"a": 7}}]
+    assert DeltaTable(str(table)).to_pyarrow_table().to_pylist() == [
+        {"id": 7, "s": {"a": 7}, "mk": None}
+    ]
 
 
 @pytest.mark.spark
@@ -1341,6 +1358,8 @@ def test_not_null_fields_inside_structs_lists_and_maps_reject_nulls(tmp_path: Pa
             ("tags", pa.list_(pa.field("item", pa.string(), nullable=False))),
             ("m", pa.map_(pa.string(), pa.field("value", pa.int32(), nullable=False))),
             ("deep", pa.list_(inner)),
+            # as Spark gives map(named_struct('p', 1), ...) a key with a NOT NULL field
+            ("mk", pa.map_(pa.struct([pa.field("p", pa.int32(), nullable=False)]), pa.int32())),
         ]
     )
     table = tmp_path / "table"
@@ -1352,11 +1371,19 @@ def test_not_null_fields_inside_structs_lists_and_maps_reject_nulls(tmp_path: Pa
             ("tags", pa.list_(pa.string())),
             ("m", pa.map_(pa.string(), pa.int32())),
             ("deep", pa.list_(pa.struct([("a", pa.int32()), ("b", pa.string())]))),
+            ("mk", pa.map_(pa.struct([("p", pa.int32())]), pa.int32())),
         ]
     )
     opts = SinkOptions.parse({"path": str(table)}, streaming=False)
     plan = plan_write(opts, loose)
-    ok = {"id": 0, "s": {"a": 1, "b": None}, "tags": ["x"], "m": [("k", 1)], "deep": [{"a": 2}]}
+    ok = {
+        "id": 0,
+        "s": {"a": 1, "b": None},
+        "tags": ["x"],
+        "m": [("k", 1)],
+        "deep": [{"a": 2}],
+        "mk": [({"p": 1}, 1)],
+    }
 
     def write(row: dict[str, Any]) -> Any:
         writer = TaskFileWriter(TableStorage(str(table)), plan.schema, plan.partition_by)
@@ -1372,11 +1399,14 @@ def test_not_null_fields_inside_structs_lists_and_maps_reject_nulls(tmp_path: Pa
         ({"tags": ["y", None]}, "tags[1]"),
         ({"m": [("k", None)]}, "m['k']"),
         ({"deep": [{"a": 1}, {"a": None}]}, "deep[1].a"),
+        # inside a map's key: was 'cannot be cast to the planned schema ... Write a
+        # DataFrame whose schema does not change during the write'
+        ({"mk": [({"p": 2}, 2), ({"p": None}, 3)]}, "mk{key}.p"),
     ]:
         with pytest.raises(SinkSchemaMismatchError, match=re.escape(f"field {path!r} is NOT NULL")):
             write({**ok, "id": 1, **change})
     # Nulls above a NOT NULL field are not nulls in it: a null struct, list or map.
-    absent = {"id": 2, "s": None, "tags": None, "m": None, "deep": [None, {"a": 3}]}
+    absent = {"id": 2, "s": None, "tags": None, "m": None, "deep": [None, {"a": 3}], "mk": None}
     assert write(absent) is Outcome.COMMITTED
     rows = DeltaTable(str(table)).to_pyarrow_table().sort_by("id").to_pylist()
     assert [(r["id"], r["s"], r["tags"]) for r in rows] == [
