@@ -376,15 +376,26 @@ _COLUMN_FEATURES = {
 
 
 def _all_fields(fields: list[dict[str, Any]], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Every field of a Delta schema (JSON), at every depth, with its dotted path."""
+    """Every field of a Delta schema (JSON), at every depth, with its dotted path (the
+    field's own for what is in its list elements and map values, ``m{key}.a`` for a map's
+    keys)."""
     for field in fields:
         path = prefix + field["name"]
         yield path, field
-        kind = field["type"]
-        while isinstance(kind, dict) and kind["type"] in ("array", "map"):
-            kind = kind["elementType"] if kind["type"] == "array" else kind["valueType"]
-        if isinstance(kind, dict) and kind["type"] == "struct":
-            yield from _all_fields(kind["fields"], path + ".")
+        yield from _fields_inside(field["type"], path)
+
+
+def _fields_inside(kind: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """``_all_fields`` of the structs inside a Delta type (JSON) at ``path``."""
+    if not isinstance(kind, dict):
+        return
+    if kind["type"] == "struct":
+        yield from _all_fields(kind["fields"], path + ".")
+    elif kind["type"] == "array":
+        yield from _fields_inside(kind["elementType"], path)
+    elif kind["type"] == "map":
+        yield from _fields_inside(kind["keyType"], path + "{key}")
+        yield from _fields_inside(kind["valueType"], path)
 
 
 def check_table_features(table: Any, table_uri: str, mode: str) -> None:

@@ -1521,10 +1521,14 @@ def test_tables_with_rules_the_sink_cannot_check_are_refused_before_any_file(
             ]
         ),
     )
+    in_key = str(tmp_path / "in_key")  # ... or inside a map's key (it was not looked at)
+    key = pa.struct([pa.field("p", pa.int32(), metadata={"delta.invariants": invariant})])
+    DeltaTable.create(in_key, pa.schema([("id", pa.int64()), ("m", pa.map_(key, pa.int32()))]))
     for table, what in [
         (checked, "the CHECK constraint 'id_positive' (id > 0)"),
         (generated, "a generated column ('v')"),
         (nested, "a column invariant ('s.a')"),
+        (in_key, "a column invariant ('m{key}.p')"),
     ]:
         opts = SinkOptions.parse({"path": table}, streaming=False)
         with pytest.raises(DeltaSinkError, match=re.escape(f"at {table} has {what}, which")):
