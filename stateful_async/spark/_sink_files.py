@@ -508,15 +508,18 @@ class TaskFileWriter:
         if not self._partition_by:
             self._append((), batch.select(self._data_schema.names))
             return
-        indexed = pa.Table.from_batches([batch.select(list(self._partition_by))])
-        indexed = indexed.append_column("__row", pa.array(np.arange(batch.num_rows)))
-        groups = indexed.group_by(list(self._partition_by), use_threads=False).aggregate(
-            [("__row", "list")]
+        # The partition columns under names of their own (p0, p1, ...), beside the row
+        # numbers: a column of the data may be called anything, "row" included.
+        keys = [f"p{i}" for i in range(len(self._partition_by))]
+        indexed = pa.Table.from_arrays(
+            [*batch.select(list(self._partition_by)).columns, pa.array(np.arange(batch.num_rows))],
+            names=[*keys, "row"],
         )
+        groups = indexed.group_by(keys, use_threads=False).aggregate([("row", "list")])
         data = batch.select(self._data_schema.names)
         for i in range(groups.num_rows):
-            key = tuple(partition_value(groups.column(c)[i].as_py()) for c in self._partition_by)
-            rows = groups.column("__row_list")[i].values
+            key = tuple(partition_value(groups.column(c)[i].as_py()) for c in keys)
+            rows = groups.column("row_list")[i].values
             self._append(key, data.take(rows))
 
     def buffered_bytes(self) -> int:

@@ -1026,6 +1026,30 @@ def test_a_partition_column_inside_a_struct_is_refused_saying_how_to_select_it_u
 # -- 5. statistics and file skipping -------------------------------------------------------
 
 
+def test_partition_columns_may_have_any_name(tmp_path: Path) -> None:
+    # The task grouped rows by partition value in a table holding the partition columns
+    # and its own "__row" column: a partition column named __row (or __row_list) failed
+    # every task attempt with ArrowInvalid 'Multiple matches for FieldRef.Name(__row)'.
+    table = tmp_path / "table"
+    schema = pa.schema([("id", pa.int64()), ("__row", pa.int32()), ("__row_list", pa.string())])
+    opts = SinkOptions.parse(
+        {"path": str(table), "partitionBy": "__row,__row_list"}, streaming=False
+    )
+    plan = plan_write(opts, schema)
+    data = pa.table(
+        {"id": range(6), "__row": [i % 2 for i in range(6)], "__row_list": ["a", "b", "a"] * 2},
+        schema=schema,
+    )
+    message = write_task_files(
+        opts, plan, iter(data.to_batches()), partition_id=0, attempt=0, batch_id=None,
+        query_id=None,
+    )  # fmt: skip
+    assert len(message.files) == 4
+    commit_write(opts, plan, list(message.files), mode="append", app_id=None, version=None)
+    read = DeltaTable(str(table)).to_pyarrow_table()
+    assert sorted(read.to_pylist(), key=lambda r: r["id"]) == data.to_pylist()
+
+
 @pytest.mark.spark
 def test_stats_are_exact_and_skip_files(sink: Any, tmp_path: Path) -> None:
     table = str(tmp_path / "table")
