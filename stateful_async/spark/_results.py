@@ -466,7 +466,7 @@ def _check_for(
                         return _Loss("", arrow_type, value, reason)
             for k, v in _map_entries(value):
                 if key is not None and k is not None and (loss := key(k)):
-                    return loss.under(" key")
+                    return loss.under("{key}")  # as the checks before the job name a key
                 if item is not None and v is not None and (loss := item(v)):
                     return loss.under(f"[{k!r}]")
                 if seen is not None:

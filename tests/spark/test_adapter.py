@@ -2509,7 +2509,7 @@ def test_a_numpy_uint64_beyond_int64_is_not_wrapped_to_a_negative_number(arrow_t
         (pa.list_(pa.binary()), [b"a", "b"], r"'r\[1\]' \(binary\) cannot hold 'b'"),
         (pa.list_(pa.binary()), np.array(["é"]), r"'r\[0\]' \(binary\)"),  # numpy's <U1
         (pa.struct([("b", pa.binary())]), {"b": "x"}, r"'r.b' \(binary\)"),
-        (pa.map_(pa.binary(), pa.int64()), {"k": 1}, r"'r key' \(binary\)"),
+        (pa.map_(pa.binary(), pa.int64()), {"k": 1}, r"'r{key}' \(binary\)"),
         # bytes, and what holds them, convert as they are
         (pa.binary(), b"\xff\x00", None),
         (pa.binary(), bytearray(b"ab"), None),
@@ -2536,7 +2536,7 @@ def test_a_binary_field_refuses_a_str_as_spark_does(arrow_type, value, problem) 
         (pa.list_(pa.string()), np.array([b"a"]), r"'r\[0\]' \(string\)"),  # numpy's |S1
         (pa.struct([("s", pa.string())]), {"s": b"x"}, r"'r.s' \(string\)"),
         (pa.map_(pa.string(), pa.string()), {"k": b"v"}, r"\"r\['k'\]\" \(string\)"),
-        (pa.map_(pa.string(), pa.int64()), {b"k": 1}, r"'r key' \(string\)"),
+        (pa.map_(pa.string(), pa.int64()), {b"k": 1}, r"'r{key}' \(string\)"),
         # text converts as it is
         (pa.string(), "é", None),
         (pa.string(), np.str_("é"), None),
@@ -2558,7 +2558,7 @@ def test_a_string_field_refuses_bytes_even_when_they_are_utf8(arrow_type, value,
         (pa.int64(), 2**63, r"a BIGINT field .*declare the field DECIMAL\(38,0\)"),
         (pa.int8(), 300.0, r"cannot hold 300.0 \(float\): a TINYINT field"),
         (pa.struct([("l", pa.list_(pa.int8()))]), {"l": [1, 300]}, r"'r.l\[1\]' \(int8\)"),
-        (pa.map_(pa.int8(), pa.int8()), {1: 2, 300: 3}, r"'r key' \(int8\) cannot hold 300"),
+        (pa.map_(pa.int8(), pa.int8()), {1: 2, 300: 3}, r"'r{key}' \(int8\) cannot hold 300"),
         (pa.map_(pa.string(), pa.int8()), {"k": 300}, r"\"r\['k'\]\" \(int8\) cannot hold 300"),
         (pa.int8(), 127, None),
         (pa.int8(), np.int64(-128), None),
