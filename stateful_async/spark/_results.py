@@ -264,7 +264,9 @@ def _check_for(
                 return None
             if isinstance(value, np.bool_):  # pyarrow refuses a bool, but takes numpy's as 1
                 return _Loss("", arrow_type, value, _BOOLEAN_NUMBER)
-            if isinstance(value, bool) or not isinstance(value, (numbers.Number, decimal.Decimal)):
+            if isinstance(value, bool):  # pyarrow: "Expected integer, got bool"
+                return _Loss("", arrow_type, value, _BOOLEAN_INTEGER) if refused else None
+            if not isinstance(value, (numbers.Number, decimal.Decimal)):
                 return None  # pyarrow refuses it outright
             if not isinstance(value, numbers.Integral):
                 try:
@@ -395,6 +397,8 @@ def _check_for(
         def check_float(value: Any) -> _Loss | None:
             if isinstance(value, bool):  # pyarrow takes it as 1.0 or 0.0
                 return _Loss("", arrow_type, value, _BOOLEAN_NUMBER)
+            if refused and isinstance(value, decimal.Decimal):  # "Could not convert Decimal(..."
+                return _Loss("", arrow_type, value, _DECIMAL_FLOAT)
             if isinstance(value, np.uint64) and value > _INT64_MAX:
                 # pyarrow reads its 64 bits as a signed number: 2**64 - 1 becomes -1.0
                 reason = (
@@ -505,6 +509,14 @@ _SET_ORDER = (
 )
 _BOOLEAN_NUMBER = (
     "a numeric field would take a boolean as 1 or 0: return a number, or declare the field BOOLEAN"
+)
+_BOOLEAN_INTEGER = (
+    "an integer field takes an int, not a boolean: return int(value) for 1 or 0, or declare "
+    "the field BOOLEAN"
+)
+_DECIMAL_FLOAT = (
+    "a floating-point field takes a float (or an int), not a Decimal: return float(value) "
+    "if its nearest binary fraction will do, or declare the field DECIMAL to keep its digits"
 )
 
 

@@ -2573,6 +2573,36 @@ def test_an_integer_beyond_its_fields_range_is_named_with_the_range(
 @pytest.mark.parametrize(
     ("arrow_type", "value", "problem"),
     [
+        # pyarrow's "Expected integer, got bool" and "Could not convert Decimal('1.5') with
+        # type decimal.Decimal: tried to convert to double", which say neither what to return
+        # nor what to declare
+        (
+            pa.int32(),
+            True,
+            r"'r' \(int32\) cannot hold True \(bool\): an integer field takes "
+            r"an int, not a boolean: return int\(value\) for 1 or 0, or declare the field BOOLEAN",
+        ),
+        (pa.list_(pa.int64()), [1, False], r"'r\[1\]' \(int64\) cannot hold False \(bool\)"),
+        (
+            pa.float64(),
+            Decimal("1.5"),
+            r"'r' \(double\) cannot hold Decimal\('1.5'\) "
+            r"\(Decimal\): a floating-point field takes a float \(or an int\), not a Decimal: "
+            r"return float\(value\) .*or declare the field DECIMAL",
+        ),
+        (pa.struct([("f", pa.float32())]), {"f": Decimal(2)}, r"'r.f' \(float\) cannot hold"),
+        (pa.float64(), 1, None),
+    ],
+)
+def test_a_boolean_for_an_integer_and_a_decimal_for_a_float_are_refused_saying_what_to_do(
+    arrow_type, value, problem
+) -> None:
+    _converted(arrow_type, value, problem)
+
+
+@pytest.mark.parametrize(
+    ("arrow_type", "value", "problem"),
+    [
         # pyarrow's words: "Decimal type with precision 31 does not fit into precision
         # inferred from first array element: 38", for a Decimal the field cannot hold
         (pa.decimal128(38, 10), Decimal("1e30"), "holds 28 digit.s. before the point, and "
