@@ -85,6 +85,10 @@ def to_batch(
                 # checks find in the value says what to do, in place of pyarrow's words
                 if (loss := _loss_in(checks.get(field.name), value)) is not None:
                     raise _refusal(field.name, loss, described(source)) from exc
+                # pyarrow names neither where in a struct, an array or a map the value it
+                # refuses is, nor what the type there takes ("Expected bytes, got a 'int'")
+                if (loss := _refused_in(value, field.type)) is not None:
+                    raise _refusal(field.name, loss, described(source)) from exc
                 if type(value).__name__ == "NaTType":
                     advice = "Return None for a missing value (NaT is pandas' missing time)"
                 else:
@@ -130,6 +134,105 @@ def _first_failing_prefix(values: list[Any], arrow_type: pa.DataType) -> int | N
         middle = (good + bad) // 2
         good, bad = (middle, bad) if converts(middle) else (good, middle)
     return bad - 1
+
+
+def _refused_alone(value: Any, arrow_type: pa.DataType) -> Exception | None:
+    """pyarrow's error for ``value`` alone as ``arrow_type``; None if it converts."""
+    try:
+        pa.array([value], type=arrow_type)
+    except _CONVERSION_ERRORS as exc:
+        return exc
+    return None
+
+
+def _refused_in(value: Any, arrow_type: pa.DataType) -> _Loss | None:
+    """Where inside ``value``, which pyarrow refused as ``arrow_type``, is the value it
+    refuses (at any depth), and what the type there takes; None if it is ``value`` itself,
+    or if each part of it converts alone. Only on the error path: a binary search of an
+    array's elements, a map's keys and its values finds the first refused one."""
+    # (path, values, their type, and for a map's values their keys, to name each by)
+    parts: list[tuple[str, list[Any], pa.DataType, list[Any] | None]] = []
+    try:
+        if pa.types.is_struct(arrow_type):
+            children = _children(arrow_type)
+            if isinstance(value, dict):
+                fields = [value.get(child.name) for child in children]
+            elif isinstance(value, tuple):  # by position, as pyarrow takes it
+                fields = list(value[: len(children)])
+            else:
+                return None
+            parts = [
+                (f".{c.name}", [v], c.type, None) for c, v in zip(children, fields, strict=False)
+            ]
+        elif pa.types.is_map(arrow_type):
+            entries = list(_map_entries(value))
+            for k, v in entries:
+                if k is None:  # pyarrow: "Invalid Map: key field cannot contain null values"
+                    reason = (
+                        f"a map's keys cannot be null (Spark's maps have none), and the entry "
+                        f"None: {describe(v)} has one: drop it, or give it a key"
+                    )
+                    return _Loss("{key}", arrow_type.key_type, None, reason)
+            names = [k for k, _ in entries]
+            parts = [
+                ("{key}", names, arrow_type.key_type, None),
+                ("", [v for _, v in entries], arrow_type.item_type, names),
+            ]
+        elif is_list_type(arrow_type) and not isinstance(value, (str, bytes, dict)):
+            parts = [("", list(value), arrow_type.value_type, None)]
+    except (TypeError, ValueError):  # not a form pyarrow takes for the type: its words then
+        return None
+    for path, values, value_type, keys in parts:
+        at = _first_failing_prefix(values, value_type)
+        if at is None or values[at] is None:
+            continue
+        if (exc := _refused_alone(values[at], value_type)) is None:
+            return None  # refused only with the others (a struct as a dict, then a tuple)
+        where = path or (f"[{keys[at]!r}]" if keys is not None else f"[{at}]")
+        inner = _refused_in(values[at], value_type)
+        found = inner or _Loss("", value_type, values[at], _takes(value_type, values[at], exc))
+        return found.under(where)
+    return None
+
+
+def _takes(arrow_type: pa.DataType, value: Any, exc: Exception) -> str:
+    """What a field of ``arrow_type`` takes, in plain words, and that ``value`` is not it
+    (pyarrow's ``exc`` where no words here fit)."""
+    found = type(value).__name__
+    if found == "NaTType":
+        return "NaT is pandas' missing time: return None for a missing value"
+    if pa.types.is_boolean(arrow_type):
+        takes = "a BOOLEAN field takes a bool"
+    elif pa.types.is_integer(arrow_type):
+        takes = "an integer field takes an int"
+    elif pa.types.is_floating(arrow_type):
+        takes = "a floating-point field takes a float (or an int)"
+    elif _is_string(arrow_type):
+        takes = "a STRING field takes a str"
+    elif _is_binary(arrow_type):
+        takes = "a BINARY field takes bytes"
+    elif pa.types.is_decimal(arrow_type):
+        takes = (
+            f"a DECIMAL({arrow_type.precision},{arrow_type.scale}) field takes a Decimal or an int"
+        )
+    elif pa.types.is_date(arrow_type):
+        takes = "a DATE field takes a datetime.date"
+    elif pa.types.is_timestamp(arrow_type):
+        takes = "a timestamp field takes a datetime.datetime"
+    elif pa.types.is_time(arrow_type):
+        takes = "a TIME field takes a datetime.time"
+    elif pa.types.is_duration(arrow_type):
+        takes = "an interval field takes a datetime.timedelta"
+    elif is_list_type(arrow_type):
+        takes = "an array field takes a list"
+    elif pa.types.is_map(arrow_type):
+        takes = "a map field takes a dict"
+    elif pa.types.is_struct(arrow_type):
+        names = [arrow_type.field(i).name for i in range(arrow_type.num_fields)]
+        takes = f"a STRUCT field takes a dict keyed by its field names {names}, or a tuple"
+    else:
+        return f"pyarrow refuses it: {exc}"
+    return f"{takes}, not {'an' if found[0] in 'aeiouAEIOU' else 'a'} {found}"
 
 
 def _refusal(name: str, problem: _Loss, source: str) -> ResultSchemaError:

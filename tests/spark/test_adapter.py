@@ -2573,6 +2573,46 @@ def test_an_integer_beyond_its_fields_range_is_named_with_the_range(
 @pytest.mark.parametrize(
     ("arrow_type", "value", "problem"),
     [
+        # pyarrow's "Invalid Map: key field cannot contain null values", naming no key
+        (
+            pa.map_(pa.string(), pa.int64()),
+            {"a": 1, None: 2},
+            r"'r\{key\}' \(string\) cannot "
+            r"hold None \(NoneType\): a map's keys cannot be null .*the entry None: 2 has one",
+        ),
+        (
+            pa.struct([("m", pa.map_(pa.int64(), pa.int64()))]),
+            {"m": [(1, 1), (None, 2)]},
+            r"'r.m\{key\}' \(int64\) cannot hold None",
+        ),
+        # pyarrow's words for a nested value it refuses, naming only the top-level field and
+        # its whole value: "cannot hold {'a': 1} (dict) ...: Expected bytes, got a 'int' object"
+        (
+            pa.struct([("a", pa.string())]),
+            {"a": 1},
+            r"'r.a' \(string\) cannot hold 1 \(int\): a "
+            r"STRING field takes a str, not an int, returned",
+        ),
+        (
+            pa.struct([("l", pa.list_(pa.int64()))]),
+            {"l": [1, "x"]},
+            r"'r.l\[1\]' \(int64\) cannot hold 'x' \(str\): an integer field takes an int, "
+            r"not a str",
+        ),
+        (pa.map_(pa.string(), pa.list_(pa.int64())), {"k": [1, "x"]}, r"\"r\['k'\]\[1\]\""),
+        (pa.map_(pa.int64(), pa.int64()), {"a": 1}, r"'r\{key\}' \(int64\) cannot hold 'a'"),
+        (pa.list_(pa.struct([("a", pa.int64())])), [{"a": 1}, 5], r"'r\[1\]' \(struct<a"),
+    ],
+)
+def test_a_nested_value_pyarrow_refuses_is_named_by_its_path_and_what_its_type_takes(
+    arrow_type, value, problem
+) -> None:
+    _converted(arrow_type, value, problem)
+
+
+@pytest.mark.parametrize(
+    ("arrow_type", "value", "problem"),
+    [
         # pyarrow's "Expected integer, got bool" and "Could not convert Decimal('1.5') with
         # type decimal.Decimal: tried to convert to double", which say neither what to return
         # nor what to declare
