@@ -442,19 +442,26 @@ def _with_strings(data_type: Any) -> Any:
     return data_type
 
 
-def _sql_type(data_type: Any) -> str:
+def _sql_type(data_type: Any, not_null: bool = False) -> str:
     """``data_type`` as Spark SQL reads it in a cast or a DDL string: its simpleString,
     with a struct's field names in backticks where they hold more than letters, digits
-    and underscores (simpleString leaves ``struct<a b:string>``, which does not parse)."""
+    and underscores (simpleString leaves ``struct<a b:string>``, which does not parse).
+    ``not_null``: with NOT NULL after a struct's fields that are (simpleString drops it;
+    a DDL string keeps it, and an array's or a map's values have no words for it)."""
     from pyspark.sql.types import ArrayType, MapType, StructType
 
     if isinstance(data_type, StructType):
-        fields = (f"{_sql_name(f.name)}:{_sql_type(f.dataType)}" for f in data_type.fields)
+        fields = (
+            f"{_sql_name(f.name)}:{_sql_type(f.dataType, not_null)}"
+            + (" NOT NULL" if not_null and not f.nullable else "")
+            for f in data_type.fields
+        )
         return f"struct<{','.join(fields)}>"
     if isinstance(data_type, ArrayType):
-        return f"array<{_sql_type(data_type.elementType)}>"
+        return f"array<{_sql_type(data_type.elementType, not_null)}>"
     if isinstance(data_type, MapType):
-        return f"map<{_sql_type(data_type.keyType)},{_sql_type(data_type.valueType)}>"
+        key, value = (_sql_type(t, not_null) for t in (data_type.keyType, data_type.valueType))
+        return f"map<{key},{value}>"
     return str(data_type.simpleString())
 
 
@@ -521,7 +528,8 @@ def _arrow_schema(struct: Any, what: str) -> pa.Schema:
     if char is not None:  # a DDL string's char(n), or a table's with preserveCharVarcharTypeInfo
         top, path, char_type = char
         name = _backticked(top.name)
-        as_string = _sql_type(_with_strings(top.dataType))
+        as_string = _sql_type(_with_strings(top.dataType), not_null=what == "output")
+        not_null = "" if top.nullable else " NOT NULL"  # (a cast keeps the column's own)
         raise ConfigurationError(
             f"The {what} field {path!r} is a {char_type.simpleString()}, which Spark cannot "
             "hand to Arrow (mapInArrow, which the adapter runs on, needs Arrow-compatible "
@@ -529,7 +537,7 @@ def _arrow_schema(struct: Any, what: str) -> pa.Schema:
             + (
                 f"Cast it to a string first: select cast({name} AS {as_string}) AS {name}."
                 if what == "input"
-                else f"Declare it a string instead: {name} {as_string}."
+                else f"Declare it a string instead: {name} {as_string}{not_null}."
             )
         )
     interval = _first_nested(struct, YearMonthIntervalType)

@@ -3296,6 +3296,28 @@ def test_the_string_type_to_use_for_a_char_quotes_nested_names_that_need_it() ->
         assert str(refused.value).endswith(advice), str(refused.value)
 
 
+def test_the_string_type_to_use_for_a_char_output_field_keeps_its_not_nulls() -> None:
+    # The advice was built from simpleString, which drops NOT NULL: declared as it said,
+    # `s` struct<a:string,b:int>, the field took the nulls the schema refused. (On Spark,
+    # the advised DDL string parses with the same NOT NULLs.)
+    from pyspark.sql.types import CharType, IntegerType, StructField, StructType
+
+    from stateful_async.spark._adapter import _arrow_schema
+
+    inner = StructType(
+        [StructField("a", CharType(3), nullable=False), StructField("b", IntegerType())]
+    )
+    struct = StructType([StructField("s", inner, nullable=False)])
+    with pytest.raises(ConfigurationError) as refused:
+        _arrow_schema(struct, "output")
+    assert str(refused.value).endswith(
+        "Declare it a string instead: `s` struct<a:string NOT NULL,b:int> NOT NULL."
+    ), str(refused.value)
+    with pytest.raises(ConfigurationError) as refused:  # a cast keeps the column's own
+        _arrow_schema(struct, "input")
+    assert str(refused.value).endswith("select cast(`s` AS struct<a:string,b:int>) AS `s`.")
+
+
 def test_types_spark_cannot_hand_to_arrow_are_found_in_map_keys_too() -> None:
     # Map keys were skipped: a CHAR or YEAR-MONTH interval key got the bare "The output
     # schema has a type Arrow cannot carry ([UNSUPPORTED_DATA_TYPE_FOR_ARROW_CONVERSION]
