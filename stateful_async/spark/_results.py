@@ -304,8 +304,20 @@ def _column_test(arrow_type: pa.DataType, refused: bool = False) -> Callable[[It
         return _never
     if pa.types.is_decimal(arrow_type):
         return _read_right
-    plain = frozenset({type(None), *_plain_types(arrow_type)})
+    plain = _passed(arrow_type)
     return lambda values: plain.issuperset(map(type, values))
+
+
+def _passed(arrow_type: pa.DataType, refused: bool = False) -> frozenset[type]:
+    """The types of value the check of a field of ``arrow_type`` always passes (None's
+    included), to test without calling it; of a refused batch, and for Decimals, None's
+    only (see ``_column_test``)."""
+    if refused or pa.types.is_decimal(arrow_type):
+        return _NONE_ONLY
+    return frozenset({type(None), *_plain_types(arrow_type)})
+
+
+_NONE_ONLY = frozenset({type(None)})
 
 
 def _never(values: Iterable[Any]) -> bool:
@@ -388,8 +400,9 @@ def _check_for(
         children = [arrow_type.field(i) for i in range(arrow_type.num_fields)]
         order = [child.name for child in children]
         names = frozenset(order)
+        # each field's check, and the types it always passes (no Python call for those)
         checks = [
-            (child.name, _check_for(child.type, _child(units, i), refused))
+            (child.name, _check_for(child.type, _child(units, i), refused), _passed(child.type))
             for i, child in enumerate(children)
         ]
 
@@ -402,7 +415,9 @@ def _check_for(
                         f"(the struct has {order})"
                     )
                     return _Loss("", arrow_type, value, reason)
-                fields: Any = ((name, check, value.get(name)) for name, check in checks)
+                fields: Any = (
+                    (name, check, plain, value.get(name)) for name, check, plain in checks
+                )
             elif isinstance(value, tuple):  # taken by position, its names notwithstanding
                 # a Row names its fields __fields__, a namedtuple _fields
                 kind = "Row" if hasattr(value, "__fields__") else "namedtuple"
@@ -415,8 +430,8 @@ def _check_for(
                     )
                     return _Loss("", arrow_type, value, reason)
                 fields = (
-                    (name, check, child)
-                    for (name, check), child in zip(checks, value, strict=False)
+                    (name, check, plain, child)
+                    for (name, check, plain), child in zip(checks, value, strict=False)
                 )
             elif not refused or _pairs(value):  # pyarrow takes [(name, value), ...] too
                 return None  # pyarrow refuses it outright
@@ -426,8 +441,8 @@ def _check_for(
                     "of its fields in order"
                 )
                 return _Loss("", arrow_type, value, reason)
-            for name, check, child in fields:
-                if check is not None and child is not None and (loss := check(child)):
+            for name, check, plain, child in fields:
+                if check is not None and type(child) not in plain and (loss := check(child)):
                     return loss.under(f".{name}")
             return None
 
@@ -548,15 +563,15 @@ def _check_for(
     if pa.types.is_map(arrow_type):
         key = _check_for(arrow_type.key_type, _child(units, 0), refused)
         item = _check_for(arrow_type.item_type, _child(units, 1), refused)
-        plain_keys = _column_test(arrow_type.key_type, refused)
-        plain_items = _column_test(arrow_type.item_type, refused)
+        plain_keys = _passed(arrow_type.key_type, refused)
+        plain_items = _passed(arrow_type.item_type, refused)
 
         def check_map(value: Any) -> _Loss | None:
             # pairs (not a dict) can repeat a key, and Spark's maps cannot: pyarrow would
             # make a map that reads one value or the other depending on how it is read
             if isinstance(value, dict):
-                if (key is None or plain_keys(value)) and (
-                    item is None or plain_items(value.values())
+                if (key is None or plain_keys.issuperset(map(type, value))) and (
+                    item is None or plain_items.issuperset(map(type, value.values()))
                 ):
                     return None
                 seen: set[Any] | None = None
