@@ -188,6 +188,40 @@ def test_killing_a_running_driver_kills_the_processes_it_started(tmp_path: Path)
         driver.kill()
 
 
+def test_a_session_whose_driver_pid_was_reused_is_not_the_driver_s(tmp_path: Path) -> None:
+    # Before, once a driver's session had emptied and its pid named a new session leader
+    # (another driver, a cluster daemon), the old driver's pids(), kill() and its watchdog
+    # at the test process's exit took that session for the driver's and SIGKILLed it.
+    leader = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        started = psutil.Process(leader.pid).create_time()
+        old_driver = _cluster.ProcessRecord(leader.pid, started - 5)  # its pid, reused
+        assert _cluster._session_processes(old_driver) == []
+        _cluster._kill_for_dead_owner(old_driver.pid, old_driver.create_time)
+        assert leader.poll() is None
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+def test_a_driver_s_watchdog_leaves_once_its_session_is_gone(tmp_path: Path) -> None:
+    # Before, a watchdog kept by wait() (the driver's JVM still shutting down) stayed until
+    # the test process exited, and then killed whatever session the driver's pid named.
+    code = LEAVES_A_CHILD.replace("time.sleep(300)", "time.sleep(2)")
+    driver = DriverProcess([sys.executable, "-c", code], log_dir=tmp_path)
+    try:
+        assert driver.wait(timeout=60) == 0
+        watchdog = driver._watchdog
+        assert watchdog is not None  # the child runs on for a while
+        _cluster.wait_until(
+            lambda: watchdog.poll() is not None, 30, "The watchdog outlived the session"
+        )
+        assert watchdog.returncode == 0 and driver.pids() == []
+    finally:
+        driver.kill()
+    assert driver._watchdog is None
+
+
 # A test process that starts a driver (which starts a child and sleeps), prints the
 # driver's pid and the child's, and then sleeps until it is killed.
 OWNS_A_DRIVER = textwrap.dedent(

@@ -527,7 +527,8 @@ _STOP_MARK = "stop"  # cluster.lock held by a stop: "<pid> stop"
 # _STOPPED to its stdin. Should the pipe close first, the owner died without stopping what
 # it watches (SIGKILL, a SIGTERM nobody handles: atexit runs for neither), and the watchdog
 # stops it: argv is "cluster", the cluster's directory and "owned" if it is to go too (a
-# LocalCluster); or "driver", the driver's pid and start time (a DriverProcess). It imports
+# LocalCluster); or "driver", the driver's pid and start time (a DriverProcess: its watchdog
+# also leaves once the driver's session is gone, see _watch_driver). It imports
 # stateful_async from the owner's (first on its PYTHONPATH), not from the working directory
 # that python -c puts first on sys.path: another checkout or version there would be
 # imported instead, and a watchdog failing to import stops nothing.
@@ -536,10 +537,14 @@ _WATCHDOG = f"""\
 import sys
 if sys.path[:1] == [""]:
     del sys.path[0]
-if sys.stdin.readline() != {_STOPPED!r}:
-    from stateful_async.chaos._cluster import _on_dead_owner
-    _on_dead_owner(sys.argv[1:])
+if sys.argv[1] == "driver":
+    from stateful_async.chaos._cluster import _watch_driver
+    _watch_driver(int(sys.argv[2]), float(sys.argv[3]))
+elif sys.stdin.readline() != {_STOPPED!r}:
+    from stateful_async.chaos._cluster import _stop_for_dead_owner
+    _stop_for_dead_owner(sys.argv[2], owned=sys.argv[3:] == ["owned"])
 """
+_WATCH_INTERVAL = 1.0  # seconds between a driver's watchdog's looks at the driver's session
 
 
 # Pipes to a child that stops what this process started once they close (a watchdog's, a
@@ -607,15 +612,6 @@ def _dismiss_watchdog(watchdog: subprocess.Popen[str] | None) -> None:
         watchdog.wait()
 
 
-def _on_dead_owner(args: Sequence[str]) -> None:
-    """What a watchdog does once its owner died without dismissing it (``args``: see
-    ``_WATCHDOG``)."""
-    if args[0] == "driver":
-        _kill_for_dead_owner(int(args[1]), float(args[2]))
-    else:
-        _stop_for_dead_owner(args[1], owned=list(args[2:]) == ["owned"])
-
-
 def _stop_for_dead_owner(base_dir: str, owned: bool) -> None:
     """What a cluster's watchdog does once its owner died without stopping the cluster.
     What it could not stop stays recorded (the directory is kept, for ``cluster stop
@@ -628,6 +624,25 @@ def _stop_for_dead_owner(base_dir: str, owned: bool) -> None:
             return  # the only record of what may still run
     if owned:
         shutil.rmtree(base_dir, ignore_errors=True)
+
+
+def _watch_driver(pid: int, create_time: float) -> None:
+    """A driver's watchdog (``_WATCHDOG``): it waits for its owner to dismiss it or to die
+    (the pipe on stdin closes: it kills the driver's session), but no longer than that
+    session lasts. Once the session is gone its id, the driver's pid, is free for a new
+    process, and the session that process may lead (another driver, a cluster daemon) is
+    not this watchdog's to kill when the owner exits later."""
+    import select
+
+    driver = ProcessRecord(pid, create_time)
+    while True:
+        readable, _, _ = select.select([sys.stdin], [], [], _WATCH_INTERVAL)
+        if readable:
+            if sys.stdin.readline() != _STOPPED:
+                _kill_for_dead_owner(pid, create_time)
+            return
+        if not driver.alive() and not _session_processes(driver):
+            return
 
 
 def _kill_for_dead_owner(pid: int, create_time: float) -> None:
@@ -1701,8 +1716,17 @@ def _session_processes(driver: ProcessRecord) -> list[Any]:
     process = driver.process()
     if process is not None:
         found.update((p.pid, p) for p in _tree(process))
+    else:
+        try:
+            if abs(psutil.Process(driver.pid).create_time() - driver.create_time) > 0.01:
+                return []  # the pid was reused, so the session it named is gone (below)
+        except psutil.Error:
+            pass  # nothing holds it
     # The session id is the driver's pid. A pid that names a live session is never
-    # reused, so a member started after the driver belongs to this driver's session.
+    # reused, so a member started after the driver belongs to this driver's session
+    # (unless the session emptied and the pid now names another: a process still holds
+    # it then, or held it and left orphans, which the watchdog, gone with the session,
+    # leaves alone).
     for member in psutil.process_iter(["create_time", "status"]):
         try:
             if (
@@ -1732,7 +1756,8 @@ class DriverProcess:
     Should the process that started the driver exit before ``kill()`` (or a ``wait()``
     that found nothing of the session left), however it exits (SIGKILL included), a
     watchdog process SIGKILLs the driver and its session all the same; why it could not
-    goes to ``<log_dir>/<name>.watchdog.log``.
+    goes to ``<log_dir>/<name>.watchdog.log``. The watchdog leaves once nothing of the
+    session runs: the driver's pid, the session's id, may then name another process's.
     """
 
     def __init__(
