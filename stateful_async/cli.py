@@ -1322,11 +1322,16 @@ def _finite(value: Any) -> Any:
 
 def _sorted_set(items: set[Any] | frozenset[Any]) -> list[Any]:
     """A set's items in a stable order (a set of strings iterates in another order in each
-    process): sorted, or by their JSON text where they do not compare (1 and "a")."""
-    try:
-        return sorted(items)
-    except TypeError:
-        return sorted(items, key=_to_json)
+    process): numbers or strings sorted, any others by their JSON text, for they may not
+    compare (1 and "a"), or compare in part only, so that sorted() keeps the set's order
+    (frozensets, which compare as subsets; NaN, which compares with nothing)."""
+    plain = [_plain(item) for item in items]
+    if all(isinstance(item, str) for item in plain) or all(
+        isinstance(item, (int, float)) and item == item  # (not NaN)
+        for item in plain
+    ):
+        return sorted(plain)
+    return sorted(plain, key=_to_json)
 
 
 def _json_key(key: Any) -> Any:

@@ -800,12 +800,15 @@ def test_replay_writes_sets_as_sorted_lists_and_refuses_values_json_has_no_form_
 ) -> None:
     # A value JSON has no type for was written as its str() without a word: a set as the
     # string "{1, 2}", a bytearray as "bytearray(b'ab')", an object as "<... at 0x...>".
+    # Sets of frozensets (which compare as subsets) or with NaN kept the set's own order.
     module = functions.parent / "odd_values.py"
     source = (
         "import uuid\n\n"
         "async def kinds(row):\n"
         "    return [{'id': row['id'], 'tags': {'b', 'a'}, 'ids': frozenset({3, 1, 2}),\n"
-        "             'raw': bytearray(b'ab'), 'uuid': uuid.UUID(int=5)}]\n\n"
+        "             'raw': bytearray(b'ab'), 'uuid': uuid.UUID(int=5),\n"
+        "             'groups': {frozenset({10}), frozenset({2}), frozenset({1, 2})},\n"
+        "             'floats': {2.0, float('nan'), 1.0}}]\n\n"
         "async def complex_number(row):\n"
         "    return [{'id': row['id'], 'z': complex(1, 2)}]\n\n"
         "async def tuple_key(row):\n"
@@ -814,6 +817,7 @@ def test_replay_writes_sets_as_sorted_lists_and_refuses_values_json_has_no_form_
     assert replayed_row(tmp_path, module, source, "kinds") == {
         "id": 7, "tags": ["a", "b"], "ids": [1, 2, 3], "raw": "YWI=",
         "uuid": "00000000-0000-0000-0000-000000000005",
+        "groups": [[1, 2], [10], [2]], "floats": ["NaN", 1.0, 2.0],
     }  # fmt: skip
     for function, said in (
         ("complex_number", "A value to write as JSON, (1+2j) (complex), has no JSON form."),
