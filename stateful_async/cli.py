@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import select
 import shlex
 import signal
 import stat
@@ -99,11 +100,19 @@ def _quiet_when_the_reader_leaves() -> Iterator[None]:
     """Stop quietly, with status CLOSED_PIPE, when what reads stdout closes it (``| head``)
     before all is written. Python ignores SIGPIPE, so the write raises BrokenPipeError:
     Click took it for a failure (status 1, no word), and what stayed in stdout's buffer
-    failed again at exit ("Exception ignored ... BrokenPipeError")."""
+    failed again at exit ("Exception ignored ... BrokenPipeError"). A BrokenPipeError
+    while stdout's reader is still there (a socket's, to a service or the JVM) is no such
+    thing: its traceback is printed, with status 1, as for any other unexpected error
+    (Click would exit 1 without a word)."""
     try:
         yield
         sys.stdout.flush()  # what is buffered still: the reader may have left meanwhile
     except BrokenPipeError:
+        if not _stdout_reader_left():
+            with suppress(OSError):  # (stderr's reader may have left)
+                traceback.print_exc()
+                sys.stderr.flush()
+            raise typer.Exit(1) from None
         # as Python's documentation of SIGPIPE advises: stdout to /dev/null, so that the
         # flush at exit has nowhere to fail
         with suppress(OSError, ValueError):  # (a stdout with no file descriptor: a test's)
@@ -113,6 +122,21 @@ def _quiet_when_the_reader_leaves() -> Iterator[None]:
             finally:
                 os.close(devnull)
         raise typer.Exit(CLOSED_PIPE) from None
+
+
+def _stdout_reader_left() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader closed it: it polls as an error
+    (or a hang-up) for good then. A stdout with no file descriptor (a test's) never has a
+    reader leave; where poll() is missing (Windows), a broken pipe is taken for stdout's."""
+    if not hasattr(select, "poll"):
+        return True
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError, AttributeError):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
 
 
 def _help_for_a_pipe(format_help: Callable[[], None]) -> None:

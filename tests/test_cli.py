@@ -1228,6 +1228,30 @@ def test_a_command_whose_reader_closes_the_pipe_stops_quietly_with_sigpipe_s_sta
     assert (done.returncode, done.stderr) == (128 + signal.SIGPIPE, "")
 
 
+def test_a_broken_pipe_that_is_not_stdout_s_is_reported(checkpoints) -> None:
+    # Any BrokenPipeError (a socket's, to a service or the JVM) was taken for stdout's
+    # reader leaving: status 141, no word, and stdout sent to /dev/null.
+    import subprocess
+    import sys
+
+    location, _ = checkpoints
+    code = (
+        "import errno, stateful_async.cli as cli\n"
+        "def store(*args):\n"
+        "    raise BrokenPipeError(errno.EPIPE, 'the service closed the connection')\n"
+        "cli._store = store\n"
+        "cli.main()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "checkpoints", "list", str(location)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "BrokenPipeError: [Errno 32] the service closed the connection" in done.stderr
+
+
 def test_an_unknown_id_lists_the_ids_that_exist(checkpoints) -> None:
     location, _ = checkpoints
     result = invoke("checkpoints", "show", str(location), "7")
