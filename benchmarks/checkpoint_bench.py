@@ -57,7 +57,7 @@ from peak_rss import peak_rss_mib
 
 from checkpoint import SnapshotStore
 from stateful_async import StreamRecord, Watermark
-from stateful_async.cli import _sigterm_unwinds
+from stateful_async._signals import sigterm_unwinds
 
 INPUT = pa.schema(
     [
@@ -593,7 +593,7 @@ def main() -> None:
     args = parser.parse_args()
     # a SIGTERM (kill, a timeout) unwinds as Ctrl-C does: the finally blocks stop what the
     # run started and remove its temporary directories
-    with _sigterm_unwinds():
+    with sigterm_unwinds():
         if args.micro_batches:
             result = {
                 "micro_batch": micro_batches(40 if args.quick else 100, 1 if args.quick else 3)

@@ -514,11 +514,12 @@ def main() -> None:
         "--json", metavar="PATH", type=output_file, help="also write the figures as JSON"
     )
     args = parser.parse_args()
-    from stateful_async.cli import _sigterm_unwinds  # not at the top: the job has no stateful_async
+    # not at the top: the job's Python has no stateful_async
+    from stateful_async._signals import sigterm_unwinds
 
     # a SIGTERM (kill, a timeout) unwinds as Ctrl-C does: the finally blocks stop what the
     # run started and remove its temporary directories
-    with _sigterm_unwinds():
+    with sigterm_unwinds():
         result = run(args.quick, args.capacity, args.latency_ms, args.rows)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

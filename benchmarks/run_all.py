@@ -2325,11 +2325,11 @@ def main() -> None:
     if args.from_json:
         results = args.from_json
     else:
-        from stateful_async.cli import _sigterm_unwinds
+        from stateful_async._signals import sigterm_unwinds
 
         # a SIGTERM (kill, a timeout) unwinds as Ctrl-C does: the parts' finally blocks stop
         # what they started and remove their temporary directories
-        with _sigterm_unwinds():
+        with sigterm_unwinds():
             results = run(args.quick, args.skip_pyflink, args.skip_sink)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2, default=str))

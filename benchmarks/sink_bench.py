@@ -50,11 +50,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     rows = args.rows or (200_000 if args.quick else 4_000_000)
-    from stateful_async.cli import _sigterm_unwinds
+    from stateful_async._signals import sigterm_unwinds
 
     # a SIGTERM (kill, a timeout) unwinds as Ctrl-C does: the finally block stops Spark and
     # removes the temporary directory
-    with _sigterm_unwinds():
+    with sigterm_unwinds():
         measure(rows, args.partitions)
 
 

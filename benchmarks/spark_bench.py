@@ -1314,11 +1314,11 @@ def main() -> None:
         "--json", metavar="PATH", type=output_file, help="also write the figures as JSON"
     )
     args = parser.parse_args()
-    from stateful_async.cli import _sigterm_unwinds
+    from stateful_async._signals import sigterm_unwinds
 
     # a SIGTERM (kill, a timeout) unwinds as Ctrl-C does: the finally blocks stop what the
     # run started and remove its temporary directories
-    with _sigterm_unwinds():
+    with sigterm_unwinds():
         result = run(quick=args.quick, capacity=args.capacity)
     if args.json:
         with open(args.json, "w") as handle:

@@ -30,10 +30,8 @@ import os
 import re
 import select
 import shlex
-import signal
 import stat
 import sys
-import threading
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
@@ -53,6 +51,7 @@ from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
 from ._exceptions import StatefulAsyncError, id_ranges, numpy_kind
+from ._signals import sigterm_unwinds
 
 
 class _Console(Console):
@@ -424,7 +423,7 @@ def demo(
     # A SIGTERM (timeout, a CI job cancelled, kill) unwinds like Ctrl-C, so that the demo
     # stops the service and Spark it started instead of leaving them running.
     try:
-        with _sigterm_unwinds(), _user_errors(), progress:
+        with sigterm_unwinds(), _user_errors(), progress:
             steps = progress.add_task("preparing", total=None)
             requests = progress.add_task("requests to the service", total=rows, visible=False)
 
@@ -1445,29 +1444,6 @@ def _json_default(value: Any) -> Any:
         "as seconds, sets as sorted lists. Convert it to one of those (in replay, in the "
         "function's results)."
     )
-
-
-@contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
-    def unwind(signum: int, frame: Any) -> None:
-        # What Ctrl-C does first: PySpark's SIGINT handler, once Spark runs, cancels its jobs
-        # and drops the py4j connection a call was waiting on. Left as it was, that call's
-        # late answer was read as spark.stop()'s ("... does not exist in the JVM"), a
-        # traceback and exit status 1 instead of stopping.
-        on_interrupt = signal.getsignal(signal.SIGINT)
-        if callable(on_interrupt):
-            with suppress(KeyboardInterrupt, Exception):
-                on_interrupt(signal.SIGINT, frame)
-        raise SystemExit(128 + signum)
-
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread can take signals
-        return
-    previous = signal.signal(signal.SIGTERM, unwind)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _this_program() -> str:

@@ -486,6 +486,23 @@ def test_a_committer_that_dies_before_ready_leaves_no_committer_behind(
                 proc.wait(10)
 
 
+def test_a_committer_does_not_load_the_command_line() -> None:
+    # before: checkpoint_bench imported the CLI (for its SIGTERM handling) at its top, so that
+    # each of up to 32 committer processes loaded Typer and Rich before its first commit
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); import checkpoint_bench; "
+            "print(sorted({'typer', 'rich', 'stateful_async.cli'} & sys.modules.keys()))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert loaded.strip() == "[]"
+
+
 # A store benchmark whose committers are ready and which is killed before it says "go".
 COMMITTERS_DRIVER = """\
 import sys, time

@@ -1788,7 +1788,7 @@ def test_a_sigterm_during_the_demo_unwinds_it_like_ctrl_c() -> None:
     import os
     import signal
 
-    from stateful_async.cli import _sigterm_unwinds
+    from stateful_async._signals import sigterm_unwinds
 
     before = signal.getsignal(signal.SIGTERM)
     interrupted: list[int] = []
@@ -1799,7 +1799,7 @@ def test_a_sigterm_during_the_demo_unwinds_it_like_ctrl_c() -> None:
 
     on_sigint = signal.signal(signal.SIGINT, on_interrupt)
     try:
-        with pytest.raises(SystemExit) as info, _sigterm_unwinds():
+        with pytest.raises(SystemExit) as info, sigterm_unwinds():
             os.kill(os.getpid(), signal.SIGTERM)
             signal.sigtimedwait([], 0.5)  # let the handler run (it runs between bytecodes)
     finally:
