@@ -152,10 +152,14 @@ def sizes(repeat: int, sizes_: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
-def _committer(root: str, layout: str, subtask: int, count: int, period: float, go: str) -> None:
+def _committer(
+    root: str, layout: str, subtask: int, count: int, period: float, go: str, benchmark: int
+) -> None:
+    """``benchmark`` is the pid of the benchmark that started it, which makes the go file:
+    given, not read with os.getppid() here, which is already 1 (or a subreaper's) if the
+    benchmark was killed while this process was starting."""
     from deltalake import write_deltalake
 
-    benchmark = os.getppid()  # the go file comes from it: should it die first, none will
     log = SnapshotStore(root).subtask("bench", "op", subtask)
     batch = elements(100)
     shared = os.path.join(root, "shared")
@@ -439,6 +443,7 @@ def concurrency(committers: list[int], count: int, period: float) -> list[dict[s
                             str(count),
                             str(period),
                             go,
+                            str(os.getpid()),
                         ],
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,
@@ -573,8 +578,8 @@ def report(result: dict[str, Any]) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--committer":
-        root, layout, subtask, count, period, go = sys.argv[2:8]
-        _committer(root, layout, int(subtask), int(count), float(period), go)
+        root, layout, subtask, count, period, go, benchmark = sys.argv[2:9]
+        _committer(root, layout, int(subtask), int(count), float(period), go, int(benchmark))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--long-task":
         root, count, variant = sys.argv[2:5]

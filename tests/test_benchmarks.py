@@ -541,6 +541,41 @@ def test_committers_whose_benchmark_was_killed_do_not_wait_for_ever(tmp_path: Pa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_committer_whose_benchmark_died_while_it_started_stops(tmp_path: Path) -> None:
+    # before: it took os.getppid() after its imports as its benchmark's pid; a benchmark
+    # killed meanwhile left it the pid of its new parent, so it polled for the go file for
+    # ever. Its new parent here is this test, its benchmark a process already gone.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    root = tmp_path / "root"
+    root.mkdir()
+    committer = subprocess.Popen(
+        [
+            sys.executable,
+            str(BENCHMARKS / "checkpoint_bench.py"),
+            "--committer",
+            str(root),
+            "per-subtask",
+            "0",
+            "1",
+            "0.1",
+            str(root / "go"),
+            str(gone.pid),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, stderr = committer.communicate(timeout=60)
+    finally:
+        if committer.poll() is None:
+            committer.kill()
+            committer.communicate()
+    assert "the benchmark is gone; stopping" in stderr
+    assert not root.exists()
+
+
 def test_a_store_benchmark_stopped_with_sigterm_removes_its_directories(tmp_path: Path) -> None:
     # before: a SIGTERM ended it at once, no finally ran: its stores' directories stayed
     driver = subprocess.Popen(
