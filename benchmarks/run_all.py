@@ -233,36 +233,45 @@ def garbage_collection(run: Callable[[], Any]) -> dict[str, Any]:
     }
 
 
+def run_script(script: str, args: list[str], relay: str | None = None) -> tuple[int, str, str]:
+    """Runs a benchmark script in its own process to its end; returns its exit status, its
+    stdout and its stderr (kept in files: Spark's log can be long), relaying the stderr
+    lines that start with ``relay`` as progress. This run stopped (Ctrl-C, SIGTERM), the
+    script is stopped as it does, its ``finally`` blocks left to run: not killed, which
+    left its work directories behind."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(
+            [sys.executable, str(HERE / script), *args],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert process.stderr is not None
+        try:
+            for line in process.stderr:  # progress lines are relayed, everything is kept
+                err.write(line)
+                if relay and line.startswith(relay):
+                    print(line.rstrip(), file=sys.stderr, flush=True)
+            process.wait()
+        finally:
+            if process.poll() is None:
+                process.terminate()
+                process.wait()
+        out.seek(0)
+        err.seek(0)
+        return process.returncode, out.read(), err.read()
+
+
 def child_part(script: str, args: list[str], watch: ProcessWatch) -> dict[str, Any]:
     """Runs a benchmark script in its own process (its Spark JVM ends with it); relays its
     progress lines and returns its JSON."""
     with tempfile.TemporaryDirectory(prefix="run-all-") as tmp:
         out_json = os.path.join(tmp, "out.json")
-        log_path = os.path.join(tmp, "stderr.log")
-        out_path = os.path.join(tmp, "stdout.txt")
-        with open(log_path, "w") as err, open(out_path, "w") as out:
-            process = subprocess.Popen(
-                [sys.executable, str(HERE / script), *args, "--json", out_json],
-                stdout=out,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            assert process.stderr is not None
-            try:
-                for line in process.stderr:  # progress lines are relayed, everything is kept
-                    err.write(line)
-                    if line.startswith("spark_bench: "):
-                        print(line.rstrip(), file=sys.stderr, flush=True)
-                process.wait()
-            finally:  # this run was stopped (Ctrl-C, SIGTERM): the child stops as it does
-                if process.poll() is None:
-                    process.terminate()
-                    process.wait()
-        stdout = Path(out_path).read_text()
+        status, stdout, stderr = run_script(script, [*args, "--json", out_json], "spark_bench: ")
         watch.sample()
-        if process.returncode != 0:
-            tail = Path(log_path).read_text().strip().splitlines()[-15:]
-            raise RuntimeError(f"{script} failed (exit {process.returncode}):\n" + "\n".join(tail))
+        if status != 0:
+            tail = stderr.strip().splitlines()[-15:]
+            raise RuntimeError(f"{script} failed (exit {status}):\n" + "\n".join(tail))
         result = json.loads(Path(out_json).read_text())
         result["stdout"] = stdout
         return result
@@ -270,16 +279,10 @@ def child_part(script: str, args: list[str], watch: ProcessWatch) -> dict[str, A
 
 def sink_part(quick: bool) -> dict[str, Any]:
     """sink_bench prints a table; its figures are read from it."""
-    args = ["--quick"] if quick else []
-    done = subprocess.run(
-        [sys.executable, str(HERE / "sink_bench.py"), *args],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        tail = done.stderr.strip().splitlines()[-1:]
-        return {"status": "failed", "reason": tail[0] if tail else f"exit {done.returncode}"}
-    text = done.stdout
+    status, text, stderr = run_script("sink_bench.py", ["--quick"] if quick else [])
+    if status != 0:
+        tail = stderr.strip().splitlines()[-1:]
+        return {"status": "failed", "reason": tail[0] if tail else f"exit {status}"}
     figures: dict[str, Any] = {"status": "ok", "text": text.strip()}
     rows = re.search(r"rows: ([\d,]+)", text)
     parquet = re.search(r"spark df.write.parquet\s+([\d.]+)\s+([\d,]+)", text)

@@ -249,11 +249,71 @@ def test_the_store_benchmark_writes_its_json_to_the_file_given(tmp_path: Path) -
 
 
 def test_sink_output_without_figures_is_a_failed_part(monkeypatch: pytest.MonkeyPatch) -> None:
-    def run(args: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        return subprocess.CompletedProcess(args, 0, stdout="nothing measured\n", stderr="")
+    def run_script(script: str, args: list[str], relay: str | None = None) -> tuple[int, str, str]:
+        return 0, "nothing measured\n", ""
 
-    monkeypatch.setattr(run_all.subprocess, "run", run)
+    monkeypatch.setattr(run_all, "run_script", run_script)
     assert run_all.sink_part(quick=True)["status"] == "failed"
+
+
+# A benchmark script whose finally takes a moment (a work directory removed, Spark stopped).
+FAKE_PART = """\
+import pathlib, time
+from stateful_async._signals import sigterm_unwinds
+
+here = pathlib.Path(__file__).parent
+with sigterm_unwinds():
+    try:
+        (here / "started").touch()
+        time.sleep(60)
+    finally:
+        time.sleep(1)
+        (here / "cleaned").touch()
+"""
+
+# run_all running one part, with the fake scripts in place of the benchmarks.
+PART_DRIVER = """\
+import pathlib, sys
+sys.path.insert(0, sys.argv[1])
+import run_all
+from stateful_async._signals import sigterm_unwinds
+
+run_all.HERE = pathlib.Path(sys.argv[2])
+with sigterm_unwinds():
+    if sys.argv[3] == "sink":
+        run_all.sink_part(quick=False)
+    else:
+        run_all.child_part("spark_bench.py", [], run_all.ProcessWatch())
+"""
+
+
+@pytest.mark.parametrize("part, group", [("sink", False)])
+def test_a_run_stopped_during_a_part_lets_its_script_clean_up(
+    tmp_path: Path, part: str, group: bool
+) -> None:
+    """before: sink_part's subprocess.run killed sink_bench (SIGKILL) when run_all was
+    stopped, before its finally removed its sink-bench-* directory."""
+    for name in ("sink_bench.py", "spark_bench.py"):
+        (tmp_path / name).write_text(FAKE_PART)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", PART_DRIVER, str(BENCHMARKS), str(tmp_path), part],
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "started").exists():
+            assert time.monotonic() < deadline and driver.poll() is None, "no script started"
+            time.sleep(0.1)
+        if group:  # as a CI job cancelled, or Ctrl-C: the script gets the signal too
+            os.killpg(driver.pid, signal.SIGTERM)
+        else:  # kill <run_all's pid>
+            driver.send_signal(signal.SIGTERM)
+        assert driver.wait(60) == 128 + signal.SIGTERM
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    assert (tmp_path / "cleaned").exists()
 
 
 def test_a_pyflink_job_that_lost_rows_is_failed_not_skipped(
