@@ -54,6 +54,7 @@ from stateful_async import OutputMode  # noqa: E402
 
 CAPACITY = 64  # requests in flight per task in the Spark and PyFlink comparisons
 WIDE = 16  # spark_bench.WIDE_CAPACITY: ordered_wait at WIDE x CAPACITY when latency varies
+STOP_GRACE = 5.0  # seconds a benchmark script stopped with this run has for its clean-up
 FLAT = 1.10  # "memory flat in input size": peak RSS at 1M rows within 10 % of 10k rows
 
 
@@ -233,6 +234,22 @@ def garbage_collection(run: Callable[[], Any]) -> dict[str, Any]:
     }
 
 
+def stop(process: subprocess.Popen[str]) -> None:
+    """Stops a benchmark script when this run was stopped. A Ctrl-C or a process group's
+    SIGTERM reached it too: it is given STOP_GRACE seconds to run its finally blocks first
+    (a second signal at once hit it in the middle of them). Then a SIGTERM (only this run was
+    stopped), and a SIGKILL if it has not ended STOP_GRACE seconds later. Its stderr is read
+    meanwhile, lest it block writing to it."""
+    for send in (None, process.terminate, process.kill):
+        if send is not None:
+            send()
+        try:
+            process.communicate(timeout=None if send is process.kill else STOP_GRACE)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_script(script: str, args: list[str], relay: str | None = None) -> tuple[int, str, str]:
     """Runs a benchmark script in its own process to its end; returns its exit status, its
     stdout and its stderr (kept in files: Spark's log can be long), relaying the stderr
@@ -255,8 +272,7 @@ def run_script(script: str, args: list[str], relay: str | None = None) -> tuple[
             process.wait()
         finally:
             if process.poll() is None:
-                process.terminate()
-                process.wait()
+                stop(process)
         out.seek(0)
         err.seek(0)
         return process.returncode, out.read(), err.read()

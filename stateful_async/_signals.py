@@ -10,11 +10,19 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 
+def _unwinding(signum: int, frame: Any) -> None:
+    """The SIGTERM handler while a first SIGTERM unwinds: the clean-up goes on."""
+
+
 @contextmanager
 def sigterm_unwinds() -> Iterator[None]:
     """Within it, a SIGTERM (kill, a timeout, a CI job cancelled) unwinds as Ctrl-C does:
     ``SystemExit(143)`` is raised, so that the ``finally`` and ``with`` blocks stop what the
-    program started and remove what it wrote, instead of the process ending on the spot."""
+    program started and remove what it wrote, instead of the process ending on the spot.
+
+    Once: a second SIGTERM while those blocks run (a process group's SIGTERM, then the
+    parent's own, or a second ``kill``) is ignored, since raising again would stop the
+    clean-up it asked for half way. SIGKILL, or Ctrl-C, still ends the process."""
 
     def unwind(signum: int, frame: Any) -> None:
         # What Ctrl-C does first: PySpark's SIGINT handler, once Spark runs, cancels its jobs
@@ -25,6 +33,8 @@ def sigterm_unwinds() -> Iterator[None]:
         if callable(on_interrupt):
             with suppress(KeyboardInterrupt, Exception):
                 on_interrupt(signal.SIGINT, frame)
+        # a do-nothing handler, not SIG_IGN, which a program started by a finally would inherit
+        signal.signal(signal.SIGTERM, _unwinding)
         raise SystemExit(128 + signum)
 
     if threading.current_thread() is not threading.main_thread():

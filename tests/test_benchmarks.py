@@ -287,12 +287,16 @@ with sigterm_unwinds():
 """
 
 
-@pytest.mark.parametrize("part, group", [("sink", False)])
+@pytest.mark.parametrize(
+    "part, group", [("sink", False), ("sink", True), ("spark", False), ("spark", True)]
+)
 def test_a_run_stopped_during_a_part_lets_its_script_clean_up(
     tmp_path: Path, part: str, group: bool
 ) -> None:
     """before: sink_part's subprocess.run killed sink_bench (SIGKILL) when run_all was
-    stopped, before its finally removed its sink-bench-* directory."""
+    stopped, before its finally removed its sink-bench-* directory; and after a group's
+    SIGTERM, which the script got too, run_all sent it a second one at once, which stopped
+    its finally half way."""
     for name in ("sink_bench.py", "spark_bench.py"):
         (tmp_path / name).write_text(FAKE_PART)
     driver = subprocess.Popen(

@@ -1809,6 +1809,28 @@ def test_a_sigterm_during_the_demo_unwinds_it_like_ctrl_c() -> None:
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_second_sigterm_does_not_stop_the_clean_up_of_the_first() -> None:
+    # before: it raised SystemExit again, in the middle of the finally blocks the first one
+    # ran (a group's SIGTERM, then the parent's own, as run_all sends to its benchmarks)
+    import os
+    import signal
+
+    from stateful_async._signals import sigterm_unwinds
+
+    before = signal.getsignal(signal.SIGTERM)
+    cleaned = []
+    with pytest.raises(SystemExit), sigterm_unwinds():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0.5)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0.5)
+            cleaned.append(True)
+    assert cleaned == [True]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_demo_refuses_partitions_too_small_to_crash_one() -> None:
     result = invoke("demo", "--rows", "150", "--partitions", "2")
     assert result.exit_code == 2, result.output
