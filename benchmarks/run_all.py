@@ -2291,7 +2291,8 @@ def main() -> None:
         "--skip-pyflink",
         action="store_true",
         help="leave out the PyFlink part (its first run pip installs PyFlink, several "
-        "hundred MB, into ~/.cache/stateful-async-bench/pyflink-venv)",
+        f"hundred MB, into {pyflink_bench.cache_dir() / 'pyflink-venv'}: under "
+        "$STATEFUL_ASYNC_BENCH_CACHE, by default ~/.cache/stateful-async-bench)",
     )
     parser.add_argument("--skip-sink", action="store_true", help="leave out the Delta sink part")
     parser.add_argument(

@@ -177,6 +177,19 @@ def test_skipped_parts_do_not_fail_the_run(tmp_path: Path, monkeypatch: pytest.M
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+def test_the_skip_pyflink_help_names_the_cache_in_use(tmp_path: Path) -> None:
+    # before: it said ~/.cache/stateful-async-bench/pyflink-venv whatever
+    # $STATEFUL_ASYNC_BENCH_CACHE said
+    shown = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "run_all.py"), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "STATEFUL_ASYNC_BENCH_CACHE": str(tmp_path)},
+    ).stdout
+    assert f"into{tmp_path}/pyflink-venv:" in "".join(shown.split())  # however it wraps
+
+
 @pytest.mark.parametrize(
     "script, args, message",
     [
