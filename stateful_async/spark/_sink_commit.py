@@ -310,20 +310,30 @@ def _check_not_null_kept(table: Any, planned: pa.Schema, uri: str) -> None:
 
 
 def _newly_required(planned: pa.Field, now: pa.Field, prefix: str) -> Iterator[str]:
-    """Paths of the fields (at any depth) NOT NULL in ``now`` but nullable in ``planned``
-    (two fields of one type, ``now`` with the table's flags)."""
+    """The fields (at any depth) NOT NULL in ``now`` but nullable in ``planned`` (two
+    fields of one type, ``now`` with the table's flags), named as ``_all_fields`` names
+    them (``s.a``, ``m{key}.p``; the field's own name inside list elements and map values,
+    whose own flags are named as ``the elements of 'tags'`` and ``the values of 'm'``)."""
     path = prefix + planned.name
     if planned.nullable and not now.nullable:
         yield repr(path)
-    a, b = planned.type, now.type
-    if pa.types.is_struct(a):
-        for i in range(a.num_fields):
-            yield from _newly_required(a.field(i), b.field(i), path + ".")
-    elif pa.types.is_list(a) or pa.types.is_large_list(a):
-        yield from _newly_required(a.value_field, b.value_field, path + ".")
-    elif pa.types.is_map(a):
-        yield from _newly_required(a.key_field, b.key_field, path + ".")
-        yield from _newly_required(a.item_field, b.item_field, path + ".")
+    yield from _newly_required_inside(planned.type, now.type, path)
+
+
+def _newly_required_inside(planned: pa.DataType, now: pa.DataType, path: str) -> Iterator[str]:
+    """``_newly_required`` of what is inside a field of type ``planned`` at ``path``."""
+    if pa.types.is_struct(planned):
+        for i in range(planned.num_fields):
+            yield from _newly_required(planned.field(i), now.field(i), path + ".")
+    elif pa.types.is_list(planned) or pa.types.is_large_list(planned):
+        if planned.value_field.nullable and not now.value_field.nullable:
+            yield f"the elements of {path!r}"
+        yield from _newly_required_inside(planned.value_type, now.value_type, path)
+    elif pa.types.is_map(planned):
+        yield from _newly_required_inside(planned.key_type, now.key_type, path + "{key}")
+        if planned.item_field.nullable and not now.item_field.nullable:
+            yield f"the values of {path!r}"
+        yield from _newly_required_inside(planned.item_type, now.item_type, path)
 
 
 def _strict_field(field: pa.Field, delta: dict[str, Any]) -> pa.Field:

@@ -527,6 +527,8 @@ def test_a_table_made_not_null_while_a_write_ran_refuses_its_commit(
             ("id", pa.int64()),
             ("s", pa.struct([("a", pa.int64())])),
             ("mk", pa.map_(key, pa.int64())),
+            ("tags", pa.list_(pa.struct([("q", pa.int64())]))),
+            ("mv", pa.map_(pa.string(), pa.int64())),
         ]
     )
     strict = pa.schema(
@@ -535,16 +537,38 @@ def test_a_table_made_not_null_while_a_write_ran_refuses_its_commit(
             pa.field("s", pa.struct([pa.field("a", pa.int64(), nullable=False)])),
             # a field inside a map's key (it was not looked at)
             ("mk", pa.map_(pa.struct([pa.field("p", pa.int64(), nullable=False)]), pa.int64())),
+            # list elements and map values, named as the sink's other messages name them
+            pa.field(
+                "tags",
+                pa.list_(
+                    pa.field(
+                        "element",
+                        pa.struct([pa.field("q", pa.int64(), nullable=False)]),
+                        nullable=False,
+                    )
+                ),
+            ),
+            ("mv", pa.map_(pa.string(), pa.field("value", pa.int64(), nullable=False))),
         ]
     )
     if change == "schema replaced meanwhile":
         write_deltalake(
-            str(table), pa.table({"id": [0], "s": [{"a": 0}], "mk": [None]}, schema=schema)
+            str(table),
+            pa.table(
+                {"id": [0], "s": [{"a": 0}], "mk": [None], "tags": [None], "mv": [None]},
+                schema=schema,
+            ),
         )
     opts = _unit_options(table)
     plan = plan_write(opts, schema)
     data = pa.table(
-        {"id": [1, None], "s": [{"a": None}, None], "mk": [[({"p": None}, 1)], None]},
+        {
+            "id": [1, None],
+            "s": [{"a": None}, None],
+            "mk": [[({"p": None}, 1)], None],
+            "tags": [[None, {"q": None}], None],
+            "mv": [[("k", None)], None],
+        },
         schema=schema,
     )
     message = write_task_files(
@@ -552,19 +576,22 @@ def test_a_table_made_not_null_while_a_write_ran_refuses_its_commit(
         query_id="q",
     )  # fmt: skip
     write_deltalake(
-        str(table), pa.table({"id": [7], "s": [{"a": 7}], "mk": [None]}, schema=strict),
+        str(table), pa.table(
+            {"id": [7], "s": [{"a": 7}], "mk": [None], "tags": [None], "mv": [None]},
+            schema=strict,
+        ),
         mode="overwrite", schema_mode="overwrite",
     )  # fmt: skip
     before = DeltaTable(str(table)).version()
     with pytest.raises(
         SinkSchemaMismatchError,
-        match=r"declares 'id', 's\.a', 'mk\.key\.p' NOT NULL, which it did not when this "
-        "write was planned",
+        match=r"declares 'id', 's\.a', 'mk\{key\}\.p', the elements of 'tags', 'tags\.q', "
+        r"the values of 'mv' NOT NULL, which it did not when this write was planned",
     ):
         commit_write(opts, plan, list(message.files), mode="append", app_id="q", version=0)
     assert DeltaTable(str(table)).version() == before
     assert DeltaTable(str(table)).to_pyarrow_table().to_pylist() == [
-        {"id": 7, "s": {"a": 7}, "mk": None}
+        {"id": 7, "s": {"a": 7}, "mk": None, "tags": None, "mv": None}
     ]
 
 
