@@ -87,17 +87,11 @@ def to_batch(
                     raise _refusal(field.name, loss, described(source)) from exc
                 # pyarrow names neither where in a struct, an array or a map the value it
                 # refuses is, nor what the type there takes ("Expected bytes, got a 'int'")
-                if (loss := _refused_in(value, field.type)) is not None:
-                    raise _refusal(field.name, loss, described(source)) from exc
-                if type(value).__name__ == "NaTType":
-                    advice = "Return None for a missing value (NaT is pandas' missing time)"
-                else:
-                    advice = "Return values of the types the output schema declares"
-                raise ResultSchemaError(
-                    f"The result field {field.name!r} ({field.type}) cannot hold {describe(value)} "
-                    f"({type(value).__name__}), returned for input row {described(source)}: "
-                    f"{exc}. {advice}."
-                ) from exc
+                # (nor, for the value itself, what the type takes: said as it is for a nested one)
+                loss = _refused_in(value, field.type) or _Loss(
+                    "", field.type, value, _takes(field.type, value, exc)
+                )
+                raise _refusal(field.name, loss, described(source)) from exc
     # Every value converts alone but a column does not: pyarrow takes the form of a
     # column's values (a struct as a dict, or as a tuple) from its first one.
     for field in schema:
@@ -197,7 +191,8 @@ def _refused_in(value: Any, arrow_type: pa.DataType) -> _Loss | None:
 
 def _takes(arrow_type: pa.DataType, value: Any, exc: Exception) -> str:
     """What a field of ``arrow_type`` takes, in plain words, and that ``value`` is not it
-    (pyarrow's ``exc`` where no words here fit)."""
+    (pyarrow's ``exc`` where no words here fit, or where ``value`` is a form the type takes,
+    a list of pairs for a map or a struct, and the fault is in its entries)."""
     found = type(value).__name__
     if found == "NaTType":
         return "NaT is pandas' missing time: return None for a missing value"
@@ -226,10 +221,14 @@ def _takes(arrow_type: pa.DataType, value: Any, exc: Exception) -> str:
     elif is_list_type(arrow_type):
         takes = "an array field takes a list"
     elif pa.types.is_map(arrow_type):
+        if isinstance(value, (list, tuple)):  # a form pyarrow takes: its words say what is wrong
+            return f"a map field takes a dict or a list of (key, value) pairs, and {exc}"
         takes = "a map field takes a dict"
     elif pa.types.is_struct(arrow_type):
         names = [arrow_type.field(i).name for i in range(arrow_type.num_fields)]
         takes = f"a STRUCT field takes a dict keyed by its field names {names}, or a tuple"
+        if isinstance(value, list):  # of (name, value) pairs, which pyarrow takes too
+            return f"{takes} or a list of (name, value) pairs, and {exc}"
     else:
         return f"pyarrow refuses it: {exc}"
     return f"{takes}, not {'an' if found[0] in 'aeiouAEIOU' else 'a'} {found}"

@@ -2368,7 +2368,8 @@ def test_pandas_nat_in_a_time_field_is_refused_saying_to_return_none(arrow_type)
 
     with pytest.raises(
         ResultSchemaError,
-        match=r"cannot hold NaT \(NaTType\).*input row \{'id': 0\}.*Return None for a missing",
+        match=r"cannot hold NaT \(NaTType\): NaT is pandas' missing time: return None for a "
+        r"missing value, returned for input row \{'id': 0\}",
     ):
         to_batch([{"r": pd.NaT}], [{"id": 0}], pa.schema([("r", arrow_type)]))
 
@@ -2602,6 +2603,28 @@ def test_an_integer_beyond_its_fields_range_is_named_with_the_range(
         (pa.map_(pa.string(), pa.list_(pa.int64())), {"k": [1, "x"]}, r"\"r\['k'\]\[1\]\""),
         (pa.map_(pa.int64(), pa.int64()), {"a": 1}, r"'r\{key\}' \(int64\) cannot hold 'a'"),
         (pa.list_(pa.struct([("a", pa.int64())])), [{"a": 1}, 5], r"'r\[1\]' \(struct<a"),
+        # ... and a top-level one reads alike (it had pyarrow's "Expected bytes, got a 'int'
+        # object" and "was not a sequence or recognized null for conversion to list type")
+        (
+            pa.string(),
+            5,
+            r"'r' \(string\) cannot hold 5 \(int\): a STRING field takes a str, not an int, "
+            r"returned",
+        ),
+        (
+            pa.list_(pa.int64()),
+            5,
+            r"'r' \(list<item: int64>\) cannot hold 5 \(int\): an "
+            "array field takes a list, not an int",
+        ),
+        # a list is a form a map takes: pyarrow's words say what is wrong with this one
+        (
+            pa.map_(pa.string(), pa.int64()),
+            [("k", 1, 2)],
+            r"'r' \(map<string, int64>\) "
+            r"cannot hold \[\('k', 1, 2\)\] \(list\): a map field takes a dict or a list of "
+            r"\(key, value\) pairs, and Tuple size must be equal to number of struct fields",
+        ),
     ],
 )
 def test_a_nested_value_pyarrow_refuses_is_named_by_its_path_and_what_its_type_takes(
@@ -2734,7 +2757,13 @@ PAIR = pa.struct([("a", pa.int64()), ("b", pa.string())])
         (PAIR, [("a", 1), ("b", "x")], None),
         (PAIR, (1, "x"), None),
         (pa.list_(PAIR), [{"a": 1}], None),
-        (PAIR, [("a", "bad")], r"cannot hold \[\('a', 'bad'\)\] \(list\), returned"),
+        (
+            PAIR,
+            [("a", "bad")],
+            r"cannot hold \[\('a', 'bad'\)\] \(list\): .*or a list of "
+            r"\(name, value\) pairs, and Could not convert 'bad' with type str: tried to convert "
+            "to int64, returned",
+        ),
     ],
 )
 def test_a_struct_or_array_field_says_what_form_it_takes(arrow_type, value, problem) -> None:
