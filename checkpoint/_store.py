@@ -1690,15 +1690,18 @@ class SnapshotStore:
         log = self.subtask(job_id, operator_id, subtask)
         if log.exists():
             return log
-        if operator_id not in self.operators(job_id):
-            raise self._no_operator(job_id, operator_id)
+        operators = self.operators(job_id)  # one listing, for the check and the message
+        if operator_id not in operators:
+            raise self._no_operator(job_id, operator_id, operators)
         raise CheckpointNotFoundError(
             f"Operator {operator_id!r} of job {job_id!r} has no subtask {log.subtask} at "
             f"{self.location}. Its subtasks: {id_ranges(self.subtasks(job_id, operator_id))}."
         )
 
-    def _no_operator(self, job_id: str, operator_id: str) -> CheckpointNotFoundError:
-        operators = self.operators(job_id)
+    def _no_operator(
+        self, job_id: str, operator_id: str, operators: list[str]
+    ) -> CheckpointNotFoundError:
+        """The error for an ``operator_id`` the job (whose ``operators`` these are) lacks."""
         return CheckpointNotFoundError(
             f"Job {job_id!r} has no operator {operator_id!r} at {self.location}. Its "
             f"operators: {', '.join(operators) if operators else 'none'}."
@@ -1754,7 +1757,7 @@ class SnapshotStore:
         ]
         if operator_id is not None and not logs:
             # a mistyped operator id: expire() reported nothing expired, checkpoints() none
-            raise self._no_operator(job_id, operator_id)
+            raise self._no_operator(job_id, operator_id, self.operators(job_id))
         if len(logs) <= 1:
             return [fn(log) for log in logs]
         with ThreadPoolExecutor(
