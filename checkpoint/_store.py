@@ -1828,6 +1828,19 @@ def _run_id(value: Any, name: str = "run_id") -> str:
     return value
 
 
+def _written_run_id(value: Any, name: str = "run_id") -> str:
+    """A run id a commit writes (its own, or its parent's): ``_run_id``'s, and not blank.
+    Refused when written only: reads still take a blank id a table may hold from before
+    this check."""
+    if not _run_id(value, name).strip():
+        raise CheckpointError(
+            f"{name} must hold more than whitespace; got {value!r}. It names the run in "
+            "every listing of checkpoints (run <run_id>: 1-3) and in each CheckpointRef "
+            "(<run_id>:<checkpoint_id>)."
+        )
+    return value
+
+
 def _check_commit_args(
     run_id: str,
     checkpoint_id: int,
@@ -1837,14 +1850,7 @@ def _check_commit_args(
 ) -> tuple[int, int]:
     """The checkpoint id and position as plain ints (numpy's integers too, as everywhere
     else); CheckpointError for an argument ``commit`` cannot take."""
-    if not _run_id(run_id).strip():
-        # Refused when written only: reads still take a blank id a table may hold from
-        # before this check.
-        raise CheckpointError(
-            f"run_id must hold more than whitespace; got {run_id!r}. It names the run in "
-            "every listing of checkpoints (run <run_id>: 1-3) and in each CheckpointRef "
-            "(<run_id>:<checkpoint_id>)."
-        )
+    _written_run_id(run_id)
     if not isinstance(elements, Sequence):
         raise CheckpointError(
             "elements must be a list of StreamRecord and Watermark elements (the operator's "
@@ -1881,7 +1887,7 @@ def _checked_parent(parent: Any) -> CheckpointRef | None:
             f"got {parent!r}."
         )
     return CheckpointRef(
-        _run_id(parent.run_id, "parent's run_id"),
+        _written_run_id(parent.run_id, "parent's run_id"),
         _checkpoint_id(parent.checkpoint_id, "parent's checkpoint_id"),
     )
 

@@ -1186,8 +1186,10 @@ def test_a_fingerprint_that_is_no_string_is_refused(tmp_path: Path, fingerprint:
         ("run:1", r"parent must be a CheckpointRef .*got 'run:1'\."),
         (CheckpointRef("run", "1"), r"parent's checkpoint_id must be an integer >= 1; got '1'\."),
         (CheckpointRef(None, 1), r"parent's run_id must be a non-empty string; got None"),
+        # refused as commit's own run_id is (it was looked for, and said not to be there)
+        (CheckpointRef(" ", 1), r"^parent's run_id must hold more than whitespace; got ' '\."),
     ],
-    ids=["tuple", "string", "string-id", "no-run"],
+    ids=["tuple", "string", "string-id", "no-run", "blank-run"],
 )
 def test_a_parent_that_is_no_checkpoint_ref_is_refused_not_called_deleted(
     tmp_path: Path, parent: Any, message: str
