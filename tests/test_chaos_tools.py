@@ -1001,6 +1001,56 @@ def test_a_cluster_is_stopped_by_its_watchdog_while_a_child_forked_by_its_owner_
             assert not daemon.is_running()
 
 
+# An owner whose cluster's master is the test's recorded "daemon" (its start's master and
+# workers stood in for), forking a child that ends normally, as a child of os.fork() does.
+FORKING_OWNER = """\
+import os, sys
+from pathlib import Path
+from stateful_async.chaos import LocalCluster
+from stateful_async.chaos._cluster import ProcessRecord
+
+base, daemon = Path(sys.argv[1]), ProcessRecord(int(sys.argv[2]), float(sys.argv[3]))
+
+def start_master(self, deadline):
+    self.master = daemon
+    self._save()
+
+LocalCluster._start_master = start_master
+LocalCluster._launch_worker = lambda self, index: None
+LocalCluster._wait_registered = lambda self, indexes, timeout: None
+cluster = LocalCluster(1, base_dir=base).start()
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # atexit's functions run in it
+os.waitpid(child, 0)
+print("child ended", flush=True)
+sys.stdin.readline()  # until the test has looked
+"""
+
+
+def test_a_child_forked_by_a_clusters_owner_does_not_stop_it_at_its_exit(tmp_path: Path) -> None:
+    # Before, a child forked without exec that ended normally ran the stop() its parent had
+    # registered with atexit: it stopped the parent's cluster under it.
+    with a_recorded_daemon(tmp_path) as daemon:
+        (tmp_path / "cluster.json").unlink()  # the owner's start writes it
+        record = [str(daemon.pid), repr(daemon.create_time())]
+        owner = subprocess.Popen(
+            [sys.executable, "-c", FORKING_OWNER, str(tmp_path), *record],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert owner.stdin is not None and owner.stdout is not None
+        try:
+            assert owner.stdout.readline() == "child ended\n"
+            assert daemon.is_running(), "the forked child's exit stopped its parent's cluster"
+        finally:
+            owner.stdin.close()  # the owner ends: its own exit stops the cluster
+            assert owner.wait(timeout=120) == 0
+        daemon.wait(timeout=60)
+        assert not daemon.is_running()
+
+
 def test_a_watchdog_that_cannot_stop_its_cluster_keeps_its_record_and_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

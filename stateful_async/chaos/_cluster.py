@@ -23,6 +23,7 @@ cluster's) kills them should the process that started the driver die first.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -552,10 +553,31 @@ _WATCH_INTERVAL = 1.0  # seconds between a driver's watchdog's looks at the driv
 # fork, os.fork) would hold them open too, and what they guard would outlive this process
 # until that child exits. In such a child their fds are made to name /dev/null instead.
 _owner_pipes: set[IO[str]] = set()
+# The same child would also run, on a normal exit, the stop() its parent registered with
+# atexit (a LocalCluster's, a MockService's): stopping the parent's cluster under it.
+_owner_stops: list[Callable[[], Any]] = []
+
+
+def stop_at_exit(stop: Callable[[], Any]) -> None:
+    """Has ``stop`` run when this process exits (``atexit``): not in a child forked
+    from it without exec, whose exit is not the end of what this process started."""
+    atexit.register(stop)
+    _owner_stops.append(stop)
+
+
+def no_stop_at_exit(stop: Callable[[], Any]) -> None:
+    """Undoes ``stop_at_exit(stop)``."""
+    atexit.unregister(stop)
+    with contextlib.suppress(ValueError):
+        _owner_stops.remove(stop)
 
 
 def _release_owner_pipes() -> None:
-    """In a child forked without exec: let go of the parent's ``_owner_pipes``."""
+    """In a child forked without exec: let go of the parent's ``_owner_pipes``, and of the
+    stops it registered to run at its exit."""
+    for stop in _owner_stops:
+        atexit.unregister(stop)
+    _owner_stops.clear()
     pipes = [pipe for pipe in _owner_pipes if not pipe.closed]
     _owner_pipes.clear()  # the parent's to close, not this child's
     if pipes:
@@ -914,7 +936,7 @@ class LocalCluster:
             (self.base_dir / sub).mkdir(exist_ok=True)
         (self.base_dir / "conf" / "log4j2.properties").write_text(_LOG4J)
         if self.stop_at_exit and not self._at_exit_registered:
-            atexit.register(self.stop)
+            stop_at_exit(self.stop)
             self._at_exit_registered = True
         try:
             if self.stop_at_exit and self._watchdog is None:
@@ -1690,7 +1712,7 @@ class LocalCluster:
         self.workers = {}
         self._claimed = False
         if self._at_exit_registered:
-            atexit.unregister(self.stop)
+            no_stop_at_exit(self.stop)
             self._at_exit_registered = False
         self._dismiss_watchdog()
         return stopped

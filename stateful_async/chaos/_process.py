@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import json
 import math
 import os
@@ -17,7 +16,7 @@ from dataclasses import asdict
 from typing import IO, Any
 
 from .._exceptions import StatefulAsyncError
-from ._cluster import _is_seconds, _owner_pipes
+from ._cluster import _is_seconds, _owner_pipes, no_stop_at_exit, stop_at_exit
 from ._service import ServiceConfig
 
 
@@ -91,7 +90,7 @@ class MockService:
         )
         # stopped when this interpreter exits, if nobody did (a child left listening would
         # outlive its test or script)
-        atexit.register(self.stop)
+        stop_at_exit(self.stop)
         assert self.process.stdin is not None and self.process.stdout is not None
         _owner_pipes.add(self.process.stdin)  # not held open by a child forked without exec
         deadline = time.monotonic() + timeout
@@ -122,7 +121,7 @@ class MockService:
             stderr.close()
         if process is None:
             return
-        atexit.unregister(self.stop)
+        no_stop_at_exit(self.stop)
         if process.stdin is not None:
             _owner_pipes.discard(process.stdin)
         if process.poll() is None:
