@@ -172,6 +172,21 @@ def test_a_driver_that_exited_still_accounts_for_the_processes_it_left(tmp_path:
             child.kill()  # the process this test started, by pid, whatever the outcome
 
 
+@pytest.mark.parametrize("argv", ["python -c pass", [], b"python"])
+def test_a_driver_argv_that_is_no_list_of_arguments_is_refused(tmp_path: Path, argv: Any) -> None:
+    # before: a str ran its first letter ('p': FileNotFoundError), [] raised IndexError
+    with pytest.raises(ClusterError, match="the program and its arguments as a list"):
+        DriverProcess(argv, log_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nothing started, nothing written
+
+
+def test_a_driver_log_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    # before: a bare FileExistsError from mkdir
+    (tmp_path / "logs").write_text("")
+    with pytest.raises(ClusterError, match="log_dir .* is a file, not a directory"):
+        DriverProcess([sys.executable, "-c", "pass"], log_dir=tmp_path / "logs")
+
+
 def test_killing_a_running_driver_kills_the_processes_it_started(tmp_path: Path) -> None:
     code = LEAVES_A_CHILD + "import time; time.sleep(300)\n"  # ... and the driver runs on
     driver = DriverProcess([sys.executable, "-c", code], log_dir=tmp_path)

@@ -1789,8 +1789,18 @@ class DriverProcess:
         name: str = "driver",
         env: dict[str, str] | None = None,
     ) -> None:
+        if isinstance(argv, (str, bytes)) or not argv:  # a str would run its first letter
+            raise ClusterError(
+                "DriverProcess's argv is the program and its arguments as a list, like "
+                f"[sys.executable, 'job.py', '--rows', '100']; got {argv!r}."
+            )
         self.argv = list(argv)
         self.log_dir = Path(log_dir)
+        if self.log_dir.exists() and not self.log_dir.is_dir():
+            raise ClusterError(
+                f"DriverProcess's log_dir {str(self.log_dir)!r} is a file, not a directory: "
+                "give a directory (made if missing) for the driver's logs."
+            )
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.stdout_path = self.log_dir / f"{name}.out"
         self.stderr_path = self.log_dir / f"{name}.err"
