@@ -102,6 +102,14 @@ def test_the_command_line_help_lists_every_setting_and_refuses_an_unknown_one(
     assert "latency_ms must be a finite number; got inf." in refused.stderr
 
 
+@pytest.mark.parametrize("port", [70000, -1, "8080", True, 1.5])
+def test_a_port_that_cannot_be_is_refused_when_the_service_is_made(port: object) -> None:
+    # Before, only start() found out, running the service, whose refusal led with argparse's
+    # usage line
+    with pytest.raises(MockServiceError, match=r"^port is a TCP port, a number from 0 to 65535"):
+        MockService(port=port)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("port", ["70000", "-1", "http"])
 def test_a_port_that_cannot_be_is_refused_by_the_command_line(port: str) -> None:
     # Before, 70000 and -1 ended in an OverflowError traceback from bind() (exit 1).

@@ -15,7 +15,7 @@ import urllib.request
 from dataclasses import asdict
 from typing import IO, Any
 
-from .._exceptions import StatefulAsyncError
+from .._exceptions import StatefulAsyncError, as_int
 from ._cluster import _is_seconds, _owner_pipes, no_stop_at_exit, stop_at_exit
 from ._service import ServiceConfig
 
@@ -42,7 +42,13 @@ class MockService:
 
     def __init__(self, config: ServiceConfig | None = None, port: int = 0) -> None:
         self.config = config or ServiceConfig()
-        self.requested_port = port  # 0: a free port, picked again on every start()
+        checked = as_int(port)
+        if checked is None or not 0 <= checked <= 65535:
+            raise MockServiceError(
+                "port is a TCP port, a number from 0 to 65535 (0, the default, picks a free "
+                f"one on every start()); got {port!r}."
+            )
+        self.requested_port = port = checked  # 0: a free port, picked again on every start()
         self.port = port  # the port it listens on, once started
         self.process: subprocess.Popen[str] | None = None
         self._stderr: IO[str] | None = None
