@@ -697,8 +697,9 @@ def list_checkpoints(
                     g["expired"] += meta.expired
         if not groups and job is not None:  # the location may hold other jobs' checkpoints
             raise Fail(
-                f"Job {job} has no checkpoints left at {store.location} (all deleted, as "
-                "by `checkpoints expire --retain 0`)."
+                f"Job {job} has no checkpoints at {store.location}: none was committed (a "
+                "task stopped before its first checkpoint leaves an empty table), or all were "
+                "deleted (as by `checkpoints expire --retain 0`)."
             )
         if not groups:  # e.g. all deleted by `checkpoints expire --retain 0`
             raise Fail(f"{store.location} holds no checkpoints.")

@@ -532,11 +532,27 @@ def test_list_of_one_job_whose_checkpoints_are_all_gone_names_the_job(checkpoint
     for args in ([], ["--all"]):
         result = invoke("checkpoints", "list", str(location), "--job", "other", *args)
         assert result.exit_code == 2, result.output
-        assert f"Job other has no checkpoints left at {location}" in " ".join(
+        assert f"Job other has no checkpoints at {location}: none was committed" in " ".join(
+            result.output.split()
+        ), result.output
+        assert "or all were deleted (as by `checkpoints expire --retain 0`)" in " ".join(
             result.output.split()
         ), result.output
         assert "holds no checkpoints" not in result.output
     assert "job job, operator enrich" in invoke("checkpoints", "list", str(location)).output
+
+
+def test_list_of_a_job_whose_task_stopped_before_its_first_checkpoint_does_not_say_deleted(
+    checkpoints,
+) -> None:
+    # It said "all deleted", though none had been committed: a task killed before its
+    # first checkpoint leaves its subtask's directory without a Delta log.
+    location, _ = checkpoints
+    (Path(location) / "early" / "enrich" / "subtask=00000").mkdir(parents=True)
+    result = invoke("checkpoints", "list", str(location), "--job", "early")
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert f"Job early has no checkpoints at {location}: none was committed" in said, said
 
 
 def test_a_directory_inside_a_location_or_a_delta_table_is_refused_with_the_right_path(
