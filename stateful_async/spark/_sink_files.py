@@ -639,11 +639,19 @@ def check_partition_columns(schema: pa.Schema, partition_by: tuple[str, ...]) ->
     for column in partition_by:
         if column not in schema.names:
             nested = nested_field_advice(schema, column, "partitionBy", "the option partitionBy={}")
+            if nested is not None:
+                raise ConfigurationError(
+                    f"The partition column {column!r} (option partitionBy) {nested}"
+                )
+            alike = [name for name in schema.names if name.lower() == column.lower()]
             raise ConfigurationError(
-                f"The partition column {column!r} (option partitionBy) {nested}"
-                if nested is not None
-                else f"The partition column {column!r} (option partitionBy) is not a column "
-                f"of the data, whose columns are {', '.join(schema.names)}."
+                f"The partition column {column!r} (option partitionBy) is not a column of the "
+                + (
+                    f"data: its column {alike[0]!r} differs only in case, and partition "
+                    f"columns are named as the data spells them (partitionBy={alike[0]})."
+                    if alike
+                    else f"data, whose columns are {', '.join(schema.names)}."
+                )
             )
         arrow_type = schema.field(column).type
         if not is_partition_type(arrow_type):

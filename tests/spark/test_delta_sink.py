@@ -1020,6 +1020,21 @@ def test_partitioned_table_and_file_uri(sink: Any, tmp_path: Path) -> None:
     assert clean_orphan_files(table.as_uri(), older_than=dt.timedelta(0)) == []
 
 
+def test_a_partition_column_named_in_another_case_is_refused_naming_the_data_s() -> None:
+    # It was only "not a column of the data", with the column there in another case.
+    from stateful_async.spark._sink_files import check_partition_columns
+
+    schema = pa.schema([("id", pa.int64()), ("Country", pa.string())])
+    with pytest.raises(ConfigurationError) as refused:
+        check_partition_columns(schema, ("country",))
+    assert str(refused.value) == (
+        "The partition column 'country' (option partitionBy) is not a column of the data: its "
+        "column 'Country' differs only in case, and partition columns are named as the data "
+        "spells them (partitionBy=Country)."
+    )
+    check_partition_columns(schema, ("Country",))  # as the data spells it
+
+
 @pytest.mark.spark
 def test_a_partition_column_inside_a_struct_is_refused_saying_how_to_select_it_up(
     sink: Any, tmp_path: Path
