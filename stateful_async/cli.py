@@ -1031,7 +1031,7 @@ def replay(
                     "results as JSON lines instead (--output with .jsonl)."
                 )
             try:
-                table = pa.Table.from_pylist(results)
+                table = pa.Table.from_pylist([_sets_sorted(row) for row in results])
             except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
                 raise Fail(
                     f"The results do not fit one Parquet schema ({exc}); write them as JSON "
@@ -1356,6 +1356,20 @@ def _sorted_set(items: set[Any] | frozenset[Any]) -> list[Any]:
     ):
         return sorted(plain)
     return sorted(plain, key=_to_json)
+
+
+def _sets_sorted(value: Any) -> Any:
+    """``value`` with its sets, at any depth, as the lists JSON output writes them (see
+    ``_sorted_set``), for Parquet: pyarrow takes a set as a list in its iteration order,
+    which differs from one process to the next."""
+    if isinstance(value, (set, frozenset)):
+        return [_sets_sorted(item) for item in _sorted_set(value)]
+    if isinstance(value, dict):
+        return {key: _sets_sorted(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):  # a tuple is a struct's fields, by position
+        items = [_sets_sorted(item) for item in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    return value
 
 
 def _json_key(key: Any) -> Any:

@@ -847,6 +847,27 @@ def test_replay_writes_sets_as_sorted_lists_and_refuses_values_json_has_no_form_
             assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_replay_to_parquet_writes_sets_as_sorted_lists(tmp_path, functions) -> None:
+    # pyarrow took a set as a list in its iteration order, which differs between processes
+    # (a set of strings), where JSON output writes it sorted.
+    (functions.parent / "with_sets.py").write_text(
+        "async def tags(row):\n"
+        "    return [{'id': row['id'], 'tags': {f't{i:02}' for i in range(30)},\n"
+        "             'nested': [{'ids': frozenset(range(30, 0, -1))}]}]\n"
+    )
+    one_row_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out.parquet"
+    result = replay(tmp_path / "ckpt", "with_sets:tags", "--output", str(out))
+    assert result.exit_code == 0, result.output
+    assert pq.read_table(out).to_pylist() == [
+        {
+            "id": 7,
+            "tags": [f"t{i:02}" for i in range(30)],
+            "nested": [{"ids": list(range(1, 31))}],
+        }
+    ]
+
+
 @pytest.mark.parametrize("suffix", ["", ".jsonl", ".json"])
 def test_replay_refuses_dict_keys_that_json_writes_as_one(tmp_path, functions, suffix) -> None:
     # A date key and its ISO string merged into one JSON key, the last value kept; 1 and
