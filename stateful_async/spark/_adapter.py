@@ -19,7 +19,7 @@ from .._exceptions import ConfigurationError, FunctionNotSerializableError, id_r
 from .._function import as_async_function
 from .._operator import OutputMode, check_capacity_and_timeout
 from .._retry import RetryStrategy
-from ._columns import nested_field_advice
+from ._columns import ELEMENTS, KEYS, VALUES, field_path, nested_field_advice
 from ._config import CheckpointConfig, restore_from_in_streaming
 from ._metrics import DriverOnlyError, EnrichmentMetrics
 from ._results import IntervalUnit, Units
@@ -314,7 +314,7 @@ def _names_alike(data_type: Any) -> tuple[str, str] | None:
         if isinstance(nested, StructType):
             seen: dict[str, str] = {}
             for field in nested.fields:
-                name = _child_path(path, field.name)
+                name = field_path(path, field.name)
                 if (other := seen.setdefault(field.name.lower(), name)) != name:
                     return other, name
     return None
@@ -328,16 +328,12 @@ def _nested_types(data_type: Any, path: str = "") -> Iterator[tuple[str, Any]]:
     yield path, data_type
     if isinstance(data_type, StructType):
         for field in data_type.fields:
-            yield from _nested_types(field.dataType, _child_path(path, field.name))
+            yield from _nested_types(field.dataType, field_path(path, field.name))
     elif isinstance(data_type, ArrayType):
-        yield from _nested_types(data_type.elementType, f"{path}[]")
+        yield from _nested_types(data_type.elementType, path + ELEMENTS)
     elif isinstance(data_type, MapType):
-        yield from _nested_types(data_type.keyType, f"{path}{{key}}")
-        yield from _nested_types(data_type.valueType, f"{path}{{}}")
-
-
-def _child_path(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
+        yield from _nested_types(data_type.keyType, path + KEYS)
+        yield from _nested_types(data_type.valueType, path + VALUES)
 
 
 def _parse_output_struct(schema: Schema) -> Any:

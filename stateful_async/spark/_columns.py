@@ -1,10 +1,23 @@
-"""What to say when an argument that names a column names a field inside a struct."""
+"""How messages name the fields inside a column, and what to say when an argument that
+names a column names a field inside a struct."""
 
 from __future__ import annotations
 
 import itertools
 
 import pyarrow as pa
+
+#: What a path names inside the list or map at a path: its elements (``tags[]``), its keys
+#: (``m{key}``), its values (``m{}``); the fields of a struct in them follow with a dot
+#: (``tags[].x``, ``m{key}.a``, ``m{}.a``). Messages about types and schemas (the checks
+#: before a job, the delta_rs sink's) name nested fields so; messages about values name
+#: the concrete position instead (``tags[1]``, ``m['k']``).
+ELEMENTS, KEYS, VALUES = "[]", "{key}", "{}"
+
+
+def field_path(path: str, name: str) -> str:
+    """The path of the field ``name`` of the struct at ``path`` ("" for the top level)."""
+    return f"{path}.{name}" if path else name
 
 
 def nested_field_advice(

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .._exceptions import ConfigurationError, DeltaSinkError, SinkSchemaMismatchError
+from ._columns import ELEMENTS, KEYS, VALUES, field_path
 from ._sink_files import DataFile, TableStorage, as_file_schema, check_partition_columns
 from ._sink_options import SinkOptions, is_uri
 
@@ -129,27 +130,28 @@ def delta_schema(schema: pa.Schema) -> Any:
         ) from exc
 
 
-def _names_differing_in_case(fields: list[pa.Field], prefix: str) -> Iterator[tuple[str, str]]:
-    """Pairs of sibling names (dotted paths, at any depth) equal but for their case."""
+def _names_differing_in_case(fields: list[pa.Field], path: str) -> Iterator[tuple[str, str]]:
+    """Pairs of sibling fields of the struct at ``path`` ("" for the columns), and of the
+    structs inside them at any depth, whose names are equal but for their case, by their
+    paths (``s.a``, ``l[].x``, ``m{key}.a``, ``m{}.a``)."""
     seen: dict[str, str] = {}
     for f in fields:
-        path = prefix + f.name
-        first = seen.setdefault(f.name.lower(), path)
-        if first != path:
-            yield first, path
-        yield from _case_twins_inside(f.type, path)
+        name = field_path(path, f.name)
+        first = seen.setdefault(f.name.lower(), name)
+        if first != name:
+            yield first, name
+        yield from _case_twins_inside(f.type, name)
 
 
 def _case_twins_inside(kind: pa.DataType, path: str) -> Iterator[tuple[str, str]]:
-    """``_names_differing_in_case`` of the structs inside a field of type ``kind``: in list
-    elements and map values (named as the field's own), and map keys (``m{key}.a``)."""
+    """``_names_differing_in_case`` of the structs inside a field of type ``kind``."""
     if pa.types.is_struct(kind):
-        yield from _names_differing_in_case(list(kind), path + ".")
+        yield from _names_differing_in_case(list(kind), path)
     elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        yield from _case_twins_inside(kind.value_type, path)
+        yield from _case_twins_inside(kind.value_type, path + ELEMENTS)
     elif pa.types.is_map(kind):
-        yield from _case_twins_inside(kind.key_type, path + "{key}")
-        yield from _case_twins_inside(kind.item_type, path)
+        yield from _case_twins_inside(kind.key_type, path + KEYS)
+        yield from _case_twins_inside(kind.item_type, path + VALUES)
 
 
 def _delta_can_hold(field: pa.Field) -> bool:
@@ -309,12 +311,12 @@ def _check_not_null_kept(table: Any, planned: pa.Schema, uri: str) -> None:
         )
 
 
-def _newly_required(planned: pa.Field, now: pa.Field, prefix: str) -> Iterator[str]:
+def _newly_required(planned: pa.Field, now: pa.Field, path: str) -> Iterator[str]:
     """The fields (at any depth) NOT NULL in ``now`` but nullable in ``planned`` (two
-    fields of one type, ``now`` with the table's flags), named as ``_all_fields`` names
-    them (``s.a``, ``m{key}.p``; the field's own name inside list elements and map values,
-    whose own flags are named as ``the elements of 'tags'`` and ``the values of 'm'``)."""
-    path = prefix + planned.name
+    fields of one type, ``now`` with the table's flags, of the struct at ``path``), named
+    as ``_all_fields`` names them (``s.a``, ``l[].x``, ``m{key}.p``, ``m{}.p``; the flags of
+    list elements and map values as ``the elements of 'tags'``, ``the values of 'm'``)."""
+    path = field_path(path, planned.name)
     if planned.nullable and not now.nullable:
         yield repr(path)
     yield from _newly_required_inside(planned.type, now.type, path)
@@ -324,16 +326,16 @@ def _newly_required_inside(planned: pa.DataType, now: pa.DataType, path: str) ->
     """``_newly_required`` of what is inside a field of type ``planned`` at ``path``."""
     if pa.types.is_struct(planned):
         for i in range(planned.num_fields):
-            yield from _newly_required(planned.field(i), now.field(i), path + ".")
+            yield from _newly_required(planned.field(i), now.field(i), path)
     elif pa.types.is_list(planned) or pa.types.is_large_list(planned):
         if planned.value_field.nullable and not now.value_field.nullable:
             yield f"the elements of {path!r}"
-        yield from _newly_required_inside(planned.value_type, now.value_type, path)
+        yield from _newly_required_inside(planned.value_type, now.value_type, path + ELEMENTS)
     elif pa.types.is_map(planned):
-        yield from _newly_required_inside(planned.key_type, now.key_type, path + "{key}")
+        yield from _newly_required_inside(planned.key_type, now.key_type, path + KEYS)
         if planned.item_field.nullable and not now.item_field.nullable:
             yield f"the values of {path!r}"
-        yield from _newly_required_inside(planned.item_type, now.item_type, path)
+        yield from _newly_required_inside(planned.item_type, now.item_type, path + VALUES)
 
 
 def _strict_field(field: pa.Field, delta: dict[str, Any]) -> pa.Field:
@@ -385,14 +387,14 @@ _COLUMN_FEATURES = {
 }
 
 
-def _all_fields(fields: list[dict[str, Any]], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Every field of a Delta schema (JSON), at every depth, with its dotted path (the
-    field's own for what is in its list elements and map values, ``m{key}.a`` for a map's
-    keys)."""
+def _all_fields(fields: list[dict[str, Any]], path: str = "") -> Iterator[tuple[str, Any]]:
+    """Every field of the struct at ``path`` ("" for the columns) of a Delta schema (JSON),
+    and of the structs inside them at any depth, with its path (``s.a``, ``l[].x``,
+    ``m{key}.a``, ``m{}.a``)."""
     for field in fields:
-        path = prefix + field["name"]
-        yield path, field
-        yield from _fields_inside(field["type"], path)
+        name = field_path(path, field["name"])
+        yield name, field
+        yield from _fields_inside(field["type"], name)
 
 
 def _fields_inside(kind: Any, path: str) -> Iterator[tuple[str, Any]]:
@@ -400,12 +402,12 @@ def _fields_inside(kind: Any, path: str) -> Iterator[tuple[str, Any]]:
     if not isinstance(kind, dict):
         return
     if kind["type"] == "struct":
-        yield from _all_fields(kind["fields"], path + ".")
+        yield from _all_fields(kind["fields"], path)
     elif kind["type"] == "array":
-        yield from _fields_inside(kind["elementType"], path)
+        yield from _fields_inside(kind["elementType"], path + ELEMENTS)
     elif kind["type"] == "map":
-        yield from _fields_inside(kind["keyType"], path + "{key}")
-        yield from _fields_inside(kind["valueType"], path)
+        yield from _fields_inside(kind["keyType"], path + KEYS)
+        yield from _fields_inside(kind["valueType"], path + VALUES)
 
 
 def check_table_features(table: Any, table_uri: str, mode: str) -> None:

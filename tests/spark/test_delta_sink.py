@@ -537,7 +537,7 @@ def test_a_table_made_not_null_while_a_write_ran_refuses_its_commit(
             pa.field("s", pa.struct([pa.field("a", pa.int64(), nullable=False)])),
             # a field inside a map's key (it was not looked at)
             ("mk", pa.map_(pa.struct([pa.field("p", pa.int64(), nullable=False)]), pa.int64())),
-            # list elements and map values, named as the sink's other messages name them
+            # list elements and map values, named as the checks before the job name them
             pa.field(
                 "tags",
                 pa.list_(
@@ -585,7 +585,7 @@ def test_a_table_made_not_null_while_a_write_ran_refuses_its_commit(
     before = DeltaTable(str(table)).version()
     with pytest.raises(
         SinkSchemaMismatchError,
-        match=r"declares 'id', 's\.a', 'mk\{key\}\.p', the elements of 'tags', 'tags\.q', "
+        match=r"declares 'id', 's\.a', 'mk\{key\}\.p', the elements of 'tags', 'tags\[\]\.q', "
         r"the values of 'mv' NOT NULL, which it did not when this write was planned",
     ):
         commit_write(opts, plan, list(message.files), mode="append", app_id="q", version=0)
@@ -1228,7 +1228,13 @@ def test_names_differing_only_in_case_are_named_not_blamed_on_their_types(
         ),
         (
             pa.schema([("l", pa.list_(pa.struct([("x", pa.int32()), ("X", pa.int32())])))]),
-            "'l.x' and 'l.X'",
+            "'l[].x' and 'l[].X'",  # was 'l.x' and 'l.X', as if l were a struct
+        ),
+        (
+            pa.schema(
+                [("m", pa.map_(pa.string(), pa.struct([("a", pa.int8()), ("A", pa.int8())])))]
+            ),
+            "'m{}.a' and 'm{}.A'",
         ),
         (  # in a map's keys (they were skipped: 'have no Delta type', cast an interval...)
             pa.schema(
@@ -1241,7 +1247,7 @@ def test_names_differing_only_in_case_are_named_not_blamed_on_their_types(
                     )
                 ]
             ),
-            "'m{key}.k' and 'm{key}.K'",
+            "'m[]{key}.k' and 'm[]{key}.K'",
         ),
     ]:
         with pytest.raises(ConfigurationError) as caught:
@@ -1590,11 +1596,14 @@ def test_tables_with_rules_the_sink_cannot_check_are_refused_before_any_file(
     in_key = str(tmp_path / "in_key")  # ... or inside a map's key (it was not looked at)
     key = pa.struct([pa.field("p", pa.int32(), metadata={"delta.invariants": invariant})])
     DeltaTable.create(in_key, pa.schema([("id", pa.int64()), ("m", pa.map_(key, pa.int32()))]))
+    in_list = str(tmp_path / "in_list")  # ... or inside a list's elements
+    DeltaTable.create(in_list, pa.schema([("id", pa.int64()), ("l", pa.list_(key))]))
     for table, what in [
         (checked, "the CHECK constraint 'id_positive' (id > 0)"),
         (generated, "a generated column ('v')"),
         (nested, "a column invariant ('s.a')"),
         (in_key, "a column invariant ('m{key}.p')"),
+        (in_list, "a column invariant ('l[].p')"),  # was 'l.p', as if l were a struct
     ]:
         opts = SinkOptions.parse({"path": table}, streaming=False)
         with pytest.raises(DeltaSinkError, match=re.escape(f"at {table} has {what}, which")):
