@@ -2139,8 +2139,9 @@ def test_extra_keys_of_mixed_types_are_named(spark, result, schema, message) -> 
         (
             {"score": "high"},
             "id long, score double",
-            r"result field 'score' \(double\) cannot hold 'high' \(str\), returned for input "
-            r"row \{'id': 0\} \(record 0 of partition 0\)",
+            r"result field 'score' \(double\) cannot hold 'high' \(str\): a floating-point "
+            r"field takes a float \(or an int\), not a str, returned for input row \{'id': 0\} "
+            r"\(record 0 of partition 0\)",
         ),
         # pyarrow would silently truncate these: 2.5 into a long is 2
         (
