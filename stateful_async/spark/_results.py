@@ -196,41 +196,22 @@ def _takes(arrow_type: pa.DataType, value: Any, exc: Exception) -> str:
     found = type(value).__name__
     if found == "NaTType":
         return "NaT is pandas' missing time: return None for a missing value"
-    if pa.types.is_boolean(arrow_type):
-        takes = "a BOOLEAN field takes a bool"
-    elif pa.types.is_integer(arrow_type):
-        takes = "an integer field takes an int"
-    elif pa.types.is_floating(arrow_type):
-        takes = "a floating-point field takes a float (or an int)"
-    elif _is_string(arrow_type):
-        takes = "a STRING field takes a str"
-    elif _is_binary(arrow_type):
-        takes = "a BINARY field takes bytes"
-    elif pa.types.is_decimal(arrow_type):
-        takes = (
-            f"a DECIMAL({arrow_type.precision},{arrow_type.scale}) field takes a Decimal or an int"
-        )
-    elif pa.types.is_date(arrow_type):
-        takes = "a DATE field takes a datetime.date"
-    elif pa.types.is_timestamp(arrow_type):
-        takes = "a timestamp field takes a datetime.datetime"
-    elif pa.types.is_time(arrow_type):
-        takes = "a TIME field takes a datetime.time"
-    elif pa.types.is_duration(arrow_type):
-        takes = "an interval field takes a datetime.timedelta"
-    elif is_list_type(arrow_type):
-        takes = "an array field takes a list"
-    elif pa.types.is_map(arrow_type):
-        if isinstance(value, (list, tuple)):  # a form pyarrow takes: its words say what is wrong
-            return f"a map field takes a dict or a list of (key, value) pairs, and {exc}"
-        takes = "a map field takes a dict"
-    elif pa.types.is_struct(arrow_type):
-        names = [arrow_type.field(i).name for i in range(arrow_type.num_fields)]
-        takes = f"a STRUCT field takes a dict keyed by its field names {names}, or a tuple"
-        if isinstance(value, list):  # of (name, value) pairs, which pyarrow takes too
-            return f"{takes} or a list of (name, value) pairs, and {exc}"
-    else:
-        return f"pyarrow refuses it: {exc}"
+    takes = next((words for kind, words in _WHAT_IT_TAKES if kind(arrow_type)), None)
+    if takes is None:  # words that depend on the type's parameters, or on the value's form
+        if pa.types.is_decimal(arrow_type):
+            precision, scale = arrow_type.precision, arrow_type.scale
+            takes = f"a DECIMAL({precision},{scale}) field takes a Decimal or an int"
+        elif pa.types.is_map(arrow_type):
+            if isinstance(value, (list, tuple)):  # a form pyarrow takes: its words say why
+                return f"a map field takes a dict or a list of (key, value) pairs, and {exc}"
+            takes = "a map field takes a dict"
+        elif pa.types.is_struct(arrow_type):
+            names = [arrow_type.field(i).name for i in range(arrow_type.num_fields)]
+            takes = f"a STRUCT field takes a dict keyed by its field names {names}, or a tuple"
+            if isinstance(value, list):  # of (name, value) pairs, which pyarrow takes too
+                return f"{takes} or a list of (name, value) pairs, and {exc}"
+        else:
+            return f"pyarrow refuses it: {exc}"
     return f"{takes}, not {'an' if found[0] in 'aeiouAEIOU' else 'a'} {found}"
 
 
@@ -614,6 +595,20 @@ _TEXT_BYTES = (
     "a BINARY field would store the text's UTF-8 bytes, and Spark refuses a str for one "
     "(in createDataFrame and a UDF's result): return bytes, e.g. value.encode() for its "
     "UTF-8 bytes or base64.b64decode(value) for base64 text, or declare the field STRING"
+)
+# What a field of a type takes, in plain words (see _takes), where the words are the same
+# for every type of the kind.
+_WHAT_IT_TAKES: tuple[tuple[Callable[[pa.DataType], bool], str], ...] = (
+    (pa.types.is_boolean, "a BOOLEAN field takes a bool"),
+    (pa.types.is_integer, "an integer field takes an int"),
+    (pa.types.is_floating, "a floating-point field takes a float (or an int)"),
+    (_is_string, "a STRING field takes a str"),
+    (_is_binary, "a BINARY field takes bytes"),
+    (pa.types.is_date, "a DATE field takes a datetime.date"),
+    (pa.types.is_timestamp, "a timestamp field takes a datetime.datetime"),
+    (pa.types.is_time, "a TIME field takes a datetime.time"),
+    (pa.types.is_duration, "an interval field takes a datetime.timedelta"),
+    (is_list_type, "an array field takes a list"),
 )
 _BYTES_TEXT = (
     "a STRING field takes text, not bytes (pyarrow would decode them as UTF-8, and refuse "
