@@ -33,7 +33,8 @@ class AsyncFunction(Generic[IN, OUT]):
         release what was acquired before raising."""
 
     async def close(self) -> None:
-        """Release clients. Called once when the operator closes."""
+        """Release clients. Called once when the operator closes; closing the operator
+        from here (``await operator.close()``) returns at once."""
 
     async def async_invoke(self, value: IN) -> Iterable[OUT]:
         """Return the results for ``value`` (an iterable; empty to emit nothing)."""

@@ -411,6 +411,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         # waits for them as for the calls it cancels itself.
         self._cancelled: set[asyncio.Future[Any]] = set()
         self._closing: asyncio.Future[None] | None = None  # done once close() has returned
+        self._closer: asyncio.Task[Any] | None = None  # the task that set _closing
         self.metrics = OperatorMetrics()
 
     def _set_state(self, state: _State) -> None:
@@ -766,10 +767,15 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         included (one that ignores its cancellation is left running, its outcome dropped),
         then closes the function. Idempotent: a call made while another is still closing
         waits until that one has returned (its function closed); a call after one that was
-        cancelled before it closed the function does what it left undone."""
+        cancelled before it closed the function does what it left undone. A call made by
+        the function's own ``close()`` (a function that closes its operator) returns at
+        once: the operator is closing it, and waiting would wait for itself."""
         if self._state is _State.CLOSED:
-            if self._closing is not None:
-                await asyncio.shield(self._closing)
+            closing = self._closing
+            if closing is not None and not closing.done():
+                if self._closer is asyncio.current_task():
+                    return  # re-entered from the function's close(), in the closing task
+                await asyncio.shield(closing)
             if not self._fn_opened:
                 return
         else:
@@ -783,6 +789,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 OperatorStateError("The operator was closed while a call was waiting on it.")
             )
         self._closing = closing = asyncio.get_running_loop().create_future()
+        self._closer = asyncio.current_task()
         try:
             tasks = {task for task in self._cancelled if not task.done()}
             if tasks:

@@ -1168,6 +1168,31 @@ async def test_a_close_after_a_cancelled_close_closes_the_function_once_its_call
     assert log == ["call cleaned up", "fn.close"]
 
 
+async def test_a_close_from_the_functions_own_close_returns_at_once() -> None:
+    # A function that closes its operator from its close(): the inner close() found the
+    # operator closing and waited for that close() to return, which waited for the
+    # function's close(): it hung for ever.
+    log: list[str] = []
+
+    class ClosesItsOperator(AsyncFunction):
+        operator: AsyncWaitOperator
+
+        async def async_invoke(self, value):
+            return [value]
+
+        async def close(self):
+            await self.operator.close()
+            log.append("fn.close")
+
+    fn = ClosesItsOperator()
+    op = fn.operator = AsyncWaitOperator(fn, lambda e: None)
+    await op.open()
+    await asyncio.wait_for(op.close(), 5.0)
+    assert log == ["fn.close"]
+    await op.close()
+    assert log == ["fn.close"]
+
+
 @pytest.mark.parametrize("decided_by", ["the timeout handler", "the attempt"])
 async def test_close_waits_for_the_calls_cancelled_when_their_element_was_decided(
     decided_by: str,
