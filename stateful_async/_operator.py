@@ -412,6 +412,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._cancelled: set[asyncio.Future[Any]] = set()
         self._closing: asyncio.Future[None] | None = None  # done once close() has returned
         self._closer: asyncio.Task[Any] | None = None  # the task that set _closing
+        self._close_error: Exception | None = None  # what the function's close() raised
         self.metrics = OperatorMetrics()
 
     def _set_state(self, state: _State) -> None:
@@ -769,7 +770,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         waits until that one has returned (its function closed); a call after one that was
         cancelled before it closed the function does what it left undone. A call made by
         the function's own ``close()`` (a function that closes its operator) returns at
-        once: the operator is closing it, and waiting would wait for itself."""
+        once: the operator is closing it, and waiting would wait for itself.
+
+        If the function's ``close()`` raised, so does this call, and every ``close()`` that
+        waited for it or comes after it raises the same error (as a failed future would):
+        the operator is closed, but its function may not have released its clients."""
         if self._state is _State.CLOSED:
             closing = self._closing
             if closing is not None and not closing.done():
@@ -777,6 +782,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                     return  # re-entered from the function's close(), in the closing task
                 await asyncio.shield(closing)
             if not self._fn_opened:
+                if self._close_error is not None:
+                    raise self._close_error
                 return
         else:
             self._set_state(_State.CLOSED)
@@ -796,7 +803,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 await asyncio.wait(tasks, timeout=5.0)
             if self._fn_opened:
                 self._fn_opened = False
-                await self._fn.close()
+                try:
+                    await self._fn.close()
+                except Exception as exc:  # not a cancellation: the close's outcome
+                    self._close_error = exc
+                    raise
         finally:
             closing.set_result(None)
 

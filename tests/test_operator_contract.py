@@ -1193,6 +1193,28 @@ async def test_a_close_from_the_functions_own_close_returns_at_once() -> None:
     assert log == ["fn.close"]
 
 
+async def test_every_close_raises_what_the_functions_close_raised() -> None:
+    # Only the close() that ran the function's close() raised its error: one waiting for
+    # it, and any later one, returned as if the function had released its clients.
+    error = ConnectionError("the pool did not close")
+
+    class BrokenClose(AsyncFunction):
+        async def async_invoke(self, value):
+            return [value]
+
+        async def close(self):
+            await asyncio.sleep(0.01)
+            raise error
+
+    op = AsyncWaitOperator(BrokenClose(), lambda e: None)
+    await op.open()
+    first, waiting = await asyncio.gather(op.close(), op.close(), return_exceptions=True)
+    assert first is error
+    assert waiting is error
+    with pytest.raises(ConnectionError, match="the pool did not close"):
+        await op.close()
+
+
 @pytest.mark.parametrize("decided_by", ["the timeout handler", "the attempt"])
 async def test_close_waits_for_the_calls_cancelled_when_their_element_was_decided(
     decided_by: str,
