@@ -170,7 +170,9 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
     (``loop.call_soon_threadsafe``), so the operator's state is only ever touched on the
     loop thread. At most ``max_workers`` calls run at once; more wait in the pool's queue
     (their timeout clock is already running: size the pool to the operator's calls in
-    flight, ``max_in_flight``, which is ``capacity`` unless set).
+    flight, ``max_in_flight``, which is ``capacity`` unless set). The pool is the
+    instance's own, opened and shut down by its operator: give each operator its own
+    instance (a second operator opening one that is open is refused).
 
     A timeout decides the element but cannot stop its thread: a call that never returns
     keeps its thread (and pool slot), and ``close()`` does not wait for it; but the pool's
@@ -228,6 +230,16 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
         return self.fn(value)
 
     async def open(self) -> None:
+        if self._pool is not None:
+            # A second operator would share the pool, and the first one's close() would
+            # shut it down under the second's calls (those waiting in it never answered).
+            raise ConfigurationError(
+                f"This ThreadPoolAsyncFunction ({self._name()}) is already open (by another "
+                "operator, or a call to its open()): an instance runs in one operator at a "
+                "time, which opens it and closes it (shutting its thread pool down). Give each "
+                "operator its own ThreadPoolAsyncFunction(...), or close the first operator "
+                "before opening the next."
+            )
         self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="async-fn")
 
     async def close(self) -> None:
@@ -239,7 +251,8 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
         pool = self._pool
         if pool is None:
             raise RuntimeError(
-                "ThreadPoolAsyncFunction was invoked before open(); the operator opens it."
+                f"ThreadPoolAsyncFunction ({self._name()}) was invoked while it is not open "
+                "(before open() or after close()); the operator opens it and closes it."
             )
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Iterable[OUT]] = loop.create_future()
@@ -264,6 +277,10 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
             # a call still waiting in the pool's queue is not made at all.
             call.cancel()
             raise
+
+    def _name(self) -> str:
+        """What errors call it: its function's name, or its subclass's."""
+        return str(getattr(self.__wrapped__, "__qualname__", None) or type(self).__qualname__)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -274,3 +274,32 @@ async def test_thread_pool_calls_of_decided_elements_are_not_made() -> None:
     await op.close()
     assert "live" in [e.value for e in out]
     assert made == ["slow", "live"]
+
+
+async def test_a_thread_pool_function_open_in_one_operator_is_refused_by_another() -> None:
+    # The second operator's open() replaced the first one's pool with its own; the first
+    # operator's close() then shut that pool down under the second's calls: those waiting
+    # in it were never answered, and its finish() hung.
+    def lookup(value: int) -> list[int]:
+        time.sleep(0.05)
+        return [value]
+
+    fn = ThreadPoolAsyncFunction(lookup, max_workers=1)
+    first = AsyncWaitOperator(fn, lambda e: None)
+    second = AsyncWaitOperator(fn, lambda e: None)
+    await first.open()
+    with pytest.raises(
+        ConfigurationError,
+        match=r"ThreadPoolAsyncFunction \(test_a_thread_pool.*lookup\) is already open \(by "
+        r"another operator.*Give each operator its own ThreadPoolAsyncFunction",
+    ):
+        await second.open()
+    await second.close()
+    out: list = []
+    third = AsyncWaitOperator(fn, out.append)
+    await first.close()  # once closed, the instance may serve another operator
+    async with third:
+        for value in range(3):
+            await third.process_element(StreamRecord(value))
+        await asyncio.wait_for(third.finish(), 5.0)
+    assert [record.value for record in out] == [0, 1, 2]
