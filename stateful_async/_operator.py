@@ -10,7 +10,17 @@ import math
 from collections import deque
 from functools import partial
 from threading import get_ident
-from typing import Any, Awaitable, Callable, Generic, Iterable, Sequence, TypeVar, cast
+from typing import (
+    Any,
+    Awaitable,
+    Callable,
+    Generic,
+    Iterable,
+    NoReturn,
+    Sequence,
+    TypeVar,
+    cast,
+)
 
 from ._elements import StreamElement, StreamRecord, Watermark, describe
 from ._exceptions import (
@@ -888,7 +898,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         """Attempt ``attempt`` raised ``exc``; ``call`` is what the function returned
         (``_NOT_CALLED`` if it raised instead)."""
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise exc  # not an outcome of the element: they stop the loop
+            _stop_loop(exc)  # not an outcome of the element
         if handler.decided or attempt != handler.attempts:
             return  # decided elsewhere (which cancels its other attempts), or superseded
         if type(exc) is TypeError and call is not _NOT_CALLED and not inspect.isawaitable(call):
@@ -965,8 +975,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         except InvalidResultError as exc:
             self._decide_failure(handler, exc)
             return
-        except (KeyboardInterrupt, SystemExit):
-            raise  # as in _on_attempt_raised: not an outcome of the element
+        except (KeyboardInterrupt, SystemExit) as exc:
+            _stop_loop(exc)  # as in _on_attempt_raised: not an outcome of the element
         except BaseException as exc:  # a generator of results that raised: the call failed
             self._on_attempt_error(handler, exc)
             return
@@ -1317,7 +1327,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             error.__cause__ = exc
             self._fail(error)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
+                _stop_loop(exc)
             return
         waiter = self._capacity_waiter
         if waiter is not None and not waiter.done():
@@ -1446,6 +1456,23 @@ async def _noop_function(value: Any) -> Sequence[Any]:
 
 def _discard(element: StreamElement) -> None:
     return None
+
+
+def _stop_loop(exc: KeyboardInterrupt | SystemExit) -> NoReturn:
+    """Raise ``exc``, which stops the loop, as asyncio lets these two do. Raised in a call's
+    task (an attempt, or an output it emits to), which nobody awaits, asyncio also keeps it
+    as the task's exception and, once the task is collected, logs it a second time as "Task
+    exception was never retrieved": the task's exception is taken once it is done (when
+    the loop runs again, as ``asyncio.run`` does to cancel what is left)."""
+    task = asyncio.current_task()  # None in a mail: the loop just raises it
+    if task is not None:
+        task.add_done_callback(_take_exception)
+    raise exc
+
+
+def _take_exception(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _not_open(coro: Any) -> asyncio.Future[Any]:

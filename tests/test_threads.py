@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import threading
 import time
@@ -303,3 +304,40 @@ async def test_a_thread_pool_function_open_in_one_operator_is_refused_by_another
             await third.process_element(StreamRecord(value))
         await asyncio.wait_for(third.finish(), 5.0)
     assert [record.value for record in out] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("where", ["the blocking call", "the output"])
+def test_a_keyboard_interrupt_in_a_call_stops_the_loop_and_is_not_logged_again(
+    where: str,
+) -> None:
+    # The KeyboardInterrupt stopped asyncio.run, as it should, but the call's task kept it
+    # as its exception, which nobody awaits: when the task was collected asyncio logged it
+    # again, "Task exception was never retrieved", with its whole traceback.
+    logged: list[str] = []
+
+    def lookup(value: int) -> list[int]:
+        if where == "the blocking call":
+            raise KeyboardInterrupt
+        return [value]
+
+    def output(element: object) -> None:
+        if where == "the output":
+            raise KeyboardInterrupt
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, context: logged.append(context["message"])
+        )
+        async with AsyncWaitOperator(ThreadPoolAsyncFunction(lookup), output) as op:
+            await op.process_element(StreamRecord(1))
+            await asyncio.sleep(0.1)  # the call's task emits (ahead of finish())
+            await op.finish()
+
+    interrupted = False
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:  # not kept (pytest.raises would keep it, and the task with it)
+        interrupted = True
+    assert interrupted
+    gc.collect()
+    assert logged == []
