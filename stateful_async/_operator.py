@@ -787,10 +787,11 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         the operator is closed, but its function may not have released its clients."""
         if self._state is _State.CLOSED:
             closing = self._closing
-            if closing is not None and not closing.done():
+            while closing is not None and not closing.done():
                 if self._closer is asyncio.current_task():
                     return  # re-entered from the function's close(), in the closing task
                 await asyncio.shield(closing)
+                closing = self._closing  # another waiter may have taken over a cancelled one
             if not self._fn_opened:
                 if self._close_error is not None:
                     raise self._close_error

@@ -1168,6 +1168,30 @@ async def test_a_close_after_a_cancelled_close_closes_the_function_once_its_call
     assert log == ["call cleaned up", "fn.close"]
 
 
+async def test_two_closes_after_a_cancelled_close_both_return_once_the_function_is_closed() -> None:
+    # Both waited for the first close(), which was cancelled; the one that woke first took
+    # over its work, and the other returned while the function was still not closed.
+    class SlowToClose(SlowToCancel):
+        async def close(self):
+            await asyncio.sleep(0.05)  # a connection pool that takes a moment to close
+            self.log.append("fn.close")
+
+    fn = SlowToClose()
+    op = AsyncWaitOperator(fn, lambda e: None)
+    await op.open()
+    await op.process_element(StreamRecord("a"))
+    await settle()
+    first = asyncio.ensure_future(op.close())
+    await settle()
+    second, third = asyncio.ensure_future(op.close()), asyncio.ensure_future(op.close())
+    await settle()
+    first.cancel()
+    await asyncio.wait({second, third}, return_when=asyncio.FIRST_COMPLETED)
+    assert fn.log == ["call cleaned up", "fn.close"]
+    await asyncio.gather(second, third)
+    assert fn.log == ["call cleaned up", "fn.close"]
+
+
 async def test_a_close_from_the_functions_own_close_returns_at_once() -> None:
     # A function that closes its operator from its close(): the inner close() found the
     # operator closing and waited for that close() to return, which waited for the
