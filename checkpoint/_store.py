@@ -1627,9 +1627,15 @@ class SnapshotStore:
                 yield name
 
     def subtasks(self, job_id: str, operator_id: str) -> list[int]:
+        """The subtasks (partitions) of an operator of a job that have a table, in order;
+        ``CheckpointNotFoundError`` naming the job's operators if it has none there (a
+        mistyped operator id gave [], as if the operator had no partitions)."""
         _layout.check_name("operator id", operator_id)
         self._require_job(job_id)
-        return _layout.subtask_numbers(self._dirs(job_id, operator_id))
+        numbers = _layout.subtask_numbers(self._dirs(job_id, operator_id))
+        if not numbers:
+            raise self._no_operator(job_id, operator_id, self.operators(job_id))
+        return numbers
 
     def checkpoints(
         self, job_id: str, operator_id: str | None = None, include_expired: bool = False
@@ -1747,17 +1753,14 @@ class SnapshotStore:
         subtask order. The tables are independent and each costs a few requests (object
         stores) or file reads: a few threads work on them at once, as delta-rs does its I/O
         without holding the GIL (200 partitions on local disk: listing 1.4x, expiry 1.4x)."""
-        if operator_id is not None:
-            # 1 failed with a bare TypeError from the path join; "" meant every operator
-            _layout.check_name("operator id", operator_id)
+        # subtasks() refuses an operator id that names no directory (1 failed with a bare
+        # TypeError from the path join; "" meant every operator) and a mistyped one, naming
+        # the job's operators (expire() reported nothing expired, checkpoints() none)
         logs = [
             self.subtask(job_id, operator, number)
             for operator in ([operator_id] if operator_id is not None else self.operators(job_id))
             for number in self.subtasks(job_id, operator)
         ]
-        if operator_id is not None and not logs:
-            # a mistyped operator id: expire() reported nothing expired, checkpoints() none
-            raise self._no_operator(job_id, operator_id, self.operators(job_id))
         if len(logs) <= 1:
             return [fn(log) for log in logs]
         with ThreadPoolExecutor(

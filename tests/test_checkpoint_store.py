@@ -1338,7 +1338,8 @@ def test_a_subtask_past_32_bits_is_refused_before_any_commit(tmp_path: Path) -> 
 
 
 def test_an_unknown_operator_is_refused_naming_the_job_s_operators(tmp_path: Path) -> None:
-    # expire(job, 0, operator_id="typo") reported nothing expired; checkpoints() gave []
+    # expire(job, 0, operator_id="typo") reported nothing expired; checkpoints() and
+    # subtasks() gave [], as if the operator had no partitions
     store = SnapshotStore(tmp_path)
     commit(store.subtask("job", "enrich", 0), "run", 1)
     message = r"Job 'job' has no operator 'typo' at .*\. Its operators: enrich\."
@@ -1347,6 +1348,7 @@ def test_an_unknown_operator_is_refused_naming_the_job_s_operators(tmp_path: Pat
         lambda: store.checkpoints("job", "typo"),
         lambda: store.remove_orphans("job", 0, operator_id="typo"),
         lambda: store.read_job("job", "typo"),
+        lambda: store.subtasks("job", "typo"),
     ):
         with pytest.raises(CheckpointNotFoundError, match=message):
             call()
