@@ -592,6 +592,11 @@ class SubtaskLog:
         by_ref: dict[CheckpointRef, CheckpointMetadata] | None = None,
     ) -> list[CheckpointMetadata]:
         """``meta`` and its ancestors, oldest first."""
+        if not isinstance(meta, CheckpointMetadata):  # failed with a bare AttributeError
+            raise CheckpointError(
+                "meta must be a CheckpointMetadata (as checkpoints(), find() or latest() "
+                f"return); got {meta!r}."
+            )
         if by_ref is None:
             by_ref = {m.ref: m for m in self.checkpoints()}
         chain = [meta]
@@ -639,6 +644,12 @@ class SubtaskLog:
         checkpoints holding at most ``max_rows`` results (or one checkpoint that holds
         more), so a resuming task holds one group at a time rather than its partition's
         whole output so far."""
+        rows = as_int(max_rows)  # numpy's integers too
+        if rows is None or rows < 0:
+            # a string was taken while the chain had one checkpoint, and failed with a bare
+            # TypeError once it had two
+            raise CheckpointError(f"max_rows must be an integer >= 0; got {max_rows!r}.")
+        max_rows = rows
         chain = self.chain(meta)
         table = self._open()
         assert table is not None
@@ -763,8 +774,7 @@ class SubtaskLog:
                 f"is recorded); got {fingerprint!r}."
             )
         final = _flag(final, "final")
-        if not isinstance(input_schema, pa.Schema) or not isinstance(output_schema, pa.Schema):
-            raise CheckpointError("input_schema and output_schema must be pyarrow.Schema objects.")
+        _check_schema_args(input_schema, output_schema)
         result_table = _as_result_table(results, output_schema)
         if result_timestamps is not None and len(result_timestamps) != result_table.num_rows:
             raise CheckpointError(
@@ -987,6 +997,8 @@ class SubtaskLog:
         """
         app_id, claim_app = _app_id(_run_id(run_id)), _claim_app_id(run_id)
         force = _flag(force, "force")
+        if owner is not None:
+            _owner(owner)
         for _ in range(_COMMIT_RETRIES):
             table = self._open(refresh=True)
             if table is None:
@@ -1073,6 +1085,7 @@ class SubtaskLog:
     def claimed_by(self, run_id: str, owner: str) -> bool:
         """Whether ``owner`` made the newest claim on ``run_id``."""
         _run_id(run_id)
+        _owner(owner)
         table = self._open(refresh=True)
         if table is None:
             return False
@@ -1441,6 +1454,7 @@ class SubtaskLog:
     def check_schemas(self, input_schema: pa.Schema, output_schema: pa.Schema) -> None:
         """Raise ``SchemaChangedError`` if this subtask's checkpoints were written with other
         schemas; a subtask without checkpoints (none yet, or all deleted) accepts any."""
+        _check_schema_args(input_schema, output_schema)
         self._check_schemas(input_schema, output_schema)
 
     def _check_schemas(self, input_schema: pa.Schema, output_schema: pa.Schema) -> bool:
@@ -1829,6 +1843,23 @@ def _run_id(value: Any, name: str = "run_id") -> str:
     if not isinstance(value, str) or not value:
         raise CheckpointError(f"{name} must be a non-empty string; got {value!r}.")
     return value
+
+
+def _owner(value: Any) -> str:
+    """The ``owner`` of a claim a caller gave; anything but a non-empty string is refused,
+    as it is recorded as one: ``claim(run, owner=1)`` was then ``claimed_by(run, "1")``."""
+    return _run_id(value, "owner")
+
+
+def _check_schema_args(input_schema: Any, output_schema: Any) -> None:
+    """CheckpointError unless both are ``pyarrow.Schema`` objects (``check_schemas(1, 2)``
+    failed with pyarrow's bare "Argument 'other' has incorrect type", or passed on a
+    subtask with no table yet)."""
+    if not isinstance(input_schema, pa.Schema) or not isinstance(output_schema, pa.Schema):
+        raise CheckpointError(
+            "input_schema and output_schema must be pyarrow.Schema objects; got "
+            f"{type(input_schema).__name__} and {type(output_schema).__name__}."
+        )
 
 
 def _written_run_id(value: Any, name: str = "run_id") -> str:

@@ -729,6 +729,60 @@ def test_a_claim_records_its_owner(tmp_path: Path) -> None:
     assert not log.claimed_by("other-run", "app-1/17")
 
 
+@pytest.mark.parametrize("owner", [1, "", b"app-1/17"])
+def test_an_owner_that_is_no_string_is_refused_before_anything_is_claimed(
+    tmp_path: Path, owner: Any
+) -> None:
+    # claim(run, owner=1) was recorded as owner "1": claimed_by(run, "1") was then True
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    commit(log, "run", 1)
+    version = DeltaTable(log.uri).version()
+    for call in (
+        lambda: log.claim("run", owner=owner),
+        lambda: log.take_over("run", owner),
+        lambda: log.claimed_by("run", owner),
+    ):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"^owner must be a non-empty string; got {re.escape(repr(owner))}\.",
+        ):
+            call()
+    assert DeltaTable(log.uri).version() == version  # nothing claimed
+
+
+def test_reading_a_chain_refuses_what_is_no_checkpoint_metadata_or_row_count(
+    tmp_path: Path,
+) -> None:
+    # chain(1) failed with a bare AttributeError; chain_results(meta, max_rows="x") was taken
+    # while the chain had one checkpoint and failed with a bare TypeError once it had two;
+    # check_schemas(1, 2) failed with pyarrow's "Argument 'other' has incorrect type"
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    with pytest.raises(CheckpointError, match=r"^input_schema and output_schema must be pyarrow"):
+        log.check_schemas(1, 2)  # no table yet: it passed
+    last = commit_chain(log, "run", range(1, 3))
+    meta = log.find(2, "run")
+    assert last == meta.ref
+    for bad in (1, meta.ref):
+        with pytest.raises(CheckpointError, match=r"^meta must be a CheckpointMetadata \(as"):
+            log.chain(bad)  # type: ignore[arg-type]
+        with pytest.raises(CheckpointError, match=r"^meta must be a CheckpointMetadata \(as"):
+            list(log.chain_results(bad))  # type: ignore[arg-type]
+    for rows in ("x", None, -1, 1.5):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"^max_rows must be an integer >= 0; got {re.escape(repr(rows))}\.",
+        ):
+            list(log.chain_results(meta, max_rows=rows))  # type: ignore[arg-type]
+    with pytest.raises(
+        CheckpointError,
+        match=r"^input_schema and output_schema must be pyarrow\.Schema objects; got int and "
+        r"Schema\.",
+    ):
+        log.check_schemas(1, OUT)  # type: ignore[arg-type]
+    log.check_schemas(OUT, OUT)
+    assert [len(t) for t, _ in log.chain_results(meta, max_rows=0)] == [1, 1]
+
+
 def test_taking_over_claims_again_if_the_run_got_its_first_commit_meanwhile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
