@@ -1178,7 +1178,20 @@ class SubtaskLog:
                     commit_properties=properties,
                 )
             else:
-                table.delete(predicate, commit_properties=properties)
+                # Not table.delete(): delta-rs rewrites a file it keeps some rows of with
+                # string_view columns, which pyarrow's dataset filters cannot compare with a
+                # string ("no kernel matching input types (string, string_view)"): every
+                # later read of the table failed. An overwrite of the rows with none writes
+                # the kept rows in the table's own types (the schema from the table's
+                # description: building a dataset of every file for it took 5x the delete).
+                input_schema, output_schema = self.schemas()  # type: ignore[misc]
+                write_deltalake(
+                    table,
+                    _table_schema(input_schema, output_schema).empty_table(),
+                    mode="overwrite",
+                    predicate=predicate,
+                    commit_properties=properties,
+                )
             rewritten = table.version()
             if vacuum and run_id is not None and rewritten > before:
                 # A task's expiry, after every final checkpoint (each micro-batch of a
