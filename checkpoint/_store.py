@@ -1875,16 +1875,18 @@ def _check_schema_args(input_schema: Any, output_schema: Any) -> None:
         )
 
 
-def _written_run_id(value: Any, name: str = "run_id") -> str:
-    """A run id a commit writes (its own, or its parent's): ``_run_id``'s, and not blank.
-    Refused when written only: reads still take a blank id a table may hold from before
-    this check."""
+_BLANK_RUN = (
+    "It names the run in every listing of checkpoints (run <run_id>: 1-3) and in each "
+    "CheckpointRef (<run_id>:<checkpoint_id>)."
+)
+
+
+def _written_run_id(value: Any, name: str = "run_id", why: str = _BLANK_RUN) -> str:
+    """A run id a commit writes (its own, or its parent's): ``_run_id``'s, and not blank
+    (``why`` says why, and what to do). Refused when written only: reads still take a blank
+    id a table may hold from before this check."""
     if not _run_id(value, name).strip():
-        raise CheckpointError(
-            f"{name} must hold more than whitespace; got {value!r}. It names the run in "
-            "every listing of checkpoints (run <run_id>: 1-3) and in each CheckpointRef "
-            "(<run_id>:<checkpoint_id>)."
-        )
+        raise CheckpointError(f"{name} must hold more than whitespace; got {value!r}. {why}")
     return value
 
 
@@ -1934,7 +1936,17 @@ def _checked_parent(parent: Any) -> CheckpointRef | None:
             f"got {parent!r}."
         )
     return CheckpointRef(
-        _written_run_id(parent.run_id, "parent's run_id"),
+        _written_run_id(
+            parent.run_id,
+            "parent's run_id",
+            # A table written before blank run ids were refused may hold one, and reads take
+            # it: the checkpoint restores, but nothing can follow it.
+            "A checkpoint of a run whose id is blank (written before such ids were refused) "
+            "cannot be followed. To go on from it, commit this run's first checkpoint with "
+            "parent=None and, as its results, the whole chain's: "
+            "restore(checkpoint_id, run_id).results, then those emitted since (a restore of "
+            "the new checkpoint re-emits them all).",
+        ),
         _checkpoint_id(parent.checkpoint_id, "parent's checkpoint_id"),
     )
 

@@ -1103,6 +1103,28 @@ def test_a_blank_run_id_is_refused_when_committed_and_read_where_a_table_holds_o
     assert fresh.latest(run_id=" ").run_id == " "  # type: ignore[union-attr]
     assert fresh.last_committed_id(" ") == 1
     assert fresh.latest(run_id="app:1.stage2").checkpoint_id == 1  # type: ignore[union-attr]
+    # It restores, but cannot be followed: the refusal said only that the id "names the run
+    # in every listing", not what to do with such a checkpoint. Doing what it now says
+    # resumes every result.
+    restored = fresh.restore(1, " ")
+    with pytest.raises(
+        CheckpointError,
+        match=r"^parent's run_id must hold more than whitespace; got ' '\. A checkpoint of "
+        r"a run whose id is blank .* cannot be followed\. To go on from it, commit this run's "
+        r"first checkpoint with parent=None and, as its results, the whole chain's: "
+        r"restore\(checkpoint_id, run_id\)\.results, then those emitted since",
+    ):
+        commit(fresh, "new", 2, parent=restored.metadata.ref)
+    fresh.commit(
+        "new",
+        2,
+        restored.elements,
+        [*restored.results.to_pylist(), {"id": 2, "label": "since"}],
+        input_schema=OUT,
+        output_schema=OUT,
+        position=restored.metadata.position + 1,
+    )
+    assert fresh.restore(2, "new").results.column("id").to_pylist() == [1, 2]
 
 
 @pytest.mark.parametrize(
