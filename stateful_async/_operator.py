@@ -60,6 +60,9 @@ Output = Callable[[StreamElement], Any]
 _TIMEOUT = 0
 _RETRY = 1
 _PROGRAMMING_ERRORS = (InvalidResultError, ResultSchemaError)
+# The advice for a failure with no retry strategy; the command line, whose replay takes no
+# strategy, says what its user can do instead (stateful_async.cli).
+RETRY_THIS = "retry this exception (retry=RetryStrategy(...), which needs a timeout too)"
 _new_record = object.__new__
 _NOT_CALLED: Any = object()  # an attempt's call before the function returned
 
@@ -947,10 +950,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         retry = self._retry
         fallback = "or catch it in async_invoke and return a fallback result."
         if retry is None:
-            return (
-                "Fix the cause; or retry this exception (retry=RetryStrategy(...), which "
-                f"needs a timeout too); {fallback}"
-            )
+            return f"Fix the cause; or {RETRY_THIS}; {fallback}"
         # The predicate first: can_retry, or a finishing operator, may have kept it from
         # being asked, and then neither more attempts nor keep_retrying would help.
         if not _safely(retry.should_retry_exception, error, default=True):

@@ -75,6 +75,10 @@ def _say(console: Console, text: str, highlight: bool = True) -> None:
 
 
 USER_ERROR = 2
+# replay calls the function once per element: it has no retry strategy to give the operator
+_NO_RETRY_OPTION = (
+    "retry it inside the function (replay has no retry option: it makes one attempt per element)"
+)
 CLOSED_PIPE = 128 + 13  # SIGPIPE's number (signal.SIGPIPE, which Windows has not)
 
 
@@ -89,7 +93,14 @@ def _user_errors() -> Iterator[None]:
     except (Fail, StatefulAsyncError) as exc:
         from checkpoint._layout import CREDENTIALS
 
-        text = str(exc).replace(CREDENTIALS, "--storage-option / -o KEY=VALUE")
+        from ._operator import RETRY_THIS
+
+        # the Python API's words for what the command line has its own (or no) option for
+        text = (
+            str(exc)
+            .replace(CREDENTIALS, "--storage-option / -o KEY=VALUE")
+            .replace(RETRY_THIS, _NO_RETRY_OPTION)
+        )
         err.print(f"[bold red]Error:[/] {escape(text)}", highlight=False, soft_wrap=True)
         raise typer.Exit(USER_ERROR) from None
 

@@ -134,6 +134,9 @@ REPLAY_MODULE = textwrap.dedent(
     async def nothing(row):
         return []
 
+    async def fails(row):
+        raise ValueError("the service said no")
+
     NOT_A_FUNCTION = 42
     """
 )
@@ -989,6 +992,23 @@ def test_replay_refuses_functions_it_cannot_use(checkpoints, functions, function
     result = replay(location, function)
     assert result.exit_code == 2
     assert message in result.output
+
+
+def test_a_function_that_fails_in_replay_is_not_advised_an_option_replay_lacks(
+    checkpoints, functions
+) -> None:
+    # The operator's advice named retry=RetryStrategy(...), the Python API's option, which
+    # replay cannot be given.
+    location, _ = checkpoints
+    result = replay(location, "replay_functions:fails")
+    assert result.exit_code == 2
+    assert "ValueError: the service said no" in result.output
+    assert "retry=" not in result.output
+    assert (
+        "Fix the cause; or retry it inside the function (replay has no retry option: it "
+        "makes one attempt per element); or catch it in async_invoke and return a fallback "
+        "result." in " ".join(result.output.split())
+    )
 
 
 @pytest.mark.parametrize("timeout", ["0", "-1", "inf"])
