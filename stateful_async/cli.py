@@ -8,10 +8,12 @@
 
 Errors in what the user asked for (a missing location, an unknown id, a function that
 cannot be imported, an output path that exists or cannot be written) print one clear message
-and exit with status 2; the demo exits with status 1 if its Spark job fails (PySpark's error,
-then where Spark's log is) or if a check it promises fails or cannot be made. A command
-whose reader stops reading (``checkpoints list ... | head -1``, its ``--help`` too) stops
-quietly with status 141 (128 + SIGPIPE), as a Unix tool that SIGPIPE ends does.
+and exit with status 2 (stderr's reader gone, the message is lost, the status kept); the
+demo exits with status 1 if its Spark job fails (PySpark's error, then where Spark's log
+is) or if a check it promises fails or cannot be made. A command whose reader stops
+reading (``checkpoints list ... | head -1``, its ``--help`` too) stops quietly with status
+141 (128 + SIGPIPE), as a Unix tool that SIGPIPE ends does: stdout's reader, that is; a
+warning that stderr's reader cannot read does not stop the command.
 """
 
 from __future__ import annotations
@@ -56,10 +58,14 @@ from ._signals import sigterm_unwinds
 
 class _Console(Console):
     """rich's Console, whose reader closing the pipe ends the command as a plain write's
-    does (_quiet_when_the_reader_leaves), not with rich's own exit, status 1."""
+    does (_quiet_when_the_reader_leaves), not with rich's own exit, status 1. Stderr's
+    reader leaving ends nothing: what is said there is lost, and the command goes on to
+    its own status (an error's 2, not 1 or 141; a warning does not stop it)."""
 
     def on_broken_pipe(self) -> None:
         self.quiet = True  # nothing more from this console
+        if self.stderr:
+            return
         raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
 
@@ -451,8 +457,9 @@ def demo(
     except DemoJobFailed as failed:
         # PySpark's error as it was, then where Spark (and Java, and the Python workers)
         # wrote what led to it: the demo sends their output to that log, not the terminal
-        traceback.print_exception(failed.__cause__ or failed)
-        sys.stderr.flush()
+        with suppress(OSError):  # (stderr's reader may have left: the status says it still)
+            traceback.print_exception(failed.__cause__ or failed)
+            sys.stderr.flush()
         err.print(
             f"[bold red]The Spark job failed[/] (above); Spark's log: {escape(failed.spark_log)}",
             highlight=False,

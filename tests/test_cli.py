@@ -1285,6 +1285,51 @@ def test_a_command_whose_reader_closes_the_pipe_stops_quietly_with_sigpipe_s_sta
     assert (done.returncode, done.stderr) == (128 + signal.SIGPIPE, "")
 
 
+def _run_with_readers_gone(args: list[str], stdout_gone: bool) -> tuple[int, str]:
+    """The command line run with stderr a pipe whose reader has left, and stdout one too
+    (``stdout_gone``) or a pipe read to its end: its status, and what it wrote to stdout."""
+    import subprocess
+    import sys
+
+    err_read, err_write = os.pipe()
+    os.close(err_read)
+    out_read, out_write = os.pipe()
+    if stdout_gone:
+        os.close(out_read)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stateful_async.cli", *args], stdout=out_write, stderr=err_write
+        )
+    finally:
+        os.close(out_write)
+        os.close(err_write)
+    written = b""
+    if not stdout_gone:
+        with os.fdopen(out_read, "rb") as reader:
+            written = reader.read()
+    return process.wait(timeout=120), written.decode()
+
+
+@pytest.mark.parametrize("stdout_gone", [False, True], ids=["stderr-gone", "both-gone"])
+def test_an_error_whose_message_cannot_be_written_keeps_its_status(
+    checkpoints, stdout_gone
+) -> None:
+    # The error's message failing to reach stderr gave status 1 (a traceback it could not
+    # print either), or 141 when stdout's reader had left too: never the error's 2.
+    location, _ = checkpoints
+    status, _ = _run_with_readers_gone(["checkpoints", "show", str(location), "7"], stdout_gone)
+    assert status == 2
+
+
+def test_a_warning_that_cannot_be_written_does_not_stop_the_command(checkpoints) -> None:
+    # `checkpoints list LOCATION -o KEY=VALUE 2>&-`-like: the warning that the storage
+    # option is unused failed to reach stderr, which ended the command, status 1, no table.
+    location, _ = checkpoints
+    args = ["checkpoints", "list", str(location), "-o", "AWS_REGION=eu-west-1"]
+    status, written = _run_with_readers_gone(args, stdout_gone=False)
+    assert (status, "job job, operator enrich, run run" in written) == (0, True)
+
+
 def test_a_broken_pipe_that_is_not_stdout_s_is_reported(checkpoints) -> None:
     # Any BrokenPipeError (a socket's, to a service or the JVM) was taken for stdout's
     # reader leaving: status 141, no word, and stdout sent to /dev/null.
