@@ -85,6 +85,11 @@ def results(count: int) -> pa.Table:
     return pa.table({"id": pa.array(range(count), pa.int64()), "score": pa.array([0.5] * count)})
 
 
+def _scratch() -> tempfile.TemporaryDirectory[str]:
+    """A new temporary directory, named as the other benchmarks' are (spark-bench-...)."""
+    return tempfile.TemporaryDirectory(prefix="checkpoint-bench-")
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -93,14 +98,14 @@ def percentile(values: list[float], q: float) -> float:
 def sizes(repeat: int, sizes_: list[int]) -> list[dict[str, Any]]:
     # An untimed first write: the process's first Delta write pays delta-rs's one-off
     # start-up (hundreds of ms), which is no table's creation.
-    with tempfile.TemporaryDirectory() as root:
+    with _scratch() as root:
         SnapshotStore(root).subtask("warm-up", "op", 0).commit(
             "run", 1, elements(10), results(10), input_schema=INPUT, output_schema=OUTPUT,
             position=10,
         )  # fmt: skip
     rows = []
     for size in sizes_:
-        with tempfile.TemporaryDirectory() as root:
+        with _scratch() as root:
             log = SnapshotStore(root).subtask("bench", "op", 0)
             batch = elements(size)
             commits, loads, restores = [], [], []
@@ -255,7 +260,7 @@ def micro_batches(count: int, rounds: int) -> list[dict[str, Any]]:
     measured: dict[str, list[tuple[float, float, int]]] = {"own files": [], "vacuum": []}
     for _ in range(rounds):
         for variant, runs in measured.items():
-            with tempfile.TemporaryDirectory() as root:
+            with _scratch() as root:
                 log = SnapshotStore(root).subtask("bench", "op", 0)
                 commits, expiries = [], []
                 for batch in range(count):
@@ -293,7 +298,7 @@ def micro_batches(count: int, rounds: int) -> list[dict[str, Any]]:
 def _in_child(part: str, count: int, variant: str) -> dict[str, Any]:
     """What this script prints for ``part`` run in a process of its own, in a fresh
     directory (its peak RSS is its own, and module settings a variant changes stay there)."""
-    with tempfile.TemporaryDirectory() as root:
+    with _scratch() as root:
         out = child_output([__file__, part, root, str(count), variant])
     return json.loads(out.splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -386,7 +391,7 @@ def fences(runs_a_day: int, new_runs: int) -> list[dict[str, Any]]:
         ("a month", 30 * runs_a_day, now),
         ("a month, expired", 30 * runs_a_day, now - 31 * 86_400_000),
     ]:
-        with tempfile.TemporaryDirectory() as root:
+        with _scratch() as root:
             uri = _plant_fences(root, planted, stamp)
             opens, starts = [], []
             for run in range(new_runs):
@@ -416,7 +421,7 @@ def concurrency(committers: list[int], count: int, period: float) -> list[dict[s
     rows = []
     for layout in ("per-subtask", "shared-table"):
         for n in committers:
-            with tempfile.TemporaryDirectory() as root:
+            with _scratch() as root:
                 if layout == "shared-table":  # created up front: creation is not what we time
                     from deltalake import write_deltalake
 

@@ -673,6 +673,31 @@ def test_a_store_benchmark_stopped_with_sigterm_removes_its_directories(tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+def _first_directory_of(args: list[str], tmp: Path) -> tuple[subprocess.Popen[Any], str]:
+    """Starts ``python *args`` with ``tmp`` as its TMPDIR; returns it, once it has made a
+    directory there, and that directory's name."""
+    driver = subprocess.Popen([sys.executable, *args], env={**os.environ, "TMPDIR": str(tmp)})
+    deadline = time.monotonic() + 60
+    while not list(tmp.iterdir()):
+        if time.monotonic() > deadline or driver.poll() is not None:
+            driver.kill()
+            driver.wait()
+            raise AssertionError("no directory was made")
+        time.sleep(0.05)
+    return driver, next(tmp.iterdir()).name
+
+
+def test_a_store_benchmark_names_its_directories_as_the_other_benchmarks_do(
+    tmp_path: Path,
+) -> None:
+    # before: tmpXXXXXXXX, which told no one which program had left it
+    args = [str(BENCHMARKS / "checkpoint_bench.py"), "--micro-batches", "--quick"]
+    driver, name = _first_directory_of(args, tmp_path)
+    driver.kill()
+    driver.wait()
+    assert name.startswith("checkpoint-bench-")
+
+
 def _live_committers() -> list[psutil.Process]:
     """This process's descendants that are checkpoint_bench committers and still running
     (other tests' descendants may be exiting meanwhile: zombies, or gone, are skipped)."""
