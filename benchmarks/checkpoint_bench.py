@@ -54,6 +54,7 @@ import pyarrow as pa
 from child import child_output  # benchmarks/ is on sys.path: these are scripts
 from options import output_file
 from peak_rss import peak_rss_mib
+from scratch import run_prefix
 
 from checkpoint import SnapshotStore
 from stateful_async import StreamRecord, Watermark
@@ -86,8 +87,8 @@ def results(count: int) -> pa.Table:
 
 
 def _scratch() -> tempfile.TemporaryDirectory[str]:
-    """A new temporary directory, named as the other benchmarks' are (spark-bench-...)."""
-    return tempfile.TemporaryDirectory(prefix="checkpoint-bench-")
+    """A new temporary directory of this run, named as the other benchmarks' are."""
+    return tempfile.TemporaryDirectory(prefix=run_prefix("checkpoint-bench-"))
 
 
 def percentile(values: list[float], q: float) -> float:

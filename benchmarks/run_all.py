@@ -49,6 +49,7 @@ sys.path.insert(0, str(HERE))
 import checkpoint_bench  # noqa: E402
 import operator_bench  # noqa: E402
 import pyflink_bench  # noqa: E402
+from scratch import run_prefix  # noqa: E402
 
 from stateful_async import OutputMode  # noqa: E402
 
@@ -281,7 +282,7 @@ def run_script(script: str, args: list[str], relay: str | None = None) -> tuple[
 def child_part(script: str, args: list[str], watch: ProcessWatch) -> dict[str, Any]:
     """Runs a benchmark script in its own process (its Spark JVM ends with it); relays its
     progress lines and returns its JSON."""
-    with tempfile.TemporaryDirectory(prefix="run-all-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=run_prefix("run-all-")) as tmp:
         out_json = os.path.join(tmp, "out.json")
         status, stdout, stderr = run_script(script, [*args, "--json", out_json], "spark_bench: ")
         watch.sample()
@@ -677,7 +678,10 @@ def render(results: dict[str, Any], plots: Path, doc_dir: Path) -> str:
         "`./dev bench` exits with status 1 when a part failed (a benchmark raised, or a "
         "competitor's output or request count was wrong; its section below says why) or a "
         "process it started was left running or listening; a missed target does not change "
-        "the exit status (the Targets table and the log name it).\n"
+        "the exit status (the Targets table and the log name it). A benchmark stopped with "
+        "SIGTERM or Ctrl-C removes its temporary directories; one killed (SIGKILL) leaves "
+        "them, named after it and its pid (`spark-bench-PID-...`), and its next run removes "
+        "those whose process is gone.\n"
     )
     if results.get("quick"):
         add(

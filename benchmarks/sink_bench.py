@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from options import positive_int  # benchmarks/ is on sys.path: these are scripts
+from scratch import run_prefix
 
 COLUMNS = [
     "id",
@@ -67,7 +68,7 @@ def measure(rows: int, partitions: int) -> None:
 
     spark = local_session("local[2,3]", app_name="sink-bench")
     register_delta_sink(spark)
-    work = Path(tempfile.mkdtemp(prefix="sink-bench-"))
+    work = Path(tempfile.mkdtemp(prefix=run_prefix("sink-bench-")))
     try:
         df = spark.range(0, rows, numPartitions=partitions).selectExpr(*COLUMNS).cache()
         assert df.count() == rows  # materialise the cache: both writers read memory

@@ -77,6 +77,7 @@ import pyarrow as pa
 from child import child_output
 from options import output_file, positive_int  # benchmarks/ is on sys.path: these are scripts
 from peak_rss import peak_rss_mib
+from scratch import run_prefix
 
 SCHEMA = "id long, name string, score double, label string"
 OUTPUT = pa.schema(
@@ -1162,7 +1163,7 @@ def run(quick: bool = False, capacity: int = 64, latency_ms: float = 20.0) -> di
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers can't import us
     sizes = QUICK if quick else FULL
-    work = tempfile.mkdtemp(prefix="spark-bench-")
+    work = tempfile.mkdtemp(prefix=run_prefix("spark-bench-"))
     started = time.perf_counter()
     result: dict[str, Any] = {
         "capacity": capacity,

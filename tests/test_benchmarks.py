@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import checkpoint_bench  # noqa: E402
 import pyflink_bench  # noqa: E402
 import run_all  # noqa: E402
+import scratch  # noqa: E402
 import spark_bench  # noqa: E402
 
 MACHINE = {
@@ -550,7 +551,9 @@ def test_a_committer_that_dies_before_ready_leaves_no_committer_behind(
     (tmp_path / "bench" / "op").mkdir(parents=True)
     (tmp_path / "bench" / "op" / "subtask=00001").touch()
     monkeypatch.setattr(
-        checkpoint_bench.tempfile, "TemporaryDirectory", lambda: contextlib.nullcontext(tmp_path)
+        checkpoint_bench.tempfile,
+        "TemporaryDirectory",
+        lambda **_: contextlib.nullcontext(tmp_path),
     )
     try:
         with pytest.raises(RuntimeError, match="subtask=00001"):
@@ -696,6 +699,58 @@ def test_a_store_benchmark_names_its_directories_as_the_other_benchmarks_do(
     driver.kill()
     driver.wait()
     assert name.startswith("checkpoint-bench-")
+
+
+def test_a_benchmark_killed_with_sigkill_has_its_directories_removed_by_its_next_run(
+    tmp_path: Path,
+) -> None:
+    # before: a SIGKILL runs no finally, and nothing removed them later: they stayed
+    args = [str(BENCHMARKS / "checkpoint_bench.py"), "--micro-batches", "--quick"]
+    killed, left = _first_directory_of(args, tmp_path)
+    killed.kill()
+    killed.wait()
+    assert (tmp_path / left).is_dir()
+    driver = subprocess.Popen([sys.executable, *args], env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        deadline = time.monotonic() + 60
+        while {p.name for p in tmp_path.iterdir()} <= {left}:  # until it makes its own
+            assert time.monotonic() < deadline and driver.poll() is None, "no directory made"
+            time.sleep(0.05)
+        assert not (tmp_path / left).exists()
+    finally:
+        driver.kill()
+        driver.wait()
+
+
+def test_only_the_directories_of_runs_that_are_gone_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(scratch, "_SWEPT", set())
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    me, started = os.getpid(), scratch._start_time(os.getpid())
+    assert started  # (Linux's /proc)
+    removed = [
+        f"x-bench-{gone.pid}-0-a",  # its run gone
+        f"x-bench-{gone.pid}-{started}-b",
+        f"x-bench-{me}-{started - 1}-c",  # its pid now another process's, started later
+    ]
+    kept = [
+        f"x-bench-{me}-{started}-d",  # a live run's
+        f"x-bench-{me}-0-e",  # its pid alive, its start time unknown
+        f"y-bench-{gone.pid}-0-f",  # another prefix's
+        "x-bench-abcdefgh",  # not named by run_prefix
+    ]
+    for name in removed + kept:
+        (tmp_path / name).mkdir()
+    (tmp_path / f"x-bench-{gone.pid}-0-file").write_text("")  # no directory
+    (tmp_path / f"x-bench-{gone.pid}-0-link").symlink_to(tmp_path / kept[0])
+    kept += [f"x-bench-{gone.pid}-0-file", f"x-bench-{gone.pid}-0-link"]
+    assert scratch.run_prefix("x-bench-") == f"x-bench-{me}-{started}-"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
 
 
 def _live_committers() -> list[psutil.Process]:
