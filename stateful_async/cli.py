@@ -1069,7 +1069,7 @@ def replay(
             f"Replayed checkpoint {checkpoint_id} {_of_runs(snapshots)}: {records} in-flight "
             "record(s) of "
             f"{len(snapshots)} partition(s) gave {len(results)} result(s)"
-            + (f", written to {escape(str(output))}." if output and results else "."),
+            + (f", written to {escape(str(output))}." if output and output.exists() else "."),
         )
 
 

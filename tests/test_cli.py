@@ -1214,6 +1214,20 @@ def test_replay_of_no_results_to_parquet_writes_no_file_and_says_so(
     assert "gave 0 result(s)." in said
 
 
+@pytest.mark.parametrize(("suffix", "written"), [(".jsonl", ""), (".json", "[\n\n]\n")])
+def test_replay_of_no_results_to_json_says_where_it_wrote_the_empty_file(
+    checkpoints, functions, tmp_path, suffix, written
+) -> None:
+    # before: "gave 0 result(s)." alone, as if no file had been written, as for Parquet;
+    # the same --output again was then refused as existing
+    location, _ = checkpoints
+    target = tmp_path / f"out{suffix}"
+    result = replay(location, "replay_functions:nothing", "--output", str(target))
+    assert result.exit_code == 0, result.output
+    assert target.read_text() == written
+    assert f"gave 0 result(s), written to {target}." in " ".join(result.output.split())
+
+
 # -- errors shared by every subcommand ----------------------------------------------------------
 
 
