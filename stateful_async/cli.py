@@ -1028,9 +1028,14 @@ def replay(
         store = _store(location, storage_option)
         snapshots = _snapshots(store, _job(store, job), checkpoint_id, operator, partition, run)
         results: list[Any] = []
+        close_errors: list[Exception] = []
         for s in snapshots:
             elements = _as_the_function_sees_them(store, s)
-            results.extend(asyncio.run(_replay(fn, elements, capacity, timeout, mode.value)))
+            replayed, close_error = asyncio.run(
+                _replay(fn, elements, capacity, timeout, mode.value)
+            )
+            results.extend(replayed)
+            close_errors.extend([close_error] if close_error is not None else [])
         if output is None:
             for line in [_to_json(row) for row in results]:  # none printed if one fails
                 sys.stdout.write(line + "\n")
@@ -1059,7 +1064,7 @@ def replay(
         else:
             lines = [_to_json(row) for row in results]  # first: a failure leaves no file
             if output.suffix == ".json":  # one document: an array, an object a line
-                text = "[\n" + ",\n".join(lines) + "\n]\n"
+                text = "[\n" + ",\n".join(lines) + "\n]\n" if lines else "[]\n"
             else:
                 text = "".join(line + "\n" for line in lines)
             _write(output, "x", lambda handle: handle.write(text))
@@ -1071,6 +1076,17 @@ def replay(
             f"{len(snapshots)} partition(s) gave {len(results)} result(s)"
             + (f", written to {escape(str(output))}." if output and output.exists() else "."),
         )
+        if close_errors:  # the results are whole and kept: the function's clean-up failed
+            from ._exceptions import error_text
+
+            error = close_errors[0]
+            raise Fail(
+                f"The function's close() raised {type(error).__name__}: {error_text(error)} "
+                f"(replaying {len(close_errors)} of {len(snapshots)} partition(s)), after "
+                "every result was computed: the results are whole and were kept, but the "
+                "function may not have released what it holds (connections, clients). Fix "
+                "its close()."
+            )
 
 
 def _check_output(output: Path) -> None:
@@ -1155,8 +1171,13 @@ def _as_the_function_sees_them(store: Any, snapshot: Any) -> list[Any]:
 
 async def _replay(
     fn: Any, elements: list[Any], capacity: int, timeout: float | None, mode: str
-) -> list[Any]:
+) -> tuple[list[Any], Exception | None]:
+    """The results of the function called again on ``elements``, and what its ``close()``
+    raised after every one of them was computed (None: nothing), which does not make them
+    any less whole. A failure before that is raised; a ``close()`` failing after it too is
+    only said, so that the failure is what the error names (as a Spark task does)."""
     from . import AsyncWaitOperator, StreamRecord
+    from ._exceptions import error_text
 
     results: list[Any] = []
 
@@ -1166,11 +1187,33 @@ async def _replay(
 
     operator = AsyncWaitOperator(fn, collect, mode, capacity=capacity, timeout=timeout)
     try:
-        await operator.open(restored=elements)
+        try:
+            await operator.open(restored=elements)
+        except Exception as exc:
+            if isinstance(exc, StatefulAsyncError):
+                raise
+            raise Fail(
+                f"The function's open() raised {type(exc).__name__}: {error_text(exc)}; nothing "
+                "was replayed. Fix the cause (a service or credentials it needs that this "
+                "machine lacks?) and replay again."
+            ) from exc
         await operator.finish()
-    finally:
+    except BaseException:
+        try:
+            await operator.close()
+        except Exception as exc:
+            _say(
+                err,
+                f"[yellow]Warning:[/] the function's close() raised {type(exc).__name__}: "
+                f"{escape(error_text(exc))} too.",
+                highlight=False,
+            )
+        raise
+    try:
         await operator.close()
-    return results
+    except Exception as exc:
+        return results, exc
+    return results, None
 
 
 def _import_function(spec: str) -> Any:

@@ -137,6 +137,21 @@ REPLAY_MODULE = textwrap.dedent(
     async def fails(row):
         raise ValueError("the service said no")
 
+    class OpenFails(AsyncFunction):
+        async def open(self):
+            raise ConnectionError("the service is down")
+
+        async def async_invoke(self, row):
+            return [row]
+
+    class CloseFails(Greeter):
+        async def close(self):
+            raise RuntimeError("the pool was gone")
+
+    class BothFail(CloseFails):
+        async def async_invoke(self, row):
+            raise ValueError("the service said no")
+
     NOT_A_FUNCTION = 42
     """
 )
@@ -1011,6 +1026,51 @@ def test_a_function_that_fails_in_replay_is_not_advised_an_option_replay_lacks(
     )
 
 
+def test_a_function_whose_open_fails_in_replay_is_a_clear_error(checkpoints, functions) -> None:
+    # before: the ConnectionError's raw traceback, status 1
+    location, _ = checkpoints
+    result = replay(location, "replay_functions:OpenFails")
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "The function's open() raised ConnectionError: the service is down; nothing was " in said
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("suffix", [None, ".jsonl"])
+def test_a_function_whose_close_fails_in_replay_keeps_its_results(
+    checkpoints, functions, tmp_path, suffix
+) -> None:
+    # before: a raw traceback, status 1, and the results computed (requests paid for) lost
+    location, _ = checkpoints
+    args = [] if suffix is None else ["--output", str(tmp_path / f"out{suffix}")]
+    result = replay(location, "replay_functions:CloseFails", *args)
+    assert result.exit_code == 2, result.output
+    lines = result.stdout if suffix is None else (tmp_path / f"out{suffix}").read_text()
+    greetings = sorted(json.loads(line)["greeting"] for line in lines.splitlines())
+    kept = replay(location, "replay_functions:Greeter")  # the same class, closing cleanly
+    assert kept.exit_code == 0, kept.output
+    assert greetings == sorted(json.loads(line)["greeting"] for line in kept.stdout.splitlines())
+    assert len(greetings) == 12
+    said = " ".join(result.output.split())
+    assert (
+        "The function's close() raised RuntimeError: the pool was gone (replaying 2 of 2 " in said
+    )
+    assert "the results are whole and were kept" in said
+    assert "Traceback" not in result.output
+
+
+def test_a_failure_in_replay_is_not_replaced_by_the_close_that_follows_it(
+    checkpoints, functions
+) -> None:
+    # before: close()'s RuntimeError, raised in a finally, replaced the call's ValueError
+    location, _ = checkpoints
+    result = replay(location, "replay_functions:BothFail")
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "ValueError: the service said no" in said
+    assert "close() raised RuntimeError: the pool was gone too." in said
+
+
 @pytest.mark.parametrize("timeout", ["0", "-1", "inf"])
 def test_replay_refuses_a_timeout_that_is_not_positive(checkpoints, functions, timeout) -> None:
     location, _ = checkpoints
@@ -1214,7 +1274,7 @@ def test_replay_of_no_results_to_parquet_writes_no_file_and_says_so(
     assert "gave 0 result(s)." in said
 
 
-@pytest.mark.parametrize(("suffix", "written"), [(".jsonl", ""), (".json", "[\n\n]\n")])
+@pytest.mark.parametrize(("suffix", "written"), [(".jsonl", ""), (".json", "[]\n")])
 def test_replay_of_no_results_to_json_says_where_it_wrote_the_empty_file(
     checkpoints, functions, tmp_path, suffix, written
 ) -> None:
