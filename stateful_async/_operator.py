@@ -275,10 +275,12 @@ class AsyncWaitOperator(Generic[IN, OUT]):
     as no retry starts at or after the deadline, and the handler decides.
 
     ``retry`` decides whether a failed attempt (or an unwanted result) is tried again,
-    after a per-element backoff. The first outcome of an element wins — a result, the
-    timeout handler, or a final failure; later ones are dropped and the element's other
-    attempts are cancelled. A failure fails the operator with an ``ElementFailedError``
-    naming the element; everything emitted before stays emitted.
+    after a per-element backoff; a ``ConfigurationError`` the function raises (a bad
+    setting, which no attempt can get past) is never retried. The first outcome of an
+    element wins — a result, the timeout handler, or a final failure; later ones are
+    dropped and the element's other attempts are cancelled. A failure fails the operator
+    with an ``ElementFailedError`` naming the element; everything emitted before stays
+    emitted.
 
     State is touched only on the event-loop thread. ``output`` receives every emitted
     result (as ``StreamRecord`` with the input's timestamp) and every watermark, one
@@ -928,6 +930,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         if (
             self._retry is not None
             and self._may_retry()
+            # a bad setting, found by a check the function runs (such as CrashOnElement's on
+            # the rows' keys): no attempt can go otherwise, whatever the strategy matches
+            and not isinstance(error, ConfigurationError)
             and self._retried(handler, "exception", error)
         ):
             return
@@ -949,6 +954,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         retries, and only when it was not retried already until its attempts ran out."""
         retry = self._retry
         fallback = "or catch it in async_invoke and return a fallback result."
+        if isinstance(error, ConfigurationError):
+            return "A ConfigurationError is never retried: fix the setting it names."
         if retry is None:
             return f"Fix the cause; or {RETRY_THIS}; {fallback}"
         # The predicate first: can_retry, or a finishing operator, may have kept it from

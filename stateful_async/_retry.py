@@ -74,7 +74,10 @@ class RetryStrategy:
     type, a non-empty tuple of them, a union of them (``TimeoutError | ConnectionError``,
     kept as the tuple of its members) or a predicate over the exception; default: any
     ``Exception``; to retry no exception, pass ``lambda exc: False``) or its result list
-    matches ``retry_on_result`` (default: never), while attempts remain. When attempts run
+    matches ``retry_on_result`` (default: never), while attempts remain. A
+    ``ConfigurationError`` is never retried, whatever ``retry_on_exception`` says: it is a
+    bad setting (such as a ``CrashOnElement`` key no row can equal), not a transient
+    failure, and fails the element at once. When attempts run
     out, an exception fails the element and a result is emitted as it is (once the
     operator's timeout has passed, such a result, like an exception, is dropped: the timeout
     handler decides). A predicate is called, never awaited: a plain ``def`` (or lambda)

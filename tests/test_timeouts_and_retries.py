@@ -21,6 +21,7 @@ from stateful_async import (
     AsyncFunctionError,
     AsyncTimeoutError,
     AsyncWaitOperator,
+    ConfigurationError,
     ElementFailedError,
     OperatorStateError,
     OutputMode,
@@ -30,6 +31,7 @@ from stateful_async import (
     VirtualClock,
 )
 from stateful_async._timers import SystemClock, TimerService
+from stateful_async.chaos import CrashOnElement
 from stateful_async.testing import ControlledFunction, ControlledTimeoutFunction, settle
 
 
@@ -1171,6 +1173,53 @@ async def test_a_failure_advises_retrying_only_an_element_that_was_not_retried()
     assert "retry_on_exception does not match it" in not_matched
     no_strategy = await fails(VirtualClock(), None)
     assert "retry this exception (retry=RetryStrategy(...)" in no_strategy
+
+
+@pytest.mark.parametrize(
+    "retry_on_exception",
+    [Exception, ValueError, lambda exc: True],
+    ids=["any", "ValueError", "predicate"],
+)
+async def test_a_configuration_error_the_function_raises_is_never_retried(
+    retry_on_exception: typing.Any,
+) -> None:
+    # Before, an armed CrashOnElement whose key can never match (at=["5"] on int ids) raised
+    # its ConfigurationError on every attempt of a retry-everything strategy, and the element
+    # failed only once its attempts were used up, told to "allow more attempts".
+    async def enrich(row):  # type: ignore[no-untyped-def]
+        return [row]
+
+    clock = VirtualClock()
+    fn = CountingCalls(CrashOnElement(enrich, at=["5"]))
+    retry = RetryStrategy.fixed_delay(4, 1.0, retry_on_exception=retry_on_exception)
+    out, op = make(fn, clock, timeout=100, retry=retry)
+    await op.open()
+    await op.process_element(StreamRecord({"id": 5}))
+    await clock.advance(10)
+    with pytest.raises(AsyncFunctionError) as info:
+        await asyncio.wait_for(op.finish(keep_retrying=True), 5)
+    await op.close()
+    assert fn.calls == 1
+    assert out == []
+    message = str(info.value)
+    assert "after 1 attempt: ConfigurationError: CrashOnElement can never fire" in message
+    assert message.endswith("A ConfigurationError is never retried: fix the setting it names.")
+    assert isinstance(info.value.__cause__, ConfigurationError)
+
+
+class CountingCalls(AsyncFunction):
+    """Counts the calls of the function it wraps."""
+
+    def __init__(self, fn: AsyncFunction) -> None:
+        self.fn = fn
+        self.calls = 0
+
+    async def open(self) -> None:
+        await self.fn.open()
+
+    async def async_invoke(self, value):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return await self.fn.async_invoke(value)
 
 
 @pytest.mark.parametrize("cut_short_by", ["finishing", "attempts used up"])
