@@ -40,7 +40,7 @@ import reprlib
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Union
 
@@ -670,6 +670,8 @@ def run_job(spark: Any, options: JobOptions) -> JobReport:
     register_delta_sink(spark)
     enriched = build_job(spark, options)
     before = _table_version(options.output)
+    # jobs the session ran before (an earlier run): their task attempts are not this run's
+    earlier_jobs = _job_ids(spark, None)
     started = time.time()
     (
         enriched.write.format("delta_rs")
@@ -678,7 +680,9 @@ def run_job(spark: Any, options: JobOptions) -> JobReport:
         .option("txnVersion", str(options.txn_version))
         .save(options.output)
     )
-    return job_report(spark, options, started, time.time() - started, before)
+    return job_report(
+        spark, options, started, time.time() - started, before, earlier_jobs=earlier_jobs
+    )
 
 
 def job_report(
@@ -688,9 +692,11 @@ def job_report(
     seconds: float,
     version_before: int | None,
     job_group: str | None = None,
+    earlier_jobs: Collection[int] = (),
 ) -> JobReport:
     """The report of a run of the reference job (batch, or streaming in ``job_group``) that
-    took ``seconds`` from ``started`` and found ``options.output`` at ``version_before``."""
+    took ``seconds`` from ``started`` and found ``options.output`` at ``version_before``;
+    the jobs ``earlier_jobs`` (Spark job ids) were not the run's."""
     after = _table_version(options.output)
     return JobReport(
         app_id=spark.sparkContext.applicationId,
@@ -703,7 +709,7 @@ def job_report(
         table_version=after,
         written=after is not None and after != version_before,
         rows_in_table=_table_rows(options.output),
-        tasks=task_attempts(spark, job_group=job_group),
+        tasks=task_attempts(spark, job_group=job_group, earlier_jobs=earlier_jobs),
     )
 
 
@@ -730,16 +736,20 @@ def _table_rows(path: str) -> int:
 
 
 def task_attempts(
-    spark: Any, settle: float = 30.0, job_group: str | None = None
+    spark: Any,
+    settle: float = 30.0,
+    job_group: str | None = None,
+    earlier_jobs: Collection[int] = (),
 ) -> list[TaskAttempt]:
     """Every task attempt of the application's jobs outside job groups (or of the jobs of
     ``job_group``: a streaming query runs its micro-batches in the group of its run id),
+    but those of ``earlier_jobs`` (Spark job ids: the jobs of earlier runs in the session),
     from Spark's status store (through py4j: Python has no API for it). Waits up to
     ``settle`` seconds for attempts still shown running (a speculative loser being killed,
     events not yet processed). Returns [] with a warning if the status store cannot be
     read: the report is not worth failing a job."""
     try:
-        return _task_attempts(spark, settle, job_group)
+        return _task_attempts(spark, settle, job_group, frozenset(earlier_jobs))
     except Exception as exc:
         print(
             f"warning: cannot read task attempts from Spark's status store: {exc}",
@@ -748,14 +758,22 @@ def task_attempts(
         return []
 
 
-def _task_attempts(spark: Any, settle: float, job_group: str | None) -> list[TaskAttempt]:
+def _job_ids(spark: Any, job_group: str | None) -> frozenset[int]:
+    """The ids of the Spark jobs the session has run in ``job_group`` (None: outside job
+    groups) so far."""
+    return frozenset(spark.sparkContext.statusTracker().getJobIdsForGroup(job_group))
+
+
+def _task_attempts(
+    spark: Any, settle: float, job_group: str | None, earlier_jobs: frozenset[int]
+) -> list[TaskAttempt]:
     sc = spark.sparkContext
     store = sc._jsc.sc().statusStore()
     tracker = sc.statusTracker()
     deadline = time.monotonic() + settle
     while True:
         attempts: list[TaskAttempt] = []
-        for job in tracker.getJobIdsForGroup(job_group):
+        for job in _job_ids(spark, job_group) - earlier_jobs:
             info = tracker.getJobInfo(job)
             for stage_id in info.stageIds if info else []:
                 stage = tracker.getStageInfo(stage_id)
