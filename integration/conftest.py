@@ -180,7 +180,9 @@ class Chaos:
         code = driver.wait(JOB_TIMEOUT)
         assert code == 0, f"the job failed (exit {code}):\n{driver.stderr_tail()}"
         assert options.report is not None
-        return JobReport.from_json(Path(options.report).read_text())
+        report = JobReport.from_json(Path(options.report).read_text())
+        assert not report.unfired_faults, f"faults that never fired: {report.unfired_faults}"
+        return report
 
     def run(self, options: JobOptions, name: str = "driver") -> JobReport:
         return self.finish(self.start(options, name), options)

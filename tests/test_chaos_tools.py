@@ -35,7 +35,9 @@ from stateful_async.chaos import (
     DriverProcess,
     FaultSpec,
     JobOptions,
+    JobReport,
     LocalCluster,
+    TaskAttempt,
     ZombieCommit,
     _cluster,
     _job,
@@ -1865,6 +1867,95 @@ def test_a_fault_at_the_last_checkpoint_or_in_a_resumed_run_is_taken(tmp_path: P
     assert options("crash-commit=40", restore_from="latest").restore_from == "latest"
     # a speculative copy takes an attempt number without a failure
     assert options("zombie-commit=2,attempt=9", speculation=True).faults[0].attempt == 9
+
+
+CRASHED = "org.apache.spark.SparkException: Python worker exited unexpectedly (crashed)."
+REFUSED = "checkpoint.CheckpointConflictError: The commit of checkpoint 2 ... was refused"
+
+
+def attempt(partition: int, number: int, error: str | None = None) -> TaskAttempt:
+    return TaskAttempt(
+        stage_id=0,
+        partition=partition,
+        attempt=number,
+        status="FAILED" if error else "SUCCESS",
+        speculative=False,
+        executor_id="driver",
+        host="localhost",
+        launch_time=0.0,
+        duration=1.0,
+        error=error,
+    )
+
+
+@pytest.mark.parametrize(
+    ("fault", "tasks", "unfired"),
+    [
+        # the fault's attempt failed as the fault makes it fail: it fired
+        ("crash-at=5", [attempt(0, 0, CRASHED), attempt(0, 1), attempt(1, 0)], False),
+        ("crash-commit=2,partition=1", [attempt(0, 0), attempt(1, 0, CRASHED)], False),
+        ("zombie-commit=2,partition=0", [attempt(0, 0, REFUSED), attempt(0, 1)], False),
+        # aimed at an attempt that never ran (attempt 0 did not fail)
+        ("crash-at=5,attempt=1", [attempt(0, 0), attempt(1, 0)], True),
+        # a crash elsewhere: another partition, another attempt, another failure
+        (
+            "crash-commit=2,partition=1",
+            [attempt(0, 0, CRASHED), attempt(0, 1), attempt(1, 0)],
+            True,
+        ),
+        ("crash-at=5", [attempt(0, 0, "ExecutorLostFailure"), attempt(0, 1), attempt(1, 0)], True),
+        ("crash-at=5,attempt=1", [attempt(0, 0, CRASHED), attempt(0, 1), attempt(1, 0)], True),
+        ("zombie-commit=2", [attempt(0, 0, CRASHED), attempt(0, 1), attempt(1, 0)], True),
+        # a delay leaves no mark; without the status store nothing is known
+        ("delay-commit=2:1", [attempt(0, 0), attempt(1, 0)], False),
+        ("crash-at=5", [], False),
+    ],
+)
+def test_a_fault_that_no_task_attempt_shows_firing_is_unfired(
+    fault: str, tasks: list[TaskAttempt], unfired: bool
+) -> None:
+    # Before, a fault that was accepted but never fired (its attempt never ran, a resumed
+    # run skipped its row) went unnoticed: the job succeeded, and the chaos test with it
+    # passed having tested no recovery.
+    spec = FaultSpec.parse(fault)
+    assert _job.unfired_faults([spec], tasks) == ([spec] if unfired else [])
+
+
+def test_the_job_warns_of_a_fault_that_never_fired(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Session:
+        class sparkContext:
+            applicationId = "app-1"
+
+        def stop(self) -> None:
+            pass
+
+    def run(spark: Any, options: JobOptions) -> JobReport:
+        return JobReport(
+            "app-1", options.job_id, "ordered", 10, 2, 0.0, 1.0, 0, True, 10,
+            tasks=[attempt(0, 0), attempt(1, 0)],
+            unfired_faults=[str(f) for f in _job.unfired_faults(options.faults, [attempt(0, 0)])],
+        )  # fmt: skip
+
+    monkeypatch.setattr(_job, "session_for", lambda *args, **kwargs: Session())
+    monkeypatch.setattr(_job, "run_job", run)
+    report = tmp_path / "run.json"
+    argv = ["--master", "local[2,3]", "--service-url", "http://127.0.0.1:1", "--rows", "10"]
+    argv += ["--checkpoint", str(tmp_path / "c"), "--output", str(tmp_path / "o")]
+    argv += ["--fault", "crash-at=5,attempt=1", "--report", str(report)]
+    assert job_main(argv) == 0  # the output is committed and right
+    assert (
+        "warning: the fault crash-at=5,attempt=1 never fired: no task attempt it is aimed at "
+        "failed as it makes one fail, so this run tested no recovery from it. Aim it at a row "
+        "or checkpoint the run reaches, and at an attempt that runs.\n"
+    ) in capsys.readouterr().err
+    written = JobReport.from_json(report.read_text())
+    assert written.unfired_faults == ["crash-at=5,attempt=1"]
+    # a report written before the field existed still loads
+    old = json.loads(report.read_text())
+    del old["unfired_faults"]
+    assert JobReport.from_json(json.dumps(old)).unfired_faults == []
 
 
 def test_a_report_in_a_folder_that_does_not_exist_or_a_folder_is_refused_before_the_job_runs(

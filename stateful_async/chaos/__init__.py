@@ -15,7 +15,8 @@
 * ``run_job`` / ``JobOptions`` / ``session_for`` — the reference chaos job
   (``python -m stateful_async.chaos.job``): ``FaultSpec`` is one of its ``--fault``s,
   ``to_argv`` gives its options as that command's arguments, and ``JobReport`` (a
-  ``TaskAttempt`` per task attempt) is what ``--report`` writes. Its input is
+  ``TaskAttempt`` per task attempt, and the faults that never fired) is what ``--report``
+  writes. Its input is
   ``generate_input`` (``partition_ids`` tells which ids a partition holds), its output
   schema ``SCHEMA``, its timeout fallback ``FALLBACK``, and ``expected_output`` what it
   must write.

@@ -24,7 +24,10 @@ Faults are off unless ``--fault`` asks for one; each wraps the enrichment functi
 
 Each takes ``,attempt=A`` (default 0: only the first attempt is hit, so the retry
 succeeds) and ``,partition=P`` (repeatable; default: every partition); ``zombie-commit``
-also ``,wait=SECONDS`` (default 300), how long it waits for the newer attempt.
+also ``,wait=SECONDS`` (default 300), how long it waits for the newer attempt. A fault that
+can never fire on the generated input is refused before Spark starts; one that did not
+fire all the same (its attempt never ran, a resumed run skipped its row) is named in the
+report's ``unfired_faults`` and in a warning on stderr.
 
 The checks — ``compare_outputs``, ``check_snapshot_store``, ``request_repeats`` — work on
 any job's output, snapshot store and service counters, not only this job's.
@@ -628,6 +631,8 @@ class JobReport:
     written: bool  # False if the sink skipped an already committed txnVersion
     rows_in_table: int
     tasks: list[TaskAttempt] = field(default_factory=list)
+    # the --fault options whose effect none of the tasks shows (see unfired_faults)
+    unfired_faults: list[str] = field(default_factory=list)
 
     def failed_attempts(self) -> list[TaskAttempt]:
         return [t for t in self.tasks if t.status == "FAILED"]
@@ -698,6 +703,7 @@ def job_report(
     took ``seconds`` from ``started`` and found ``options.output`` at ``version_before``;
     the jobs ``earlier_jobs`` (Spark job ids) were not the run's."""
     after = _table_version(options.output)
+    tasks = task_attempts(spark, job_group=job_group, earlier_jobs=earlier_jobs)
     return JobReport(
         app_id=spark.sparkContext.applicationId,
         job_id=options.job_id,
@@ -709,8 +715,42 @@ def job_report(
         table_version=after,
         written=after is not None and after != version_before,
         rows_in_table=_table_rows(options.output),
-        tasks=task_attempts(spark, job_group=job_group, earlier_jobs=earlier_jobs),
+        tasks=tasks,
+        unfired_faults=[str(f) for f in unfired_faults(options.faults, tasks)],
     )
+
+
+# What a fault's aimed task attempt fails with once it has fired: a crash kills the Python
+# worker, a zombie's late commit is refused. (A delay-commit leaves no sign in the tasks.)
+_FIRED_SIGNS = {
+    "crash-at": "Python worker exited unexpectedly",
+    "crash-commit": "Python worker exited unexpectedly",
+    "zombie-commit": "CheckpointConflictError",
+}
+
+
+def unfired_faults(faults: Iterable[FaultSpec], tasks: Sequence[TaskAttempt]) -> list[FaultSpec]:
+    """The faults that, by ``tasks`` (a run's task attempts), never fired: no attempt
+    they are aimed at (its number, one of its partitions) failed as the fault makes it
+    fail — a crashed Python worker (``crash-at``, ``crash-commit``), a refused late commit
+    (``zombie-commit``; one whose wait ran out with no newer attempt made an ordinary
+    commit). Such a fault was armed on a task that never reached its row or checkpoint (a
+    resumed run skipped them), or on an attempt that never ran; a chaos test with it
+    proved nothing. ``delay-commit`` leaves no sign and is never listed;
+    nothing is listed without ``tasks`` (Spark's status store unread)."""
+    if not tasks:
+        return []
+    return [
+        fault
+        for fault in faults
+        if fault.kind in _FIRED_SIGNS
+        and not any(
+            t.attempt == fault.attempt
+            and (fault.partitions is None or t.partition in fault.partitions)
+            and _FIRED_SIGNS[fault.kind] in (t.error or "")
+            for t in tasks
+        )
+    ]
 
 
 def _table_version(path: str) -> int | None:
@@ -848,6 +888,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "attempts",
             flush=True,
         )
+        for fault in report.unfired_faults:
+            print(
+                f"warning: the fault {fault} never fired: no task attempt it is aimed at "
+                "failed as it makes one fail, so this run tested no recovery from it. Aim "
+                "it at a row or checkpoint the run reaches, and at an attempt that runs.",
+                file=sys.stderr,
+                flush=True,
+            )
         write_report(report, options.report)
     except Exception as exc:
         print(f"error: the job failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -3,6 +3,7 @@ mock enrichment service on 127.0.0.1."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,9 @@ def service() -> Iterator[MockService]:
         yield svc
 
 
-def options(service: MockService, tmp_path: Path, name: str, *faults: str) -> JobOptions:
+def options(
+    service: MockService, tmp_path: Path, name: str, *faults: str, **changes: Any
+) -> JobOptions:
     return JobOptions(
         master="local[2,3]",
         service_url=service.url,
@@ -29,6 +32,7 @@ def options(service: MockService, tmp_path: Path, name: str, *faults: str) -> Jo
         interval=50,
         job_id=name,
         faults=tuple(FaultSpec.parse(f) for f in faults),
+        **changes,
     )
 
 
@@ -40,7 +44,24 @@ def test_a_run_reports_only_its_own_task_attempts(
     crashed = run_job(spark, options(service, tmp_path, "crashed", "crash-at=5"))
     [failed] = crashed.failed_attempts()
     assert (failed.partition, failed.attempt) == (0, 0)
+    assert crashed.unfired_faults == []  # it fired
     clean = run_job(spark, options(service, tmp_path, "clean"))
     assert clean.rows_in_table == 200
     assert clean.failed_attempts() == []
     assert sorted((t.partition, t.attempt) for t in clean.tasks) == [(0, 0), (1, 0)]
+
+
+def test_a_fault_that_never_fired_is_in_the_report(
+    spark: Any, service: MockService, tmp_path: Path
+) -> None:
+    # Before, nothing said so: the job succeeded, and a chaos test with the fault passed
+    # having tested no recovery at all.
+    never = run_job(spark, options(service, tmp_path, "never", "crash-at=5,attempt=1"))
+    assert never.failed_attempts() == []  # attempt 0 did not fail: attempt 1 never ran
+    assert never.unfired_faults == ["crash-at=5,attempt=1"]
+    # A resumed run restores the final checkpoints: row 5 and checkpoint 2 are not reached.
+    resumed = options(service, tmp_path, "never", "crash-at=5", "crash-commit=2")
+    resumed = dataclasses.replace(resumed, output=str(tmp_path / "again"), restore_from="latest")
+    again = run_job(spark, resumed)
+    assert again.rows_in_table == 200 and again.failed_attempts() == []
+    assert again.unfired_faults == ["crash-at=5", "crash-commit=2"]
