@@ -12,6 +12,8 @@ import pytest
 
 from stateful_async.chaos import FaultSpec, JobOptions, MockService, ServiceConfig, run_job
 
+pytestmark = pytest.mark.spark
+
 
 @pytest.fixture(scope="module")
 def service() -> Iterator[MockService]:
