@@ -1728,9 +1728,30 @@ def test_a_row_without_the_crash_key_field_is_refused(monkeypatch: pytest.Monkey
         r"such field \(its fields: 'key', 'name'\)\. Pass key_field= the name of the field",
     ):
         asyncio.run(fault.async_invoke({"key": 5, "name": "x"}))
-    disarmed = CrashOnElement(enrich, at=[5], attempt=1)  # never looks at the rows
-    asyncio.run(disarmed.open())
-    assert asyncio.run(disarmed.async_invoke({"key": 5})) == [{"key": 5}]
+    empty = CrashOnElement(enrich, at=[])  # disarmed everywhere: never looks at the rows
+    asyncio.run(empty.open())
+    assert asyncio.run(empty.async_invoke({"key": 5})) == [{"key": 5}]
+
+
+def test_a_crash_key_no_row_key_can_equal_is_refused_on_the_attempts_it_is_not_aimed_at_too() -> (
+    None
+):
+    # Before, only the attempt the fault is aimed at checked the rows: its ConfigurationError
+    # failed attempt 0, and Spark's retry, attempt 1, ran without the check and succeeded, so
+    # the job passed with one failed attempt, as if the fault had crashed it.
+    retry = CrashOnElement(enrich, at=["5"], attempt=1)  # outside Spark: this is attempt 0
+    asyncio.run(retry.open())
+    with pytest.raises(ConfigurationError, match=r"^CrashOnElement can never fire: .* type int"):
+        asyncio.run(retry.async_invoke({"id": 5}))
+    missing = CrashOnElement(enrich, at=[5], attempt=1)
+    asyncio.run(missing.open())
+    with pytest.raises(ConfigurationError, match=r"^CrashOnElement's key_field is 'id', but "):
+        asyncio.run(missing.async_invoke({"key": 5}))
+    # the first row whose key is not null is checked; after it, the rows go straight through
+    fine = CrashOnElement(enrich, at=["5"], attempt=1)
+    asyncio.run(fine.open())
+    for row in ({"id": None}, {"id": "7"}, {"key": 1}, {"id": 5}):
+        assert asyncio.run(fine.async_invoke(row)) == [row]
 
 
 def test_compare_outputs_names_a_row_without_the_key(tmp_path: Path) -> None:

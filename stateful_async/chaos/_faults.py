@@ -88,10 +88,13 @@ class CrashOnElement(_Wrapper):
     is in ``at``, on task attempt ``attempt`` (default: the first) of ``partitions``
     (default: any). Other calls go to ``fn`` unchanged.
 
-    The keys in ``at`` must be of a type the rows' keys can equal: where an armed fault
-    meets a key that none of ``at`` ever equals by its type (``at=["5"]`` with int ids, or
-    bytes against str: the fault would never fire), or a row without ``key_field``, it
-    raises ``ConfigurationError``. Each key type is checked once; a null key is not."""
+    The keys in ``at`` must be of a type the rows' keys can equal: where the fault meets a
+    key that none of ``at`` ever equals by its type (``at=["5"]`` with int ids, or bytes
+    against str: the fault would never fire), or a row without ``key_field``, it raises
+    ``ConfigurationError``. Armed, it checks each key type once; on the attempts it is not
+    aimed at, the first row with a key that is not null (so that the retry of an attempt
+    that failed with this error fails too, rather than succeed without the fault). A null
+    key is never checked."""
 
     def __init__(
         self,
@@ -129,22 +132,27 @@ class CrashOnElement(_Wrapper):
             )
         self.exit_code = code
         self._armed = False
+        self._watching = False  # looking at the rows' keys: armed, or until one is checked
         self._key_types: set[type] = set()  # the types of key seen, each checked once
 
     async def open(self) -> None:
         self._armed = _armed(self.attempt, self.partitions)
+        self._watching = bool(self.at)  # empty: disarmed everywhere, rows never looked at
         await self.fn.open()
 
     async def close(self) -> None:
         await self.fn.close()
 
     async def async_invoke(self, row: Any) -> Iterable[Any]:
-        if self._armed and self.at:
+        if self._watching:
             key = self._key(row)
             if type(key) not in self._key_types:
                 self._check_key_type(key)
-            if key in self.at:
-                os._exit(self.exit_code)  # the worker dies here, mid-partition
+            if self._armed:
+                if key in self.at:
+                    os._exit(self.exit_code)  # the worker dies here, mid-partition
+            elif key is not None:  # checked: a key of the rows' type, on an attempt not aimed at
+                self._watching = False
         return await self.fn.async_invoke(row)
 
     def _key(self, row: Any) -> Any:

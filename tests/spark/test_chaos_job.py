@@ -1,5 +1,5 @@
-"""The reference chaos job (``run_job``) on a real local[2,3] Spark session against the
-mock enrichment service on 127.0.0.1."""
+"""The reference chaos job (``run_job``) and the fault wrappers on a real local[2,3] Spark
+session, against the mock enrichment service on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 
-from stateful_async.chaos import FaultSpec, JobOptions, MockService, ServiceConfig, run_job
+from stateful_async.chaos import (
+    CrashOnElement,
+    FaultSpec,
+    JobOptions,
+    MockService,
+    ServiceConfig,
+    run_job,
+)
+from stateful_async.spark import ordered_wait
 
 pytestmark = pytest.mark.spark
 
@@ -67,3 +75,15 @@ def test_a_fault_that_never_fired_is_in_the_report(
     again = run_job(spark, resumed)
     assert again.rows_in_table == 200 and again.failed_attempts() == []
     assert again.unfired_faults == ["crash-at=5", "crash-commit=2"]
+
+
+def test_a_crash_key_no_row_key_can_equal_fails_the_job(spark: Any) -> None:
+    # Before, the ConfigurationError failed attempt 0 only: attempt 1, which the fault is
+    # not aimed at, never looked at the rows and succeeded, and so did the job.
+    async def twice(row: Any) -> list[dict[str, int]]:
+        return [{"id": row["id"], "twice": 2 * row["id"]}]
+
+    df = spark.range(0, 20, 1, 2)
+    enriched = ordered_wait(df, CrashOnElement(twice, at=["5"]), "id long, twice long")
+    with pytest.raises(Exception, match=r"CrashOnElement can never fire: its at holds keys of"):
+        enriched.collect()
