@@ -213,10 +213,10 @@ def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) 
         for other in data_fields
         if other not in table_fields and other.lower() == name.lower()
     }
-    problems = []
+    renames, problems = [], []
     for name, table_type in table_fields.items():
         if name in in_other_case:
-            problems.append(
+            renames.append(
                 f"the table column {name!r} is {in_other_case[name]!r} in the data (Delta "
                 f"column names are case-insensitive, but a write must spell them as the "
                 f"table does: rename it with withColumnRenamed({in_other_case[name]!r}, "
@@ -233,10 +233,11 @@ def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) 
     extra = [name for name in data_fields if name not in table_fields and name not in renamed]
     if extra and not merge:
         problems.extend(f"the data column {name!r} is not in the table" for name in extra)
-    if problems:
+    if renames or problems:
+        # A rename says how to make it itself; the rest need this advice. mergeSchema adds
+        # columns only: advised for new ones, never for a type change.
         advice = (
             "Select and cast the columns to match the table"
-            # mergeSchema adds columns only: advised for new ones, never for a type change.
             + (
                 ", or set the option mergeSchema=true to add new columns"
                 if extra and not merge
@@ -246,8 +247,8 @@ def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) 
         )
         raise SinkSchemaMismatchError(
             f"The data's schema does not match the Delta table at {table_uri}: "
-            + "; ".join(problems)
-            + f". {advice}"
+            + "; ".join(renames + problems)
+            + (f". {advice}" if problems else ".")
         )
     return [f for f in ours.fields if f.name in extra]
 

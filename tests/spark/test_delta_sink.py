@@ -948,8 +948,17 @@ def test_a_column_spelt_in_another_case_is_named_not_offered_to_merge_schema(
             f"The data's schema does not match the Delta table at {table}: the table column "
             "'id' is 'ID' in the data (Delta column names are case-insensitive, but a write "
             "must spell them as the table does: rename it with withColumnRenamed('ID', "
-            "'id')). Select and cast the columns to match the table."
+            "'id'))."  # ended with 'Select and cast the columns to match the table.' too
         )
+    # With a difference a rename does not mend, the advice that mends it follows.
+    data = pa.schema([("ID", pa.int64()), ("label", pa.int64())])
+    options = SinkOptions.parse({"path": table}, streaming=False)
+    with pytest.raises(SinkSchemaMismatchError) as caught:
+        plan_write(options, data)
+    assert str(caught.value).endswith(
+        "withColumnRenamed('ID', 'id')); the column 'label' is string in the table but long "
+        "in the data. Select and cast the columns to match the table."
+    )
     assert DeltaTable(table).schema().to_arrow().names == ["id", "label"]
 
 
