@@ -199,35 +199,41 @@ def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) 
     """Compare the data's schema with the table's; return the fields ``mergeSchema`` adds.
 
     Columns are matched by name, types compared without nullability. Extra columns are
-    allowed only with ``merge``; missing columns and changed types are never allowed.
+    allowed only with ``merge``; missing columns and changed types are never allowed. A
+    column or struct field the data spells in another case is named as such (its type is
+    compared as if spelt as the table does).
     """
     ours = delta_schema(schema)
     table_fields = _fields(table.schema())
     data_fields = _fields(ours)
-    # Delta column names are case-insensitive: a data column 'ID' is the table's 'id' spelt
-    # otherwise, not a new column that mergeSchema could add.
-    in_other_case = {
-        name: other
-        for name in table_fields
-        if name not in data_fields
-        for other in data_fields
-        if other not in table_fields and other.lower() == name.lower()
-    }
+    # Delta names are case-insensitive: a data column 'ID' is the table's 'id' spelt
+    # otherwise, not a new column that mergeSchema could add; so is a struct field.
+    in_other_case = _spelt_otherwise(list(table_fields), list(data_fields))
     renames, problems = [], []
     for name, table_type in table_fields.items():
-        if name in in_other_case:
-            renames.append(
-                f"the table column {name!r} is {in_other_case[name]!r} in the data (Delta "
-                f"column names are case-insensitive, but a write must spell them as the "
-                f"table does: rename it with withColumnRenamed({in_other_case[name]!r}, "
-                f"{name!r}))"
-            )
-        elif name not in data_fields:
+        spelt = in_other_case.get(name, name)
+        if spelt not in data_fields:
             problems.append(f"the table column {name!r} is missing from the data")
-        elif data_fields[name] != table_type:
+            continue
+        if spelt != name:
+            renames.append(
+                f"the table column {name!r} is {spelt!r} in the data (Delta column names are "
+                f"case-insensitive, but a write must spell them as the table does: rename it "
+                f"with withColumnRenamed({spelt!r}, {name!r}))"
+            )
+        data_type = data_fields[spelt]
+        fields_renamed: list[tuple[str, str]] = []
+        as_in_table = _spelt_as_in_table(table_type, data_type, (name, spelt), fields_renamed)
+        renames.extend(
+            f"the table field {table_path!r} is {data_path!r} in the data (Delta field names "
+            f"are case-insensitive, but a write must spell them as the table does: rebuild "
+            f"the column {spelt!r} with the table's field names, e.g. with named_struct)"
+            for table_path, data_path in fields_renamed
+        )
+        if as_in_table != table_type:
             problems.append(
                 f"the column {name!r} is {_type_name(table_type)} in the table but "
-                f"{_type_name(data_fields[name])} in the data"
+                f"{_type_name(data_type)} in the data"
             )
     renamed = set(in_other_case.values())
     extra = [name for name in data_fields if name not in table_fields and name not in renamed]
@@ -251,6 +257,64 @@ def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) 
             + (f". {advice}" if problems else ".")
         )
     return [f for f in ours.fields if f.name in extra]
+
+
+def _spelt_otherwise(table_names: list[str], data_names: list[str]) -> dict[str, str]:
+    """The table's names that the data spells in another case, each with the data's
+    spelling (only names the other side lacks as they are)."""
+    return {
+        name: other
+        for name in table_names
+        if name not in data_names
+        for other in data_names
+        if other not in table_names and other.lower() == name.lower()
+    }
+
+
+def _spelt_as_in_table(
+    table_type: Any, data_type: Any, paths: tuple[str, str], renames: list[tuple[str, str]]
+) -> Any:
+    """``data_type`` (a Delta type in JSON form) with the names of its struct fields, at any
+    depth, that the table's ``table_type`` spells in another case spelt as the table does,
+    to compare what is left; each such field goes to ``renames`` as (table path, data path),
+    from ``paths``, the column's: ``s.Name`` and ``s.name``; ``l[].X``, ``m{key}.a`` and
+    ``m{}.a`` inside lists and maps."""
+    if not isinstance(table_type, dict) or not isinstance(data_type, dict):
+        return data_type
+    kind = table_type["type"]
+    if kind != data_type["type"]:
+        return data_type
+    if kind == "struct":
+        table_fields = {f["name"]: f["type"] for f in table_type["fields"]}
+        data_names = [f["name"] for f in data_type["fields"]]
+        as_table = {v: k for k, v in _spelt_otherwise(list(table_fields), data_names).items()}
+        fields = []
+        for f in data_type["fields"]:
+            name = as_table.get(f["name"], f["name"])
+            inner = (field_path(paths[0], name), field_path(paths[1], f["name"]))
+            if name != f["name"]:
+                renames.append(inner)
+            fields.append(
+                {
+                    **f,
+                    "name": name,
+                    "type": _spelt_as_in_table(table_fields.get(name), f["type"], inner, renames),
+                }
+            )
+        return {**data_type, "fields": fields}
+    parts = {
+        "array": [("elementType", ELEMENTS)],
+        "map": [("keyType", KEYS), ("valueType", VALUES)],
+    }
+    return {
+        **data_type,
+        **{
+            key: _spelt_as_in_table(
+                table_type[key], data_type[key], (paths[0] + part, paths[1] + part), renames
+            )
+            for key, part in parts.get(kind, [])
+        },
+    }
 
 
 def _check_partitioning(table: Any, partition_by: tuple[str, ...], table_uri: str) -> None:

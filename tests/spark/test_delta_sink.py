@@ -962,6 +962,72 @@ def test_a_column_spelt_in_another_case_is_named_not_offered_to_merge_schema(
     assert DeltaTable(table).schema().to_arrow().names == ["id", "label"]
 
 
+def test_a_field_spelt_in_another_case_is_named_not_blamed_on_its_type(tmp_path: Path) -> None:
+    # The data's s<name> for the table's s<Name> was reported as 'the column 's' is
+    # struct<Name: string> in the table but struct<name: string> in the data', leaving the
+    # reader to spot the case, with the advice to cast, which keeps the data's names.
+    table = str(tmp_path / "t")
+
+    def struct(*names: str) -> pa.StructType:
+        return pa.struct([(name, pa.string()) for name in names])
+
+    write_deltalake(
+        table,
+        pa.table(
+            {
+                "s": pa.array([{"Name": "a", "x": "b"}], struct("Name", "x")),
+                "l": pa.array([[{"X": "c"}]], pa.list_(struct("X"))),
+                "m": pa.array([[({"K": "k"}, {"a": "v"})]], pa.map_(struct("K"), struct("a"))),
+            }
+        ),
+    )
+
+    def renamed(table_path: str, data_path: str, column: str) -> str:
+        return (
+            f"the table field {table_path!r} is {data_path!r} in the data (Delta field names "
+            "are case-insensitive, but a write must spell them as the table does: rebuild the "
+            f"column {column!r} with the table's field names, e.g. with named_struct)"
+        )
+
+    data = pa.schema(
+        [
+            ("S", struct("name", "x")),
+            ("l", pa.list_(struct("x"))),
+            ("m", pa.map_(struct("k"), struct("A"))),
+        ]
+    )
+    for merge in ("false", "true"):
+        options = SinkOptions.parse({"path": table, "mergeSchema": merge}, streaming=False)
+        with pytest.raises(SinkSchemaMismatchError) as caught:
+            plan_write(options, data)
+        assert str(caught.value) == (
+            f"The data's schema does not match the Delta table at {table}: the table column "
+            "'s' is 'S' in the data (Delta column names are case-insensitive, but a write must "
+            "spell them as the table does: rename it with withColumnRenamed('S', 's')); "
+            + "; ".join(
+                [
+                    renamed("s.Name", "S.name", "S"),
+                    renamed("l[].X", "l[].x", "l"),
+                    renamed("m{key}.K", "m{key}.k", "m"),
+                    renamed("m{}.a", "m{}.A", "m"),
+                ]
+            )
+            + "."
+        )
+    # A type difference besides is still named, once the names are spelt alike.
+    data = pa.schema([("s", pa.struct([("name", pa.string()), ("x", pa.int64())]))])
+    with pytest.raises(SinkSchemaMismatchError) as caught:
+        plan_write(SinkOptions.parse({"path": table}, streaming=False), data)
+    assert str(caught.value) == (
+        f"The data's schema does not match the Delta table at {table}: "
+        + renamed("s.Name", "s.name", "s")
+        + "; the column 's' is struct<Name: string, x: string> in the table but struct<name: "
+        "string, x: long> in the data; the table column 'l' is missing from the data; the "
+        "table column 'm' is missing from the data. Select and cast the columns to match the "
+        "table."
+    )
+
+
 @pytest.mark.spark
 def test_idempotent_batch_write_with_txn_options(sink: Any, tmp_path: Path) -> None:
     table = str(tmp_path / "table")
