@@ -106,10 +106,7 @@ def _check_case_distinct(struct: pa.StructType, path: str) -> None:
             f"{path or '<value>'!r} is a struct with no fields, which a Delta table (which "
             "checkpoints are) cannot store. Drop it, or give it a field, before enriching."
         )
-    seen: dict[str, str] = {}
-    for field in struct:
-        other = seen.get(field.name.lower())
-        seen[field.name.lower()] = field.name
+    for field, other in zip(struct, earlier_same_names([f.name for f in struct]), strict=True):
         if other == field.name:
             raise UnsupportedTypeError(
                 f"{path or '<value>'!r} has two fields named {other!r}; a Delta table (which "
@@ -124,6 +121,18 @@ def _check_case_distinct(struct: pa.StructType, path: str) -> None:
                 "column. Rename one of them before enriching (an input column with "
                 "DataFrame.withColumnRenamed, a result field in the output schema)."
             )
+
+
+def earlier_same_names(names: list[str]) -> list[str | None]:
+    """For each of ``names`` (a struct's fields, or a table's columns), the first earlier one
+    that a Delta table takes for the same name: equal to it, or equal but for case (Delta
+    names are case-insensitive); None for a name of its own."""
+    first: dict[str, str] = {}
+    earlier: list[str | None] = []
+    for name in names:
+        earlier.append(first.get(name.lower()))
+        first.setdefault(name.lower(), name)
+    return earlier
 
 
 def storage_schema(schema: pa.Schema) -> pa.Schema:

@@ -33,6 +33,8 @@ from urllib.parse import unquote, urlparse
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from checkpoint._types import earlier_same_names
+
 from .._exceptions import ConfigurationError, DeltaSinkError, SinkSchemaMismatchError
 from ._columns import ELEMENTS, KEYS, VALUES, field_path
 from ._sink_files import DataFile, TableStorage, as_file_schema, check_partition_columns
@@ -134,12 +136,10 @@ def _names_differing_in_case(fields: list[pa.Field], path: str) -> Iterator[tupl
     """Pairs of sibling fields of the struct at ``path`` ("" for the columns), and of the
     structs inside them at any depth, whose names are equal but for their case, by their
     paths (``s.a``, ``l[].x``, ``m{key}.a``, ``m{}.a``)."""
-    seen: dict[str, str] = {}
-    for f in fields:
+    for f, earlier in zip(fields, earlier_same_names([f.name for f in fields]), strict=True):
         name = field_path(path, f.name)
-        first = seen.setdefault(f.name.lower(), name)
-        if first != name:
-            yield first, name
+        if earlier is not None and earlier != f.name:
+            yield field_path(path, earlier), name
         yield from _case_twins_inside(f.type, name)
 
 
