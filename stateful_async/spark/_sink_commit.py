@@ -114,11 +114,30 @@ def delta_schema(schema: pa.Schema) -> Any:
     try:
         return DeltaSchema.from_arrow(schema)
     except Exception as exc:  # deltalake raises plain Exception subclasses here
-        twins = list(_names_differing_in_case(list(schema), ""))
-        if twins:
+        same = [
+            (field_path(path, earlier), field_path(path, f.name))
+            for path, fields in _structs(list(schema))
+            for f, earlier in zip(fields, earlier_same_names([f.name for f in fields]), strict=True)
+            if earlier is not None
+        ]
+        twice = sorted({b for a, b in same if a == b})
+        if twice:
+            columns = ", ".join(repr(n) for n in twice if schema.names.count(n) > 1)
+            inside = ", ".join(repr(n) for n in twice if schema.names.count(n) < 2)
+            raise ConfigurationError(
+                "The data cannot be stored in a Delta table: it has "
+                + " and ".join(
+                    [f"more than one column named {columns}"] * bool(columns)
+                    + [f"more than one field named {inside} in a struct"] * bool(inside)
+                )
+                + ", and a Delta table holds one per name. Drop or rename the others before "
+                "writing (after a join on equal columns, join on their names to keep one: "
+                "a.join(b, 'id'); for a field, rebuild its struct with named_struct)."
+            ) from exc
+        if same:
             raise ConfigurationError(
                 "The data cannot be stored in a Delta table: "
-                + "; ".join(f"{a!r} and {b!r}" for a, b in twins)
+                + "; ".join(f"{a!r} and {b!r}" for a, b in same)
                 + " differ only in case, and Delta column and field names are "
                 "case-insensitive. Rename one of each pair before writing (withColumnRenamed "
                 "for a column; for a field, rebuild its struct with named_struct)."
@@ -132,26 +151,24 @@ def delta_schema(schema: pa.Schema) -> Any:
         ) from exc
 
 
-def _names_differing_in_case(fields: list[pa.Field], path: str) -> Iterator[tuple[str, str]]:
-    """Pairs of sibling fields of the struct at ``path`` ("" for the columns), and of the
-    structs inside them at any depth, whose names are equal but for their case, by their
-    paths (``s.a``, ``l[].x``, ``m{key}.a``, ``m{}.a``)."""
-    for f, earlier in zip(fields, earlier_same_names([f.name for f in fields]), strict=True):
-        name = field_path(path, f.name)
-        if earlier is not None and earlier != f.name:
-            yield field_path(path, earlier), name
-        yield from _case_twins_inside(f.type, name)
+def _structs(fields: list[pa.Field], path: str = "") -> Iterator[tuple[str, list[pa.Field]]]:
+    """The fields of the struct at ``path`` ("" for the columns), then those of every struct
+    inside them at any depth, each with its struct's path (``s``, ``l[]``, ``m{key}``,
+    ``m{}``), so that its fields are ``s.a``, ``l[].x``, ``m{key}.a``, ``m{}.a``."""
+    yield path, fields
+    for f in fields:
+        yield from _structs_inside(f.type, field_path(path, f.name))
 
 
-def _case_twins_inside(kind: pa.DataType, path: str) -> Iterator[tuple[str, str]]:
-    """``_names_differing_in_case`` of the structs inside a field of type ``kind``."""
+def _structs_inside(kind: pa.DataType, path: str) -> Iterator[tuple[str, list[pa.Field]]]:
+    """``_structs`` of the structs inside a field of type ``kind`` at ``path``."""
     if pa.types.is_struct(kind):
-        yield from _names_differing_in_case(list(kind), path)
+        yield from _structs(list(kind), path)
     elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        yield from _case_twins_inside(kind.value_type, path + ELEMENTS)
+        yield from _structs_inside(kind.value_type, path + ELEMENTS)
     elif pa.types.is_map(kind):
-        yield from _case_twins_inside(kind.key_type, path + KEYS)
-        yield from _case_twins_inside(kind.item_type, path + VALUES)
+        yield from _structs_inside(kind.key_type, path + KEYS)
+        yield from _structs_inside(kind.item_type, path + VALUES)
 
 
 def _delta_can_hold(field: pa.Field) -> bool:

@@ -1331,6 +1331,34 @@ def test_names_differing_only_in_case_are_named_not_blamed_on_their_types(
     assert not (tmp_path / "t").exists()
 
 
+def test_names_given_twice_are_named_not_blamed_on_their_types(tmp_path: Path) -> None:
+    # Two 'id' columns (a join on a.id == b.id keeps both) were refused as 'External error:
+    # Schema error: Duplicate field name (case-insensitive): 'id'. Cast them to a Delta type
+    # before writing (an interval to ...)'; two fields 'a' of one struct as 'the column(s)
+    # 's' (struct<a: int32, a: int32>) have no Delta type', which no cast fixes.
+    options = SinkOptions.parse({"path": str(tmp_path / "t")}, streaming=False)
+    advice = (
+        ", and a Delta table holds one per name. Drop or rename the others before writing "
+        "(after a join on equal columns, join on their names to keep one: a.join(b, 'id'); "
+        "for a field, rebuild its struct with named_struct)."
+    )
+    twice = pa.struct([("a", pa.int32()), ("a", pa.int32())])
+    for schema, named in [
+        (
+            pa.schema([("id", pa.int64()), ("v", pa.string()), ("id", pa.int64())]),
+            "column named 'id'",
+        ),
+        (pa.schema([("s", twice), ("id", pa.int64())]), "field named 's.a' in a struct"),
+        (pa.schema([("l", pa.list_(twice))]), "field named 'l[].a' in a struct"),
+    ]:
+        with pytest.raises(ConfigurationError) as caught:
+            plan_write(options, schema)
+        assert str(caught.value) == (
+            f"The data cannot be stored in a Delta table: it has more than one {named}{advice}"
+        )
+    assert not (tmp_path / "t").exists()
+
+
 def test_a_thread_that_registers_the_sink_can_write(sink: Any, tmp_path: Path) -> None:
     # Spark looks Python data sources up in the JVM thread's active session, which another
     # Python thread lacks: its write failed with DATA_SOURCE_NOT_FOUND, registered or not.
