@@ -111,6 +111,16 @@ def delta_schema(schema: pa.Schema) -> Any:
     """The Delta schema of an Arrow schema; unsupported types raise ConfigurationError."""
     from deltalake import Schema as DeltaSchema
 
+    # delta-rs takes a struct without fields, which no Parquet file holds: every task would
+    # fail on it.
+    empty = [repr(path) for path, fields in _structs(list(schema)) if path and not fields]
+    if empty:
+        raise ConfigurationError(
+            f"The data cannot be stored in a Delta table: {', '.join(empty)} "
+            + ("is a struct" if len(empty) == 1 else "are structs")
+            + " with no fields, which Parquet files cannot hold. Drop it, or give it a field, "
+            "before writing."
+        )
     try:
         return DeltaSchema.from_arrow(schema)
     except Exception as exc:  # deltalake raises plain Exception subclasses here

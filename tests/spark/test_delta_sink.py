@@ -1359,6 +1359,24 @@ def test_names_given_twice_are_named_not_blamed_on_their_types(tmp_path: Path) -
     assert not (tmp_path / "t").exists()
 
 
+def test_a_struct_without_fields_is_refused_before_any_task_runs(tmp_path: Path) -> None:
+    # delta-rs takes struct<> (Spark's struct()), so the plan passed and every task failed
+    # on pyarrow's 'Cannot write struct type 's' with no child field to Parquet', Spark
+    # retrying each one.
+    options = SinkOptions.parse({"path": str(tmp_path / "t")}, streaming=False)
+    for schema, named in [
+        (pa.schema([("id", pa.int64()), ("s", pa.struct([]))]), "'s'"),
+        (pa.schema([("id", pa.int64()), ("l", pa.list_(pa.struct([])))]), "'l[]'"),
+    ]:
+        with pytest.raises(ConfigurationError) as caught:
+            plan_write(options, schema)
+        assert str(caught.value) == (
+            f"The data cannot be stored in a Delta table: {named} is a struct with no fields, "
+            "which Parquet files cannot hold. Drop it, or give it a field, before writing."
+        )
+    assert not (tmp_path / "t").exists()
+
+
 def test_a_thread_that_registers_the_sink_can_write(sink: Any, tmp_path: Path) -> None:
     # Spark looks Python data sources up in the JVM thread's active session, which another
     # Python thread lacks: its write failed with DATA_SOURCE_NOT_FOUND, registered or not.
