@@ -113,7 +113,10 @@ def delta_schema(schema: pa.Schema) -> Any:
 
     # delta-rs takes a struct without fields, which no Parquet file holds: every task would
     # fail on it.
-    empty = [repr(path) for path, fields in _structs(list(schema)) if path and not fields]
+    structs = [
+        (p, kind) for p, kind in _nested_types(pa.struct(list(schema))) if pa.types.is_struct(kind)
+    ]
+    empty = [repr(path) for path, kind in structs if path and kind.num_fields == 0]
     if empty:
         raise ConfigurationError(
             f"The data cannot be stored in a Delta table: {', '.join(empty)} "
@@ -126,8 +129,8 @@ def delta_schema(schema: pa.Schema) -> Any:
     except Exception as exc:  # deltalake raises plain Exception subclasses here
         same = [
             (field_path(path, earlier), field_path(path, f.name))
-            for path, fields in _structs(list(schema))
-            for f, earlier in zip(fields, earlier_same_names([f.name for f in fields]), strict=True)
+            for path, kind in structs
+            for f, earlier in zip(kind, earlier_same_names([f.name for f in kind]), strict=True)
             if earlier is not None
         ]
         twice = sorted({b for a, b in same if a == b})
@@ -161,24 +164,19 @@ def delta_schema(schema: pa.Schema) -> Any:
         ) from exc
 
 
-def _structs(fields: list[pa.Field], path: str = "") -> Iterator[tuple[str, list[pa.Field]]]:
-    """The fields of the struct at ``path`` ("" for the columns), then those of every struct
-    inside them at any depth, each with its struct's path (``s``, ``l[]``, ``m{key}``,
-    ``m{}``), so that its fields are ``s.a``, ``l[].x``, ``m{key}.a``, ``m{}.a``."""
-    yield path, fields
-    for f in fields:
-        yield from _structs_inside(f.type, field_path(path, f.name))
-
-
-def _structs_inside(kind: pa.DataType, path: str) -> Iterator[tuple[str, list[pa.Field]]]:
-    """``_structs`` of the structs inside a field of type ``kind`` at ``path``."""
+def _nested_types(kind: pa.DataType, path: str = "") -> Iterator[tuple[str, pa.DataType]]:
+    """``kind`` and every type inside it, each with its path, outermost first: for
+    ``pa.struct(list(schema))``, the columns' struct at "", then ``s``, ``s.a``, ``l[]``
+    (a list's elements), ``m{key}`` and ``m{}`` (a map's keys and values), ``m{}.a``..."""
+    yield path, kind
     if pa.types.is_struct(kind):
-        yield from _structs(list(kind), path)
+        for f in kind:
+            yield from _nested_types(f.type, field_path(path, f.name))
     elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        yield from _structs_inside(kind.value_type, path + ELEMENTS)
+        yield from _nested_types(kind.value_type, path + ELEMENTS)
     elif pa.types.is_map(kind):
-        yield from _structs_inside(kind.key_type, path + KEYS)
-        yield from _structs_inside(kind.item_type, path + VALUES)
+        yield from _nested_types(kind.key_type, path + KEYS)
+        yield from _nested_types(kind.item_type, path + VALUES)
 
 
 def _delta_can_hold(field: pa.Field) -> bool:
@@ -363,19 +361,36 @@ def plan_write(
     delta_schema(schema)
     table = load_table(opts.table_uri, opts.storage_options)
     if table is None:
+        _check_typed(list(schema))
         check_partition_columns(schema, opts.partition_by)
         return WritePlan(schema, opts.partition_by)
     check_table_features(table, opts.table_uri, mode)
     existing = tuple(table.metadata().partition_columns)
     if opts.partition_by_given:
         _check_partitioning(table, opts.partition_by, opts.table_uri)
-    check_schema(table, schema, merge=opts.merge_schema, table_uri=opts.table_uri)
+    added = check_schema(table, schema, merge=opts.merge_schema, table_uri=opts.table_uri)
+    _check_typed([f for f in schema if f.name in {a.name for a in added}])
     check_partition_columns(schema, existing)
     # Files carry the table's NOT NULL flags, as delta-rs's own writer's do: a file whose
     # null struct holds nulls in a child the table declares NOT NULL is otherwise refused
     # by delta-rs's reader (Arrow's cast), which would make the whole table unreadable.
     # Tasks check the data against the flags.
     return WritePlan(_with_table_nullability(table, schema), existing)
+
+
+def _check_typed(columns: list[pa.Field]) -> None:
+    """Refuse columns the write would add to the table with a void type (Spark's NullType,
+    which a bare NULL has) at any depth: delta-rs takes it, but the table could then never
+    hold a value there (a later write of the column typed is a type change)."""
+    void = [repr(p) for p, kind in _nested_types(pa.struct(columns)) if pa.types.is_null(kind)]
+    if void:
+        raise ConfigurationError(
+            f"The data cannot be stored in a Delta table: {', '.join(void)} "
+            + ("has" if len(void) == 1 else "have")
+            + " no type (void: a bare NULL, such as F.lit(None), has none), so the table "
+            "could never hold a value there. Cast it to the type it stands for before "
+            "writing, e.g. F.lit(None).cast('string')."
+        )
 
 
 def _with_table_nullability(table: Any, schema: pa.Schema) -> pa.Schema:

@@ -1377,6 +1377,36 @@ def test_a_struct_without_fields_is_refused_before_any_task_runs(tmp_path: Path)
     assert not (tmp_path / "t").exists()
 
 
+def test_a_column_without_a_type_is_refused_before_it_reaches_the_table(tmp_path: Path) -> None:
+    # Spark gives a bare NULL (F.lit(None)) and an empty array() the void type. The sink
+    # created the table with a 'void' column, which could then never hold a value: a later
+    # write of it as a string was refused as a type change.
+    table = tmp_path / "t"
+    advice = (
+        "no type (void: a bare NULL, such as F.lit(None), has none), so the table could never "
+        "hold a value there. Cast it to the type it stands for before writing, e.g. "
+        "F.lit(None).cast('string')."
+    )
+    for schema, named in [
+        (pa.schema([("id", pa.int64()), ("n", pa.null())]), "'n' has "),
+        (
+            pa.schema([("s", pa.struct([("a", pa.null())])), ("l", pa.list_(pa.null()))]),
+            "'s.a', 'l[]' have ",
+        ),
+    ]:
+        with pytest.raises(ConfigurationError) as caught:
+            plan_write(SinkOptions.parse({"path": str(table)}, streaming=False), schema)
+        assert str(caught.value) == f"The data cannot be stored in a Delta table: {named}{advice}"
+    assert not table.exists()
+    # Nor does mergeSchema add one; a void column the table already has is written to.
+    write_deltalake(table, pa.table({"id": [1], "n": pa.array([None], pa.null())}))
+    merge = SinkOptions.parse({"path": str(table), "mergeSchema": "true"}, streaming=False)
+    with pytest.raises(ConfigurationError) as caught:
+        plan_write(merge, pa.schema([("id", pa.int64()), ("n", pa.null()), ("m", pa.null())]))
+    assert str(caught.value) == f"The data cannot be stored in a Delta table: 'm' has {advice}"
+    plan_write(merge, pa.schema([("id", pa.int64()), ("n", pa.null())]))
+
+
 def test_a_thread_that_registers_the_sink_can_write(sink: Any, tmp_path: Path) -> None:
     # Spark looks Python data sources up in the JVM thread's active session, which another
     # Python thread lacks: its write failed with DATA_SOURCE_NOT_FOUND, registered or not.
