@@ -202,6 +202,19 @@ def _strip(node: Any) -> Any:
     return node
 
 
+def _fields_sorted(node: Any) -> Any:
+    """A Delta type in JSON form with the fields of its structs, at any depth, sorted by
+    name: equal for two types that differ only in the order of struct fields."""
+    if isinstance(node, dict):
+        out = {k: _fields_sorted(v) for k, v in node.items()}
+        if isinstance(out.get("fields"), list):
+            out["fields"] = sorted(out["fields"], key=lambda f: f["name"])
+        return out
+    if isinstance(node, list):
+        return [_fields_sorted(v) for v in node]
+    return node
+
+
 def _type_name(node: Any) -> str:
     if isinstance(node, str):
         return node
@@ -234,14 +247,14 @@ def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) 
     # Delta names are case-insensitive: a data column 'ID' is the table's 'id' spelt
     # otherwise, not a new column that mergeSchema could add; so is a struct field.
     in_other_case = _spelt_otherwise(list(table_fields), list(data_fields))
-    renames, problems = [], []
+    advised, problems = [], []  # advised: the problems whose words say how to mend them
     for name, table_type in table_fields.items():
         spelt = in_other_case.get(name, name)
         if spelt not in data_fields:
             problems.append(f"the table column {name!r} is missing from the data")
             continue
         if spelt != name:
-            renames.append(
+            advised.append(
                 f"the table column {name!r} is {spelt!r} in the data (Delta column names are "
                 f"case-insensitive, but a write must spell them as the table does: rename it "
                 f"with withColumnRenamed({spelt!r}, {name!r}))"
@@ -249,13 +262,20 @@ def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) 
         data_type = data_fields[spelt]
         fields_renamed: list[tuple[str, str]] = []
         as_in_table = _spelt_as_in_table(table_type, data_type, (name, spelt), fields_renamed)
-        renames.extend(
+        advised.extend(
             f"the table field {table_path!r} is {data_path!r} in the data (Delta field names "
             f"are case-insensitive, but a write must spell them as the table does: rebuild "
             f"the column {spelt!r} with the table's field names, e.g. with named_struct)"
             for table_path, data_path in fields_renamed
         )
-        if as_in_table != table_type:
+        if as_in_table != table_type and _fields_sorted(as_in_table) == _fields_sorted(table_type):
+            advised.append(
+                f"the column {name!r} has the table's struct fields in another order: "
+                f"{_type_name(table_type)} in the table but {_type_name(data_type)} in the data "
+                f"(rebuild it in the table's order, e.g. with named_struct; a cast would match "
+                f"the fields by position, not by name)"
+            )
+        elif as_in_table != table_type:
             problems.append(
                 f"the column {name!r} is {_type_name(table_type)} in the table but "
                 f"{_type_name(data_type)} in the data"
@@ -264,8 +284,8 @@ def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) 
     extra = [name for name in data_fields if name not in table_fields and name not in renamed]
     if extra and not merge:
         problems.extend(f"the data column {name!r} is not in the table" for name in extra)
-    if renames or problems:
-        # A rename says how to make it itself; the rest need this advice. mergeSchema adds
+    if advised or problems:
+        # The advised say how to mend them themselves; the rest need this advice. mergeSchema adds
         # columns only: advised for new ones, never for a type change.
         advice = (
             "Select and cast the columns to match the table"
@@ -278,7 +298,7 @@ def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) 
         )
         raise SinkSchemaMismatchError(
             f"The data's schema does not match the Delta table at {table_uri}: "
-            + "; ".join(renames + problems)
+            + "; ".join(advised + problems)
             + (f". {advice}" if problems else ".")
         )
     return [f for f in ours.fields if f.name in extra]

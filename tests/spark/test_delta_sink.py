@@ -1028,6 +1028,33 @@ def test_a_field_spelt_in_another_case_is_named_not_blamed_on_its_type(tmp_path:
     )
 
 
+def test_struct_fields_in_another_order_are_named_not_advised_a_cast(tmp_path: Path) -> None:
+    # The data's s<b, a> for the table's s<a, b> was refused with 'Select and cast the
+    # columns to match the table.': Spark casts a struct by position, so that cast puts b's
+    # values into a (or fails on them), and with two fields of one type swaps them silently.
+    table = str(tmp_path / "t")
+    ab = pa.struct([("a", pa.string()), ("b", pa.int64())])
+    row = {"a": "x", "b": 1}
+    write_deltalake(
+        table, pa.table({"s": pa.array([row], ab), "l": pa.array([[row]], pa.list_(ab))})
+    )
+    ba = pa.struct([("b", pa.int64()), ("a", pa.string())])
+    data = pa.schema([("s", ba), ("l", pa.list_(ba))])
+    with pytest.raises(SinkSchemaMismatchError) as caught:
+        plan_write(SinkOptions.parse({"path": table}, streaming=False), data)
+    advice = (
+        " in the data (rebuild it in the table's order, e.g. with named_struct; a cast would "
+        "match the fields by position, not by name)"
+    )
+    assert str(caught.value) == (
+        f"The data's schema does not match the Delta table at {table}: the column 's' has the "
+        "table's struct fields in another order: struct<a: string, b: long> in the table but "
+        f"struct<b: long, a: string>{advice}; the column 'l' has the table's struct fields in "
+        "another order: array<struct<a: string, b: long>> in the table but array<struct<b: "
+        f"long, a: string>>{advice}."
+    )
+
+
 @pytest.mark.spark
 def test_idempotent_batch_write_with_txn_options(sink: Any, tmp_path: Path) -> None:
     table = str(tmp_path / "table")
