@@ -285,7 +285,7 @@ def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) 
     if extra and not merge:
         problems.extend(f"the data column {name!r} is not in the table" for name in extra)
     if advised or problems:
-        # The advised say how to mend them themselves; the rest need this advice. mergeSchema adds
+        # The advised ones say how to mend them; the rest need this advice. mergeSchema adds
         # columns only: advised for new ones, never for a type change.
         advice = (
             "Select and cast the columns to match the table"
