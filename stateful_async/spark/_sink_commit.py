@@ -383,6 +383,7 @@ def plan_write(
     if table is None:
         _check_typed(list(schema))
         check_partition_columns(schema, opts.partition_by)
+        _claim_new_location(opts)
         return WritePlan(schema, opts.partition_by)
     check_table_features(table, opts.table_uri, mode)
     existing = tuple(table.metadata().partition_columns)
@@ -396,6 +397,43 @@ def plan_write(
     # by delta-rs's reader (Arrow's cast), which would make the whole table unreadable.
     # Tasks check the data against the flags.
     return WritePlan(_with_table_nullability(table, schema), existing)
+
+
+# Left (empty) at a location where the sink is about to create a table, before any file of
+# the write: hidden (an underscore), so Delta readers and the search for orphans pass it over.
+NEW_TABLE_MARK = "_stateful_async_new_table"
+
+
+def _claim_new_location(opts: SinkOptions) -> None:
+    """Before the first write to a location without a Delta table: refuse one that holds
+    Parquet files the sink did not write there (a Parquet dataset, say), which the table's
+    orphan clean-up (``clean_orphan_files``, ``cleanOrphans``) would delete as files no
+    version names; otherwise leave ``NEW_TABLE_MARK`` there, by which a write that
+    follows one that failed before its commit knows the files it finds as that one's."""
+    storage = TableStorage(opts.table_uri, opts.storage_options)
+    try:
+        files = storage.list_files()
+        if any(rel == NEW_TABLE_MARK for rel, _ in files):
+            return
+        foreign = data_files(files)
+        if foreign:
+            shown = ", ".join(rel for rel, _ in foreign[:3])
+            raise ConfigurationError(
+                f"{opts.table_uri} holds no Delta table but {len(foreign)} Parquet file(s) "
+                f"({shown}{', ...' if len(foreign) > 3 else ''}): a table created there would "
+                "not name them, so its orphan clean-up (clean_orphan_files, cleanOrphans) "
+                "would delete them. Write to an empty location, or make those files a Delta "
+                "table first (deltalake's convert_to_deltalake) and write to it."
+            )
+        # empty (its name says it all): delta-rs's file system, behind file:// and object
+        # store locations, takes no write of a Python buffer ("'Buffer' object is not an
+        # instance of 'bytes'")
+        storage.open_output(NEW_TABLE_MARK).close()
+    except OSError as exc:
+        raise DeltaSinkError(
+            f"The delta_rs sink cannot prepare {opts.table_uri} for a new Delta table: "
+            f"{exc}. Check that the location is reachable and writable."
+        ) from exc
 
 
 def _check_typed(columns: list[pa.Field]) -> None:
@@ -952,19 +990,23 @@ def find_orphans(storage: TableStorage, older_than_seconds: float) -> list[str]:
     cutoff_ms = (time.time() - older_than_seconds) * 1000
     # List the files before reading the log: a file committed in between is then in the
     # log we read, so it cannot be mistaken for an orphan.
-    files = storage.list_files()
-    # A directory under the table that holds a Delta log is another table (a checkpoint
-    # location kept inside the table, say): its files are its own, never this one's orphans.
+    candidates = data_files(storage.list_files())
+    referenced = referenced_paths(storage)
+    return sorted(rel for rel, mtime in candidates if rel not in referenced and mtime < cutoff_ms)
+
+
+def data_files(files: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Of a location's ``files`` (``TableStorage.list_files``), the Parquet files a table
+    there could hold: none hidden, none of a Delta table nested inside (a checkpoint
+    location kept inside the table, say: its files are its own)."""
     nested = {rel.split("/_delta_log/")[0] + "/" for rel, _ in files if "/_delta_log/" in rel}
-    candidates = [
+    return sorted(
         (rel, mtime)
         for rel, mtime in files
         if rel.endswith(".parquet")
         and not _is_hidden(rel)
         and not any(rel.startswith(root) for root in nested)
-    ]
-    referenced = referenced_paths(storage)
-    return sorted(rel for rel, mtime in candidates if rel not in referenced and mtime < cutoff_ms)
+    )
 
 
 def clean_after_commit(opts: SinkOptions) -> None:

@@ -38,6 +38,7 @@ from checkpoint._layout import filesystem
 from stateful_async import ConfigurationError, DeltaSinkError, SinkSchemaMismatchError
 from stateful_async.spark import clean_orphan_files, register_delta_sink
 from stateful_async.spark._sink_commit import (
+    NEW_TABLE_MARK,
     Outcome,
     WritePlan,
     abort_write,
@@ -1921,6 +1922,39 @@ def test_clean_orphan_files_leaves_a_delta_table_nested_inside_the_table(tmp_pat
     assert removed == ["stray.parquet"]
     assert DeltaTable(str(nested)).to_pyarrow_table().num_rows == 1
     assert DeltaTable(str(table)).to_pyarrow_table().num_rows == 2
+
+
+def test_a_table_is_not_created_over_parquet_files_its_orphan_clean_up_would_delete(
+    tmp_path: Path,
+) -> None:
+    # before: the sink created the table over a Parquet dataset, and clean_orphan_files (or
+    # cleanOrphans) then deleted the dataset's files as orphans no version named
+    location = tmp_path / "data"
+    (location / "year=2024").mkdir(parents=True)
+    pq.write_table(_rows(0, 3), location / "old.parquet")
+    pq.write_table(_rows(3, 3), location / "year=2024" / "part-0.parquet")
+    before = _table_files(location)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"holds no Delta table but 2 Parquet file\(s\) \(old.parquet, "
+        r"year=2024/part-0.parquet\): a table created there .* would delete them\. .*"
+        r"convert_to_deltalake",
+    ):
+        plan_write(_unit_options(location), SOURCE_ARROW)
+    assert _table_files(location) == before and not (location / NEW_TABLE_MARK).exists()
+
+    # A new location is marked as the sink's before any file is written, so that the files
+    # of a write that failed before its first commit do not keep the next one out.
+    fresh = tmp_path / "fresh"
+    opts = _unit_options(fresh)
+    failed = _unit_write(opts, 0, 10, batch_id=0)  # never committed: its write failed
+    assert (fresh / NEW_TABLE_MARK).is_file()
+    plan = plan_write(opts, SOURCE_ARROW)
+    landed = _unit_write(opts, 0, 10, batch_id=0)
+    commit_write(opts, plan, landed, mode="append", app_id="q", version=0)
+    removed = clean_orphan_files(str(fresh), older_than=dt.timedelta(0))
+    assert removed == sorted(f.path for f in failed)
+    assert _ids(fresh) == list(range(10))
 
 
 @pytest.mark.spark
