@@ -10,6 +10,7 @@ import math
 from collections import deque
 from functools import partial
 from threading import get_ident
+from types import TracebackType
 from typing import (
     Any,
     Awaitable,
@@ -427,7 +428,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._cancelled: set[asyncio.Future[Any]] = set()
         self._closing: asyncio.Future[None] | None = None  # done once close() has returned
         self._closer: asyncio.Task[Any] | None = None  # the task that set _closing
-        self._close_error: Exception | None = None  # what the function's close() raised
+        # what the function's close() raised, and its traceback then (raised again with
+        # it: re-raising the object alone would add each close()'s frames to it)
+        self._close_error: tuple[Exception, TracebackType | None] | None = None
         self.metrics = OperatorMetrics()
 
     def _set_state(self, state: _State) -> None:
@@ -799,7 +802,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 closing = self._closing  # another waiter may have taken over a cancelled one
             if not self._fn_opened:
                 if self._close_error is not None:
-                    raise self._close_error
+                    error, trace = self._close_error
+                    raise error.with_traceback(trace)
                 return
         else:
             self._set_state(_State.CLOSED)
@@ -822,9 +826,10 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 try:
                     await self._fn.close()
                 except Exception as exc:  # not a cancellation: the close's outcome
-                    self._close_error = exc
+                    self._close_error = (exc, exc.__traceback__)
                     raise
         finally:
+            self._closer = None  # (not kept alive by the operator)
             closing.set_result(None)
 
     # -- attempts, retries, timeouts ---------------------------------------------------

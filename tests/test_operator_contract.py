@@ -13,6 +13,7 @@ import linecache
 import re
 import sys
 import time
+import traceback
 import types
 
 import pytest
@@ -1235,8 +1236,12 @@ async def test_every_close_raises_what_the_functions_close_raised() -> None:
     first, waiting = await asyncio.gather(op.close(), op.close(), return_exceptions=True)
     assert first is error
     assert waiting is error
-    with pytest.raises(ConnectionError, match="the pool did not close"):
-        await op.close()
+    frames = []
+    for _ in range(3):  # each with the traceback of the function's close(), not a longer one
+        with pytest.raises(ConnectionError, match="the pool did not close") as raised:
+            await op.close()
+        frames.append(len(traceback.extract_tb(raised.value.__traceback__)))
+    assert frames[0] == frames[1] == frames[2], frames
 
 
 @pytest.mark.parametrize("decided_by", ["the timeout handler", "the attempt"])
