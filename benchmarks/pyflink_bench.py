@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from options import output_file, positive_int  # benchmarks/ is on sys.path: these are scripts
+from scratch import run_prefix
 
 PYFLINK_REQUIREMENT = "apache-flink>=2,<3"
 PARALLELISM = 2
@@ -425,7 +426,7 @@ def run(
         from stateful_async.chaos import MockService, ServiceConfig
 
         with MockService(ServiceConfig(latency_ms=latency_ms)) as service:
-            with tempfile.TemporaryDirectory(prefix="pyflink-bench-") as outdir:
+            with tempfile.TemporaryDirectory(prefix=run_prefix("pyflink-bench-")) as outdir:
                 figures = _run_job(python, service.url, rows, capacity, outdir, service.pid)
                 subtasks = [
                     json.loads(p.read_text()) for p in sorted(Path(outdir).glob("subtask-*.json"))

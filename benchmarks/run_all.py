@@ -680,8 +680,8 @@ def render(results: dict[str, Any], plots: Path, doc_dir: Path) -> str:
         "process it started was left running or listening; a missed target does not change "
         "the exit status (the Targets table and the log name it). A benchmark stopped with "
         "SIGTERM or Ctrl-C removes its temporary directories; one killed (SIGKILL) leaves "
-        "them, named after it and its pid (`spark-bench-PID-...`), and its next run removes "
-        "those whose process is gone.\n"
+        "them, named after it, its pid namespace and its pid (`spark-bench-NS-PID-...`), and "
+        "its next run in the same pid namespace removes those whose process is gone.\n"
     )
     if results.get("quick"):
         add(

@@ -1,11 +1,13 @@
 """The benchmark scripts' temporary directories, which a killed run does not leave behind
 for good. A SIGTERM unwinds (stateful_async._signals) and the ``finally`` blocks remove
 them; a SIGKILL (kill -9, the OOM killer, a CI runner's hard stop) runs none. So each
-directory's name carries its script's prefix, the pid of the run that made it and that
-process's start time, and the next run of a script removes the directories of its prefix
-whose run is gone: in the system's temporary directory only, this user's only, and never
-one whose pid is alive with that start time (nor, where start times cannot be told, any
-whose pid is alive: a reused pid keeps a directory, it never loses a live run's)."""
+directory's name carries its script's prefix, the pid namespace, pid and start time of
+the run that made it, and the next run of a script removes the directories of its prefix
+whose run is gone: in the system's temporary directory only, this user's only, of its own
+pid namespace only (a temporary directory shared by containers holds other namespaces'
+runs, whose pids mean nothing here), and never one whose pid is alive with that start time
+(nor, where start times cannot be told, any whose pid is alive: a reused pid keeps a
+directory, it never loses a live run's)."""
 
 from __future__ import annotations
 
@@ -21,12 +23,21 @@ _SWEPT: set[str] = set()  # the prefixes this process has cleaned up after alrea
 def run_prefix(prefix: str) -> str:
     """The prefix for a temporary directory of this run (``tempfile.mkdtemp(prefix=...)``,
     ``TemporaryDirectory(prefix=...)``): ``prefix`` (such as ``"spark-bench-"``), this
-    process's pid and start time. The first call for a prefix first removes what killed
-    runs left under it."""
+    process's pid namespace, pid and start time. The first call for a prefix first removes
+    what killed runs left under it."""
     if prefix not in _SWEPT:
         _SWEPT.add(prefix)
         _remove_stale(prefix)
-    return f"{prefix}{os.getpid()}-{_start_time(os.getpid())}-"
+    return f"{prefix}{_namespace()}-{os.getpid()}-{_start_time(os.getpid())}-"
+
+
+def _namespace() -> int:
+    """This process's pid namespace (the inode of /proc/self/ns/pid); 0 if it cannot be
+    told (no /proc: no namespaces either)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _start_time(pid: int) -> int:
@@ -58,7 +69,7 @@ def _alive(pid: int, started: int) -> bool:
 
 def _remove_stale(prefix: str) -> None:
     root = tempfile.gettempdir()
-    named = re.compile(re.escape(prefix) + r"(\d+)-(\d+)-.+")
+    named = re.compile(re.escape(prefix) + rf"{_namespace()}-(\d+)-(\d+)-.+")
     try:
         names = os.listdir(root)
     except OSError:

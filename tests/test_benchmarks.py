@@ -678,16 +678,19 @@ def test_a_store_benchmark_stopped_with_sigterm_removes_its_directories(tmp_path
 
 def _first_directory_of(args: list[str], tmp: Path) -> tuple[subprocess.Popen[Any], str]:
     """Starts ``python *args`` with ``tmp`` as its TMPDIR; returns it, once it has made a
-    directory there, and that directory's name."""
+    directory there named with its pid (as benchmarks/scratch.py names them), and that
+    directory's name. (Not any new one: a run killed earlier may have left several.)"""
     driver = subprocess.Popen([sys.executable, *args], env={**os.environ, "TMPDIR": str(tmp)})
     deadline = time.monotonic() + 60
-    while not list(tmp.iterdir()):
+    while True:
+        made = [p.name for p in tmp.iterdir() if f"-{driver.pid}-" in p.name]
+        if made:
+            return driver, made[0]
         if time.monotonic() > deadline or driver.poll() is not None:
             driver.kill()
             driver.wait()
-            raise AssertionError("no directory was made")
+            raise AssertionError(f"no directory named with its pid: {sorted(os.listdir(tmp))}")
         time.sleep(0.05)
-    return driver, next(tmp.iterdir()).name
 
 
 def test_a_store_benchmark_names_its_directories_as_the_other_benchmarks_do(
@@ -698,7 +701,7 @@ def test_a_store_benchmark_names_its_directories_as_the_other_benchmarks_do(
     driver, name = _first_directory_of(args, tmp_path)
     driver.kill()
     driver.wait()
-    assert name.startswith("checkpoint-bench-")
+    assert name.startswith("checkpoint-bench-"), name
 
 
 def test_a_benchmark_killed_with_sigkill_has_its_directories_removed_by_its_next_run(
@@ -710,13 +713,10 @@ def test_a_benchmark_killed_with_sigkill_has_its_directories_removed_by_its_next
     killed.kill()
     killed.wait()
     assert (tmp_path / left).is_dir()
-    driver = subprocess.Popen([sys.executable, *args], env={**os.environ, "TMPDIR": str(tmp_path)})
+    # the next run removes what the killed one left before it makes its own
+    driver, _ = _first_directory_of(args, tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while {p.name for p in tmp_path.iterdir()} <= {left}:  # until it makes its own
-            assert time.monotonic() < deadline and driver.poll() is None, "no directory made"
-            time.sleep(0.05)
-        assert not (tmp_path / left).exists()
+        assert not [p for p in tmp_path.iterdir() if f"-{killed.pid}-" in p.name]
     finally:
         driver.kill()
         driver.wait()
@@ -729,27 +729,28 @@ def test_only_the_directories_of_runs_that_are_gone_are_removed(
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(scratch, "_SWEPT", set())
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
+    gone = 4_194_305  # above any pid Linux gives (pid_max is at most 2**22)
     me, started = os.getpid(), scratch._start_time(os.getpid())
-    assert started  # (Linux's /proc)
+    ns = scratch._namespace()
+    assert started and ns  # (Linux's /proc)
     removed = [
-        f"x-bench-{gone.pid}-0-a",  # its run gone
-        f"x-bench-{gone.pid}-{started}-b",
-        f"x-bench-{me}-{started - 1}-c",  # its pid now another process's, started later
+        f"x-bench-{ns}-{gone}-0-a",  # its run gone
+        f"x-bench-{ns}-{gone}-{started}-b",
+        f"x-bench-{ns}-{me}-{started - 1}-c",  # its pid now another process's, started later
     ]
     kept = [
-        f"x-bench-{me}-{started}-d",  # a live run's
-        f"x-bench-{me}-0-e",  # its pid alive, its start time unknown
-        f"y-bench-{gone.pid}-0-f",  # another prefix's
+        f"x-bench-{ns}-{me}-{started}-d",  # a live run's
+        f"x-bench-{ns}-{me}-0-e",  # its pid alive, its start time unknown
+        f"x-bench-{ns + 1}-{gone}-0-f",  # another pid namespace's (a container's): unknowable
+        f"y-bench-{ns}-{gone}-0-g",  # another prefix's
         "x-bench-abcdefgh",  # not named by run_prefix
     ]
     for name in removed + kept:
         (tmp_path / name).mkdir()
-    (tmp_path / f"x-bench-{gone.pid}-0-file").write_text("")  # no directory
-    (tmp_path / f"x-bench-{gone.pid}-0-link").symlink_to(tmp_path / kept[0])
-    kept += [f"x-bench-{gone.pid}-0-file", f"x-bench-{gone.pid}-0-link"]
-    assert scratch.run_prefix("x-bench-") == f"x-bench-{me}-{started}-"
+    (tmp_path / f"x-bench-{ns}-{gone}-0-file").write_text("")  # no directory
+    (tmp_path / f"x-bench-{ns}-{gone}-0-link").symlink_to(tmp_path / kept[0])
+    kept += [f"x-bench-{ns}-{gone}-0-file", f"x-bench-{ns}-{gone}-0-link"]
+    assert scratch.run_prefix("x-bench-") == f"x-bench-{ns}-{me}-{started}-"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
 
 

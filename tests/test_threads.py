@@ -330,8 +330,10 @@ def test_a_keyboard_interrupt_in_a_call_stops_the_loop_and_is_not_logged_again(
         )
         async with AsyncWaitOperator(ThreadPoolAsyncFunction(lookup), output) as op:
             await op.process_element(StreamRecord(1))
-            await asyncio.sleep(0.1)  # the call's task emits (ahead of finish())
-            await op.finish()
+            # the call's task raises, which stops the loop long before this sleep ends (not
+            # finish(): the output would then be called in this task, not the call's)
+            await asyncio.sleep(30)
+            raise AssertionError("the call's task never stopped the loop")
 
     interrupted = False
     try:
