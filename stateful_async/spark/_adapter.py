@@ -9,7 +9,7 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Union
 
@@ -19,7 +19,7 @@ from .._exceptions import ConfigurationError, FunctionNotSerializableError, id_r
 from .._function import as_async_function
 from .._operator import OutputMode, check_capacity_and_timeout
 from .._retry import RetryStrategy
-from ._columns import ELEMENTS, KEYS, VALUES, field_path, nested_field_advice
+from ._columns import field_path, nested_field_advice, spark_types
 from ._config import CheckpointConfig, restore_from_in_streaming
 from ._metrics import DriverOnlyError, EnrichmentMetrics
 from ._results import IntervalUnit, Units
@@ -310,7 +310,7 @@ def _names_alike(data_type: Any) -> tuple[str, str] | None:
     case (or not at all), if it has such a struct."""
     from pyspark.sql.types import StructType
 
-    for path, nested in _nested_types(data_type):
+    for path, nested in spark_types(data_type):
         if isinstance(nested, StructType):
             seen: dict[str, str] = {}
             for field in nested.fields:
@@ -318,22 +318,6 @@ def _names_alike(data_type: Any) -> tuple[str, str] | None:
                 if (other := seen.setdefault(field.name.lower(), name)) != name:
                     return other, name
     return None
-
-
-def _nested_types(data_type: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """``data_type`` and every type inside it, each with its path (``s.a``, ``tags[]``,
-    ``m{key}`` for a map's keys, ``m{}`` for its values), outermost first."""
-    from pyspark.sql.types import ArrayType, MapType, StructType
-
-    yield path, data_type
-    if isinstance(data_type, StructType):
-        for field in data_type.fields:
-            yield from _nested_types(field.dataType, field_path(path, field.name))
-    elif isinstance(data_type, ArrayType):
-        yield from _nested_types(data_type.elementType, path + ELEMENTS)
-    elif isinstance(data_type, MapType):
-        yield from _nested_types(data_type.keyType, path + KEYS)
-        yield from _nested_types(data_type.valueType, path + VALUES)
 
 
 def _parse_output_struct(schema: Schema) -> Any:
@@ -359,7 +343,7 @@ def _parse_output_struct(schema: Schema) -> Any:
 def _first_nested(data_type: Any, kind: Any, path: str = "") -> tuple[str, Any] | None:
     """The path and type of the first type of ``kind`` (a class or a tuple of them) inside
     ``data_type``, outermost first; None if it holds none."""
-    return next(((p, t) for p, t in _nested_types(data_type, path) if isinstance(t, kind)), None)
+    return next(((p, t) for p, t in spark_types(data_type, path) if isinstance(t, kind)), None)
 
 
 def _udt_refusal(what: str, path: str, udt: Any) -> ConfigurationError:

@@ -4,6 +4,8 @@ names a column names a field inside a struct."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from typing import Any
 
 import pyarrow as pa
 
@@ -18,6 +20,22 @@ ELEMENTS, KEYS, VALUES = "[]", "{key}", "{}"
 def field_path(path: str, name: str) -> str:
     """The path of the field ``name`` of the struct at ``path`` ("" for the top level)."""
     return f"{path}.{name}" if path else name
+
+
+def spark_types(data_type: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """``data_type`` (a Spark type) and every type inside it, each with its path (``s.a``,
+    ``tags[]``, ``m{key}`` for a map's keys, ``m{}`` for its values), outermost first."""
+    from pyspark.sql.types import ArrayType, MapType, StructType
+
+    yield path, data_type
+    if isinstance(data_type, StructType):
+        for field in data_type.fields:
+            yield from spark_types(field.dataType, field_path(path, field.name))
+    elif isinstance(data_type, ArrayType):
+        yield from spark_types(data_type.elementType, path + ELEMENTS)
+    elif isinstance(data_type, MapType):
+        yield from spark_types(data_type.keyType, path + KEYS)
+        yield from spark_types(data_type.valueType, path + VALUES)
 
 
 def nested_field_advice(

@@ -440,14 +440,21 @@ def _check_typed(columns: list[pa.Field]) -> None:
     """Refuse columns the write would add to the table with a void type (Spark's NullType,
     which a bare NULL has) at any depth: delta-rs takes it, but the table could then never
     hold a value there (a later write of the column typed is a type change)."""
-    void = [repr(p) for p, kind in _nested_types(pa.struct(columns)) if pa.types.is_null(kind)]
-    if void:
+    refuse_void([p for p, kind in _nested_types(pa.struct(columns)) if pa.types.is_null(kind)])
+
+
+def refuse_void(paths: list[str]) -> None:
+    """Refuse data with a void type (Spark's NullType) at each of ``paths`` (``n``, ``s.a``,
+    ``l[]``, ``m{key}``, ``m{}``), naming them; nothing if there are none."""
+    if paths:
         raise ConfigurationError(
-            f"The data cannot be stored in a Delta table: {', '.join(void)} "
-            + ("has" if len(void) == 1 else "have")
-            + " no type (void: a bare NULL, such as F.lit(None), has none), so the table "
-            "could never hold a value there. Cast it to the type it stands for before "
-            "writing, e.g. F.lit(None).cast('string')."
+            f"The data cannot be stored in a Delta table: {', '.join(repr(p) for p in paths)} "
+            + ("has" if len(paths) == 1 else "have")
+            + " no type (void: a bare NULL, such as F.lit(None), has none, nor do the "
+            "elements of an empty array() or the keys and values of an empty create_map()), "
+            "so the table could never hold a value there. Cast it to the type it stands for "
+            "before writing (an empty array or map as a whole), e.g. F.lit(None).cast('string') "
+            "or F.array().cast('array<string>')."
         )
 
 

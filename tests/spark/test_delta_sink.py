@@ -1405,16 +1405,19 @@ def test_a_struct_without_fields_is_refused_before_any_task_runs(tmp_path: Path)
     assert not (tmp_path / "t").exists()
 
 
+VOID_ADVICE = (
+    "no type (void: a bare NULL, such as F.lit(None), has none, nor do the elements of an "
+    "empty array() or the keys and values of an empty create_map()), so the table could never "
+    "hold a value there. Cast it to the type it stands for before writing (an empty array or "
+    "map as a whole), e.g. F.lit(None).cast('string') or F.array().cast('array<string>')."
+)
+
+
 def test_a_column_without_a_type_is_refused_before_it_reaches_the_table(tmp_path: Path) -> None:
     # Spark gives a bare NULL (F.lit(None)) and an empty array() the void type. The sink
     # created the table with a 'void' column, which could then never hold a value: a later
     # write of it as a string was refused as a type change.
     table = tmp_path / "t"
-    advice = (
-        "no type (void: a bare NULL, such as F.lit(None), has none), so the table could never "
-        "hold a value there. Cast it to the type it stands for before writing, e.g. "
-        "F.lit(None).cast('string')."
-    )
     for schema, named in [
         (pa.schema([("id", pa.int64()), ("n", pa.null())]), "'n' has "),
         (
@@ -1424,15 +1427,49 @@ def test_a_column_without_a_type_is_refused_before_it_reaches_the_table(tmp_path
     ]:
         with pytest.raises(ConfigurationError) as caught:
             plan_write(SinkOptions.parse({"path": str(table)}, streaming=False), schema)
-        assert str(caught.value) == f"The data cannot be stored in a Delta table: {named}{advice}"
+        assert (
+            str(caught.value) == f"The data cannot be stored in a Delta table: {named}{VOID_ADVICE}"
+        )
     assert not table.exists()
     # Nor does mergeSchema add one; a void column the table already has is written to.
     write_deltalake(table, pa.table({"id": [1], "n": pa.array([None], pa.null())}))
     merge = SinkOptions.parse({"path": str(table), "mergeSchema": "true"}, streaming=False)
     with pytest.raises(ConfigurationError) as caught:
         plan_write(merge, pa.schema([("id", pa.int64()), ("n", pa.null()), ("m", pa.null())]))
-    assert str(caught.value) == f"The data cannot be stored in a Delta table: 'm' has {advice}"
+    assert str(caught.value) == f"The data cannot be stored in a Delta table: 'm' has {VOID_ADVICE}"
     plan_write(merge, pa.schema([("id", pa.int64()), ("n", pa.null())]))
+
+
+def test_an_empty_array_or_map_is_refused_naming_it_before_any_task_runs(
+    sink: Any, tmp_path: Path
+) -> None:
+    # Spark types array() as array<void> and create_map() as map<void, void>, both NOT NULL
+    # inside, which Arrow cannot hold: pyspark's conversion failed with 'A null type field
+    # may not be non-nullable', naming no column ("Cast the unsupported columns").
+    from pyspark.sql.types import ArrayType, MapType, NullType, StringType, StructField, StructType
+
+    table = tmp_path / "t"
+    df = sink.range(1).select(
+        F.array().alias("a"),
+        F.struct(F.create_map().alias("m"), F.lit(1).alias("n")).alias("s"),
+        F.create_map(F.lit("k"), F.array()).alias("v"),
+    )
+    with pytest.raises(AnalysisException) as caught:
+        df.write.format("delta_rs").mode("append").save(str(table))
+    assert (
+        "The data cannot be stored in a Delta table: 'a[]', 's.m{key}', 's.m{}', 'v{}[]' have "
+        + VOID_ADVICE
+    ) in str(caught.value)
+    assert not table.exists()  # refused while planning: no task wrote a file
+    # So is it in a table that has the column, typed: the message says to cast it.
+    typed = sink.range(1).select(F.array().cast("array<string>").alias("a"))
+    typed.write.format("delta_rs").mode("append").save(str(table))
+    schema = StructType([StructField("a", ArrayType(NullType(), False), False)])
+    with pytest.raises(ConfigurationError, match=r"^The data cannot be stored .*: 'a\[\]' has "):
+        DeltaBatchWriter({"path": str(table)}, schema, False)
+    keys = StructType([StructField("k", MapType(NullType(), StringType()))])
+    with pytest.raises(ConfigurationError, match=r"'k\{key\}' has no type"):
+        DeltaBatchWriter({"path": str(table)}, keys, False)
 
 
 def test_a_thread_that_registers_the_sink_can_write(sink: Any, tmp_path: Path) -> None:
