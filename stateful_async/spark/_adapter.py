@@ -15,6 +15,8 @@ from typing import Any, Union
 
 import pyarrow as pa
 
+from checkpoint._types import earlier_same_names
+
 from .._exceptions import ConfigurationError, FunctionNotSerializableError, id_ranges
 from .._function import as_async_function
 from .._operator import OutputMode, check_capacity_and_timeout
@@ -307,16 +309,15 @@ def _check_names_apart(df: Any, struct: Any) -> None:
 
 def _names_alike(data_type: Any) -> tuple[str, str] | None:
     """The paths of two fields of a struct inside ``data_type`` whose names differ only in
-    case (or not at all), if it has such a struct."""
+    case, if it has such a struct (the first such field, and the first before it)."""
     from pyspark.sql.types import StructType
 
     for path, nested in spark_types(data_type):
         if isinstance(nested, StructType):
-            seen: dict[str, str] = {}
-            for field in nested.fields:
-                name = field_path(path, field.name)
-                if (other := seen.setdefault(field.name.lower(), name)) != name:
-                    return other, name
+            names = nested.fieldNames()
+            for name, earlier in zip(names, earlier_same_names(names), strict=True):
+                if earlier is not None and earlier != name:  # not a name given twice
+                    return field_path(path, earlier), field_path(path, name)
     return None
 
 
