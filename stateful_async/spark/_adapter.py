@@ -273,6 +273,8 @@ def _resolvable(df: Any) -> tuple[Any, tuple[str, ...] | None]:
 
 
 def _output_struct(schema: Schema) -> Any:
+    from pyspark.sql.types import StructType
+
     struct = _parse_output_struct(schema)
     names = [field.name for field in struct.fields]
     if not names:
@@ -280,11 +282,24 @@ def _output_struct(schema: Schema) -> Any:
             f"The output schema {schema!r} has no fields: name the fields your function's "
             "results have, e.g. 'id long, score double'."
         )
-    twice = sorted({name for name in names if names.count(name) > 1})
+    # At any depth: a struct's value is a dict too, and Arrow's struct of two fields named
+    # alike failed every task ("not all nodes, buffers and variadicBufferCounts were consumed")
+    twice = sorted(
+        {
+            field_path(path, name)
+            for path, nested in spark_types(struct)
+            if isinstance(nested, StructType)
+            for name, earlier in zip(
+                nested.fieldNames(), earlier_same_names(nested.fieldNames()), strict=True
+            )
+            if earlier == name
+        }
+    )
     if twice:
         raise ConfigurationError(
             f"The output schema {struct.simpleString()!r} names the field(s) {twice} more than "
-            "once; a result is a dict, so each field needs a name of its own."
+            "once; a result is a dict, and so is a struct's value, so each field needs a name "
+            "of its own."
         )
     return struct
 

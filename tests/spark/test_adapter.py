@@ -3123,6 +3123,10 @@ def test_an_unpicklable_retry_predicate_is_named_instead_of_the_function(
         ({"schema": ""}, "has no fields"),
         ({"schema": StructType([])}, "has no fields"),
         ({"schema": "id long, id string"}, r"names the field\(s\) \['id'\] more than once"),
+        (  # every task failed in Arrow: "not all nodes, buffers ... were consumed"
+            {"schema": "id long, s array<struct<a: long, a: long>>"},
+            r"names the field\(s\) \['s\[\]\.a'\] more than once; a result is a dict, and so",
+        ),
         (  # every result failed in the task, over struct<value: binary, metadata: binary>
             {"schema": "id long, v struct<tags: array<variant>>"},
             r"output field 'v.tags\[\]' is a VARIANT.*Return JSON text in a STRING field",
