@@ -21,7 +21,7 @@ from .._exceptions import ConfigurationError, FunctionNotSerializableError, id_r
 from .._function import as_async_function
 from .._operator import OutputMode, check_capacity_and_timeout
 from .._retry import RetryStrategy
-from ._columns import field_path, nested_field_advice, spark_types
+from ._columns import field_path, nested_field_advice, spark_types, void_not_null
 from ._config import CheckpointConfig, restore_from_in_streaming
 from ._metrics import DriverOnlyError, EnrichmentMetrics
 from ._results import IntervalUnit, Units
@@ -556,6 +556,20 @@ def _arrow_schema(struct: Any, what: str) -> pa.Schema:
                 if what == "input"
                 else f"Return its number of months in an INT field instead{nested}, and "
                 "make_ym_interval(0, col) of it after."
+            )
+        )
+    void = void_not_null(struct)
+    if void:  # to_arrow_schema would fail naming no field
+        raise ConfigurationError(
+            f"The {what} field {void[0]!r} has no type (void: the elements of an empty "
+            "array(), the keys and values of an empty create_map()) and Spark declares it NOT "
+            "NULL, which Arrow cannot carry (mapInArrow, which the adapter runs on, needs "
+            "Arrow-compatible columns). "
+            + (
+                "Cast the empty array or map to the type it stands for first, e.g. "
+                "F.array().cast('array<string>')."
+                if what == "input"
+                else "Declare the type it stands for instead, e.g. array<string>."
             )
         )
     try:

@@ -38,6 +38,32 @@ def spark_types(data_type: Any, path: str = "") -> Iterator[tuple[str, Any]]:
         yield from spark_types(data_type.valueType, path + VALUES)
 
 
+def void_not_null(schema: Any) -> list[str]:
+    """The paths of the void types (NullType) in ``schema`` (a Spark StructType) that Spark
+    declares NOT NULL: the elements of an empty ``array()``, the keys and values of an empty
+    ``create_map()``. Arrow holds no such type, so pyspark's conversion fails on them ("A
+    null type field may not be non-nullable") without naming the column."""
+    from pyspark.sql.types import ArrayType, MapType, NullType, StructType
+
+    void: list[str] = []
+    for path, kind in spark_types(schema):
+        if isinstance(kind, StructType):
+            void += [
+                field_path(path, f.name)
+                for f in kind.fields
+                if isinstance(f.dataType, NullType) and not f.nullable
+            ]
+        elif isinstance(kind, ArrayType):
+            if isinstance(kind.elementType, NullType) and not kind.containsNull:
+                void.append(path + ELEMENTS)
+        elif isinstance(kind, MapType):
+            if isinstance(kind.keyType, NullType):  # a map's keys are never null
+                void.append(path + KEYS)
+            if isinstance(kind.valueType, NullType) and not kind.valueContainsNull:
+                void.append(path + VALUES)
+    return void
+
+
 def nested_field_advice(
     schema: pa.Schema, name: str, argument: str, usage: str, case_sensitive: bool = True
 ) -> str | None:

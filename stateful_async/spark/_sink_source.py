@@ -27,10 +27,10 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 from pyspark.sql.pandas.types import to_arrow_schema
-from pyspark.sql.types import ArrayType, MapType, NullType, StructType
+from pyspark.sql.types import StructType
 
 from .._exceptions import ConfigurationError, DeltaSinkError
-from ._columns import ELEMENTS, KEYS, VALUES, field_path, spark_types
+from ._columns import void_not_null
 from ._sink import FORMAT_NAME
 from ._sink_commit import (
     Outcome,
@@ -69,7 +69,7 @@ class _DeltaWriter:
     def __init__(self, options: Any, schema: StructType, overwrite: bool, *, streaming: bool):
         self._options = SinkOptions.parse(options, streaming=streaming)
         self._overwrite = overwrite
-        refuse_void(_void_not_null(schema))
+        refuse_void(void_not_null(schema))
         try:
             arrow = to_arrow_schema(schema, timezone="UTC")
         except Exception as exc:  # pyspark raises its own errors for unsupported types
@@ -124,30 +124,6 @@ class _DeltaWriter:
     def _abort(self, messages: list[WriterCommitMessage | None]) -> None:
         files = [f for m in messages if isinstance(m, SinkCommitMessage) for f in m.files]
         abort_write(self._options, files)
-
-
-def _void_not_null(schema: StructType) -> list[str]:
-    """The paths of the void types (NullType) in ``schema`` that Spark declares NOT NULL:
-    the elements of an empty ``array()``, the keys and values of an empty ``create_map()``.
-    Arrow holds no such type, so pyspark's conversion fails on them ("A null type field may
-    not be non-nullable") without naming the column."""
-    void: list[str] = []
-    for path, kind in spark_types(schema):
-        if isinstance(kind, StructType):
-            void += [
-                field_path(path, f.name)
-                for f in kind.fields
-                if isinstance(f.dataType, NullType) and not f.nullable
-            ]
-        elif isinstance(kind, ArrayType):
-            if isinstance(kind.elementType, NullType) and not kind.containsNull:
-                void.append(path + ELEMENTS)
-        elif isinstance(kind, MapType):
-            if isinstance(kind.keyType, NullType):  # a map's keys are never null
-                void.append(path + KEYS)
-            if isinstance(kind.valueType, NullType) and not kind.valueContainsNull:
-                void.append(path + VALUES)
-    return void
 
 
 def write_task_files(

@@ -3218,6 +3218,26 @@ def test_a_variant_input_column_is_refused_asking_for_json_text(spark) -> None:
         ordered_wait(df, f, "id long")
 
 
+def test_an_empty_array_or_map_input_column_is_named_with_the_cast_to_use(spark) -> None:
+    # Spark types array() as array<void> and create_map() as map<void, void>, NOT NULL
+    # inside: refused with pyspark's "A null type field may not be non-nullable", naming
+    # no column.
+    async def f(row):  # type: ignore[no-untyped-def]
+        return [{"id": row["id"]}]
+
+    for column, path in [(F.array(), "'s.a[]'"), (F.create_map(), "'s.a{key}'")]:
+        df = spark.range(1).select("id", F.struct(column.alias("a")).alias("s"))
+        with pytest.raises(ConfigurationError) as refused:
+            ordered_wait(df, f, "id long")
+        assert str(refused.value) == (
+            f"The input field {path} has no type (void: the elements of an empty array(), the "
+            "keys and values of an empty create_map()) and Spark declares it NOT NULL, which "
+            "Arrow cannot carry (mapInArrow, which the adapter runs on, needs Arrow-compatible "
+            "columns). Cast the empty array or map to the type it stands for first, e.g. "
+            "F.array().cast('array<string>')."
+        )
+
+
 def test_ml_vector_fields_are_refused_with_the_array_functions_to_use(spark) -> None:
     # Before, an input vector reached the function as its storage struct ({'type': 1,
     # 'size': None, 'indices': None, 'values': [...]}), and a DenseVector returned for a
