@@ -25,6 +25,7 @@ import json
 import logging
 import posixpath
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -127,25 +128,31 @@ def delta_schema(schema: pa.Schema) -> Any:
     try:
         return DeltaSchema.from_arrow(schema)
     except Exception as exc:  # deltalake raises plain Exception subclasses here
+        # names given twice (each once, whatever case twins they also have), then case twins
+        counts = [(path, Counter(f.name for f in kind)) for path, kind in structs]
+        columns = [name for path, n in counts if not path for name in n if n[name] > 1]
+        inside = [field_path(path, name) for path, n in counts if path for name in n if n[name] > 1]
         same = [
             (field_path(path, earlier), field_path(path, f.name))
             for path, kind in structs
             for f, earlier in zip(kind, earlier_same_names([f.name for f in kind]), strict=True)
-            if earlier is not None
+            if earlier is not None and earlier != f.name
         ]
-        twice = sorted({b for a, b in same if a == b})
-        if twice:
-            columns = ", ".join(repr(n) for n in twice if schema.names.count(n) > 1)
-            inside = ", ".join(repr(n) for n in twice if schema.names.count(n) < 2)
-            raise ConfigurationError(
-                "The data cannot be stored in a Delta table: it has "
-                + " and ".join(
-                    [f"more than one column named {columns}"] * bool(columns)
-                    + [f"more than one field named {inside} in a struct"] * bool(inside)
+        if columns or inside:
+            what, advice = [], []
+            if columns:
+                what.append(f"more than one column named {', '.join(map(repr, columns))}")
+                advice.append(
+                    "after a join on equal columns, join on their names to keep one: "
+                    f"a.join(b, {columns[0]!r})"
                 )
-                + ", and a Delta table holds one per name. Drop or rename the others before "
-                "writing (after a join on equal columns, join on their names to keep one: "
-                "a.join(b, 'id'); for a field, rebuild its struct with named_struct)."
+            if inside:
+                what.append(f"more than one field named {', '.join(map(repr, inside))} in a struct")
+                advice.append("for a field, rebuild its struct with named_struct")
+            raise ConfigurationError(
+                f"The data cannot be stored in a Delta table: it has {' and '.join(what)}, and "
+                "a Delta table holds one per name. Drop or rename the others before writing "
+                f"({'; '.join(advice)})."
             ) from exc
         if same:
             raise ConfigurationError(

@@ -1365,24 +1365,34 @@ def test_names_given_twice_are_named_not_blamed_on_their_types(tmp_path: Path) -
     # before writing (an interval to ...)'; two fields 'a' of one struct as 'the column(s)
     # 's' (struct<a: int32, a: int32>) have no Delta type', which no cast fixes.
     options = SinkOptions.parse({"path": str(tmp_path / "t")}, streaming=False)
-    advice = (
-        ", and a Delta table holds one per name. Drop or rename the others before writing "
-        "(after a join on equal columns, join on their names to keep one: a.join(b, 'id'); "
-        "for a field, rebuild its struct with named_struct)."
-    )
+    advice = ", and a Delta table holds one per name. Drop or rename the others before writing ("
+    join = "after a join on equal columns, join on their names to keep one: a.join(b, {!r})"
+    rebuild = "for a field, rebuild its struct with named_struct"
     twice = pa.struct([("a", pa.int32()), ("a", pa.int32())])
-    for schema, named in [
+    for schema, named, how in [
         (
             pa.schema([("id", pa.int64()), ("v", pa.string()), ("id", pa.int64())]),
             "column named 'id'",
+            join.format("id"),
         ),
-        (pa.schema([("s", twice), ("id", pa.int64())]), "field named 's.a' in a struct"),
-        (pa.schema([("l", pa.list_(twice))]), "field named 'l[].a' in a struct"),
+        (  # the advice names the column given twice, not 'id' whatever it is
+            pa.schema([("key", pa.int64()), ("key", pa.int64()), ("s", twice)]),
+            "column named 'key' and more than one field named 's.a' in a struct",
+            join.format("key") + "; " + rebuild,
+        ),
+        (  # given twice beside a case twin: named as given twice (it was called a case pair)
+            pa.schema([("ID", pa.int64()), ("id", pa.int64()), ("id", pa.int64())]),
+            "column named 'id'",
+            join.format("id"),
+        ),
+        (pa.schema([("s", twice), ("id", pa.int64())]), "field named 's.a' in a struct", rebuild),
+        (pa.schema([("l", pa.list_(twice))]), "field named 'l[].a' in a struct", rebuild),
     ]:
         with pytest.raises(ConfigurationError) as caught:
             plan_write(options, schema)
         assert str(caught.value) == (
             f"The data cannot be stored in a Delta table: it has more than one {named}{advice}"
+            f"{how})."
         )
     assert not (tmp_path / "t").exists()
 
