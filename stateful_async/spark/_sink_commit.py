@@ -222,6 +222,33 @@ def _fields_sorted(node: Any) -> Any:
     return node
 
 
+def _in_another_order(data_type: Any, table_type: Any) -> bool:
+    """Whether two Delta types in JSON form have the same struct fields, at every depth,
+    but not in the same order (whatever the fields' own types)."""
+    data, table = _names_of(data_type), _names_of(table_type)
+    return data != table and _fields_sorted(data) == _fields_sorted(table)
+
+
+def _names_of(node: Any) -> Any:
+    """A Delta type in JSON form without its leaf types: the names of its structs' fields,
+    in order, and where its arrays and maps hold structs."""
+    if not isinstance(node, dict):
+        return None
+    kind = node.get("type")
+    if kind == "struct":
+        fields = [{"name": f["name"], "type": _names_of(f["type"])} for f in node["fields"]]
+        return {"type": "struct", "fields": fields}
+    if kind == "array":
+        return {"type": "array", "elementType": _names_of(node["elementType"])}
+    if kind == "map":
+        return {
+            "type": "map",
+            "keyType": _names_of(node["keyType"]),
+            "valueType": _names_of(node["valueType"]),
+        }
+    return None
+
+
 def _type_name(node: Any) -> str:
     if isinstance(node, str):
         return node
@@ -281,6 +308,15 @@ def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) 
                 f"{_type_name(table_type)} in the table but {_type_name(data_type)} in the data "
                 f"(rebuild it in the table's order, e.g. with named_struct; a cast would match "
                 f"the fields by position, not by name)"
+            )
+        elif as_in_table != table_type and _in_another_order(as_in_table, table_type):
+            # a type difference too, but no cast of the whole column mends the order
+            advised.append(
+                f"the column {name!r} is {_type_name(table_type)} in the table but "
+                f"{_type_name(data_type)} in the data, its struct fields in another order "
+                f"(rebuild it in the table's order, e.g. with named_struct, casting each field "
+                f"to the table's type; a cast of the whole column would match the fields by "
+                f"position, not by name)"
             )
         elif as_in_table != table_type:
             problems.append(

@@ -1054,6 +1054,21 @@ def test_struct_fields_in_another_order_are_named_not_advised_a_cast(tmp_path: P
         "another order: array<struct<a: string, b: long>> in the table but array<struct<b: "
         f"long, a: string>>{advice}."
     )
+    # In another order and of another type too: the advice was 'Select and cast', which
+    # casts by position.
+    other = pa.schema(
+        [("s", pa.struct([("b", pa.int32()), ("a", pa.string())])), ("l", data[1].type)]
+    )
+    with pytest.raises(SinkSchemaMismatchError) as caught:
+        plan_write(SinkOptions.parse({"path": table}, streaming=False), other)
+    said = str(caught.value)
+    assert (
+        "the column 's' is struct<a: string, b: long> in the table but struct<b: integer, a: "
+        "string> in the data, its struct fields in another order (rebuild it in the table's "
+        "order, e.g. with named_struct, casting each field to the table's type; a cast of the "
+        "whole column would match the fields by position, not by name)" in said
+    )
+    assert "Select and cast" not in said
 
 
 @pytest.mark.spark
