@@ -426,7 +426,7 @@ def plan_write(
     if table is None:
         _check_typed(list(schema))
         check_partition_columns(schema, opts.partition_by)
-        _claim_new_location(opts)
+        _claim_new_location(opts, replacing=mode == "overwrite")
         return WritePlan(schema, opts.partition_by)
     check_table_features(table, opts.table_uri, mode)
     existing = tuple(table.metadata().partition_columns)
@@ -447,26 +447,29 @@ def plan_write(
 NEW_TABLE_MARK = "_stateful_async_new_table"
 
 
-def _claim_new_location(opts: SinkOptions) -> None:
+def _claim_new_location(opts: SinkOptions, replacing: bool) -> None:
     """Before the first write to a location without a Delta table: refuse one that holds
     Parquet files the sink did not write there (a Parquet dataset, say), which the table's
     orphan clean-up (``clean_orphan_files``, ``cleanOrphans``) would delete as files no
-    version names; otherwise leave ``NEW_TABLE_MARK`` there, by which a write that
-    follows one that failed before its commit knows the files it finds as that one's."""
+    version names, unless the write is ``replacing`` them (an overwrite); otherwise leave
+    ``NEW_TABLE_MARK`` there, by which a write that follows one that failed before its
+    commit knows the files it finds as that one's."""
     storage = TableStorage(opts.table_uri, opts.storage_options)
     try:
         files = storage.list_files()
         if any(rel == NEW_TABLE_MARK for rel, _ in files):
             return
         foreign = data_files(files)
-        if foreign:
+        if foreign and not replacing:
             shown = ", ".join(rel for rel, _ in foreign[:3])
             raise ConfigurationError(
                 f"{opts.table_uri} holds no Delta table but {len(foreign)} Parquet file(s) "
                 f"({shown}{', ...' if len(foreign) > 3 else ''}): a table created there would "
                 "not name them, so its orphan clean-up (clean_orphan_files, cleanOrphans) "
-                "would delete them. Write to an empty location, or make those files a Delta "
-                "table first (deltalake's convert_to_deltalake) and write to it."
+                "would delete them. Write to an empty location; or, to replace those files, "
+                "write with mode('overwrite') (or delete them: a failed write's leftovers, "
+                "say); or, if they are data to keep, make them a Delta table first "
+                "(deltalake's convert_to_deltalake) and write to it."
             )
         # empty (its name says it all): delta-rs's file system, behind file:// and object
         # store locations, takes no write of a Python buffer ("'Buffer' object is not an

@@ -2004,6 +2004,10 @@ def test_a_table_is_not_created_over_parquet_files_its_orphan_clean_up_would_del
     ):
         plan_write(_unit_options(location), SOURCE_ARROW)
     assert _table_files(location) == before and not (location / NEW_TABLE_MARK).exists()
+    # An overwrite asks for them to be replaced, as a Parquet (or Delta) overwrite does.
+    overwrite = SinkOptions.parse({"path": str(location)}, streaming=False)
+    plan_write(overwrite, SOURCE_ARROW, mode="overwrite")
+    assert (location / NEW_TABLE_MARK).is_file()
 
     # A new location is marked as the sink's before any file is written, so that the files
     # of a write that failed before its first commit do not keep the next one out.
