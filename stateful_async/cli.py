@@ -1082,7 +1082,7 @@ def replay(
             error = close_errors[0]
             raise Fail(
                 f"The function's close() raised {type(error).__name__}: {error_text(error)} "
-                f"(replaying {len(close_errors)} of {len(snapshots)} partition(s)), after "
+                f"(in {len(close_errors)} of the {len(snapshots)} partition(s) replayed), after "
                 "every result was computed: the results are whole and were kept, but the "
                 "function may not have released what it holds (connections, clients). Fix "
                 "its close()."
