@@ -117,14 +117,12 @@ def delta_schema(schema: pa.Schema) -> Any:
     structs = [
         (p, kind) for p, kind in _nested_types(pa.struct(list(schema))) if pa.types.is_struct(kind)
     ]
-    empty = [repr(path) for path, kind in structs if path and kind.num_fields == 0]
-    if empty:
-        raise ConfigurationError(
-            f"The data cannot be stored in a Delta table: {', '.join(empty)} "
-            + ("is a struct" if len(empty) == 1 else "are structs")
-            + " with no fields, which Parquet files cannot hold. Drop it, or give it a field, "
-            "before writing."
-        )
+    _cannot_store(
+        [path for path, kind in structs if path and kind.num_fields == 0],
+        ("is a struct", "are structs"),
+        " with no fields, which Parquet files cannot hold. Drop it, or give it a field, "
+        "before writing.",
+    )
     try:
         return DeltaSchema.from_arrow(schema)
     except Exception as exc:  # deltalake raises plain Exception subclasses here
@@ -492,15 +490,25 @@ def _check_typed(columns: list[pa.Field]) -> None:
 def refuse_void(paths: list[str]) -> None:
     """Refuse data with a void type (Spark's NullType) at each of ``paths`` (``n``, ``s.a``,
     ``l[]``, ``m{key}``, ``m{}``), naming them; nothing if there are none."""
+    _cannot_store(
+        paths,
+        ("has", "have"),
+        " no type (void: a bare NULL, such as F.lit(None), has none, nor do the "
+        "elements of an empty array() or the keys and values of an empty create_map()), "
+        "so the table could never hold a value there. Cast it to the type it stands for "
+        "before writing (an empty array or map as a whole), e.g. F.lit(None).cast('string') "
+        "or F.array().cast('array<string>').",
+    )
+
+
+def _cannot_store(paths: list[str], verb: tuple[str, str], why: str) -> None:
+    """Refuse data whose columns or fields at ``paths`` a Delta table cannot hold: they
+    ``verb`` (its singular and plural) ``why``; nothing if there are none."""
     if paths:
         raise ConfigurationError(
             f"The data cannot be stored in a Delta table: {', '.join(repr(p) for p in paths)} "
-            + ("has" if len(paths) == 1 else "have")
-            + " no type (void: a bare NULL, such as F.lit(None), has none, nor do the "
-            "elements of an empty array() or the keys and values of an empty create_map()), "
-            "so the table could never hold a value there. Cast it to the type it stands for "
-            "before writing (an empty array or map as a whole), e.g. F.lit(None).cast('string') "
-            "or F.array().cast('array<string>')."
+            + verb[len(paths) > 1]
+            + why
         )
 
 
