@@ -644,12 +644,9 @@ class SubtaskLog:
         checkpoints holding at most ``max_rows`` results (or one checkpoint that holds
         more), so a resuming task holds one group at a time rather than its partition's
         whole output so far."""
-        rows = as_int(max_rows)  # numpy's integers too
-        if rows is None or rows < 0:
-            # a string was taken while the chain had one checkpoint, and failed with a bare
-            # TypeError once it had two
-            raise CheckpointError(f"max_rows must be an integer >= 0; got {max_rows!r}.")
-        max_rows = rows
+        # a string was taken while the chain had one checkpoint, and failed with a bare
+        # TypeError once it had two
+        max_rows = _integer(max_rows, "max_rows", 0)
         chain = self.chain(meta)
         table = self._open()
         assert table is not None
@@ -1110,10 +1107,7 @@ class SubtaskLog:
         table is vacuumed, which also deletes those an ``expire(vacuum=False)``, or a task
         killed between its expiry's commit and the deletion, left behind.
         """
-        count = as_int(retain)  # numpy's integers too
-        if count is None or count < 0:
-            raise CheckpointError(f"retain must be an integer >= 0; got {retain!r}.")
-        retain = count
+        retain = _integer(retain, "retain", 0)
         vacuum = _flag(vacuum, "vacuum")
         if run_id is not None:
             _run_id(run_id)
@@ -1835,9 +1829,15 @@ def _checkpoint_id(value: Any, name: str = "checkpoint_id") -> int:
     """A checkpoint id a caller gave, as an int (numpy's integers too); anything else is
     refused: a string '3' matched no checkpoint, and was said to be missing beside the
     list of the ids that exist, 3 among them."""
+    return _integer(value, name, 1)
+
+
+def _integer(value: Any, name: str, minimum: int) -> int:
+    """An integer argument a caller gave, as an int (numpy's integers too), at least
+    ``minimum``; anything else is refused, naming the argument."""
     number = as_int(value)
-    if number is None or number < 1:
-        raise CheckpointError(f"{name} must be an integer >= 1; got {value!r}.")
+    if number is None or number < minimum:
+        raise CheckpointError(f"{name} must be an integer >= {minimum}; got {value!r}.")
     return number
 
 
@@ -1906,10 +1906,7 @@ def _check_commit_args(
             f"snapshot_state()); got {type(elements).__name__}."
         )
     checkpoint_id = _checkpoint_id(checkpoint_id)
-    number = as_int(position)
-    if number is None or number < 0:
-        raise CheckpointError(f"position must be an integer >= 0; got {position!r}.")
-    position = number
+    position = _integer(position, "position", 0)
     for name, value in (("checkpoint_id", checkpoint_id), ("position", position)):
         if value > _INT64_MAX:  # pyarrow's bare "Python int too large to convert to C long"
             raise CheckpointError(

@@ -52,7 +52,7 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
-from ._exceptions import StatefulAsyncError, id_ranges, numpy_kind
+from ._exceptions import StatefulAsyncError, error_text, id_ranges, numpy_kind
 from ._signals import sigterm_unwinds
 
 
@@ -1035,7 +1035,8 @@ def replay(
                 _replay(fn, elements, capacity, timeout, mode.value)
             )
             results.extend(replayed)
-            close_errors.extend([close_error] if close_error is not None else [])
+            if close_error is not None:
+                close_errors.append(close_error)
         if output is None:
             for line in [_to_json(row) for row in results]:  # none printed if one fails
                 sys.stdout.write(line + "\n")
@@ -1077,8 +1078,6 @@ def replay(
             + (f", written to {escape(str(output))}." if output and output.exists() else "."),
         )
         if close_errors:  # the results are whole and kept: the function's clean-up failed
-            from ._exceptions import error_text
-
             error = close_errors[0]
             raise Fail(
                 f"The function's close() raised {type(error).__name__}: {error_text(error)} "
@@ -1177,7 +1176,6 @@ async def _replay(
     any less whole. A failure before that is raised; a ``close()`` failing after it too is
     only said, so that the failure is what the error names (as a Spark task does)."""
     from . import AsyncWaitOperator, StreamRecord
-    from ._exceptions import error_text
 
     results: list[Any] = []
 
@@ -1189,9 +1187,9 @@ async def _replay(
     try:
         try:
             await operator.open(restored=elements)
+        except StatefulAsyncError:
+            raise
         except Exception as exc:
-            if isinstance(exc, StatefulAsyncError):
-                raise
             raise Fail(
                 f"The function's open() raised {type(exc).__name__}: {error_text(exc)}; nothing "
                 "was replayed. Fix the cause (a service or credentials it needs that this "

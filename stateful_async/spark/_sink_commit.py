@@ -300,27 +300,22 @@ def check_schema(table: Any, schema: pa.Schema, *, merge: bool, table_uri: str) 
             f"the column {spelt!r} with the table's field names, e.g. with named_struct)"
             for table_path, data_path in fields_renamed
         )
-        if as_in_table != table_type and _fields_sorted(as_in_table) == _fields_sorted(table_type):
+        if as_in_table == table_type:
+            continue
+        types = f"{_type_name(table_type)} in the table but {_type_name(data_type)} in the data"
+        if _in_another_order(as_in_table, table_type):  # no cast of the whole column mends it
             advised.append(
-                f"the column {name!r} has the table's struct fields in another order: "
-                f"{_type_name(table_type)} in the table but {_type_name(data_type)} in the data "
+                f"the column {name!r} has the table's struct fields in another order: {types} "
                 f"(rebuild it in the table's order, e.g. with named_struct; a cast would match "
                 f"the fields by position, not by name)"
-            )
-        elif as_in_table != table_type and _in_another_order(as_in_table, table_type):
-            # a type difference too, but no cast of the whole column mends the order
-            advised.append(
-                f"the column {name!r} is {_type_name(table_type)} in the table but "
-                f"{_type_name(data_type)} in the data, its struct fields in another order "
+                if _fields_sorted(as_in_table) == _fields_sorted(table_type)  # the order alone
+                else f"the column {name!r} is {types}, its struct fields in another order "
                 f"(rebuild it in the table's order, e.g. with named_struct, casting each field "
                 f"to the table's type; a cast of the whole column would match the fields by "
                 f"position, not by name)"
             )
-        elif as_in_table != table_type:
-            problems.append(
-                f"the column {name!r} is {_type_name(table_type)} in the table but "
-                f"{_type_name(data_type)} in the data"
-            )
+        else:
+            problems.append(f"the column {name!r} is {types}")
     renamed = set(in_other_case.values())
     extra = [name for name in data_fields if name not in table_fields and name not in renamed]
     if extra and not merge:

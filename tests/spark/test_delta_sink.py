@@ -933,6 +933,18 @@ def test_batch_append_overwrite_and_schema_rules(sink: Any, tmp_path: Path) -> N
     assert merged.column("tripled").to_pylist() == [None] * 100 + [i * 3 for i in range(9000, 9010)]
 
 
+def _refusals_with_and_without_merge(table: str, data: pa.Schema) -> set[str]:
+    """What the sink's plan of a write of ``data`` to ``table`` is refused with, with
+    mergeSchema and without (one message if it says the same either way)."""
+    refusals = set()
+    for merge in ("false", "true"):
+        options = SinkOptions.parse({"path": table, "mergeSchema": merge}, streaming=False)
+        with pytest.raises(SinkSchemaMismatchError) as caught:
+            plan_write(options, data)
+        refusals.add(str(caught.value))
+    return refusals
+
+
 def test_a_column_spelt_in_another_case_is_named_not_offered_to_merge_schema(
     tmp_path: Path,
 ) -> None:
@@ -941,16 +953,12 @@ def test_a_column_spelt_in_another_case_is_named_not_offered_to_merge_schema(
     table = str(tmp_path / "t")
     write_deltalake(table, pa.table({"id": [1], "label": ["a"]}))
     data = pa.schema([("ID", pa.int64()), ("label", pa.string())])
-    for merge in ("false", "true"):
-        options = SinkOptions.parse({"path": table, "mergeSchema": merge}, streaming=False)
-        with pytest.raises(SinkSchemaMismatchError) as caught:
-            plan_write(options, data)
-        assert str(caught.value) == (
-            f"The data's schema does not match the Delta table at {table}: the table column "
-            "'id' is 'ID' in the data (Delta column names are case-insensitive, but a write "
-            "must spell them as the table does: rename it with withColumnRenamed('ID', "
-            "'id'))."  # ended with 'Select and cast the columns to match the table.' too
-        )
+    assert _refusals_with_and_without_merge(table, data) == {
+        f"The data's schema does not match the Delta table at {table}: the table column "
+        "'id' is 'ID' in the data (Delta column names are case-insensitive, but a write "
+        "must spell them as the table does: rename it with withColumnRenamed('ID', "
+        "'id'))."  # ended with 'Select and cast the columns to match the table.' too
+    }
     # With a difference a rename does not mend, the advice that mends it follows.
     data = pa.schema([("ID", pa.int64()), ("label", pa.int64())])
     options = SinkOptions.parse({"path": table}, streaming=False)
@@ -997,24 +1005,20 @@ def test_a_field_spelt_in_another_case_is_named_not_blamed_on_its_type(tmp_path:
             ("m", pa.map_(struct("k"), struct("A"))),
         ]
     )
-    for merge in ("false", "true"):
-        options = SinkOptions.parse({"path": table, "mergeSchema": merge}, streaming=False)
-        with pytest.raises(SinkSchemaMismatchError) as caught:
-            plan_write(options, data)
-        assert str(caught.value) == (
-            f"The data's schema does not match the Delta table at {table}: the table column "
-            "'s' is 'S' in the data (Delta column names are case-insensitive, but a write must "
-            "spell them as the table does: rename it with withColumnRenamed('S', 's')); "
-            + "; ".join(
-                [
-                    renamed("s.Name", "S.name", "S"),
-                    renamed("l[].X", "l[].x", "l"),
-                    renamed("m{key}.K", "m{key}.k", "m"),
-                    renamed("m{}.a", "m{}.A", "m"),
-                ]
-            )
-            + "."
+    assert _refusals_with_and_without_merge(table, data) == {
+        f"The data's schema does not match the Delta table at {table}: the table column "
+        "'s' is 'S' in the data (Delta column names are case-insensitive, but a write must "
+        "spell them as the table does: rename it with withColumnRenamed('S', 's')); "
+        + "; ".join(
+            [
+                renamed("s.Name", "S.name", "S"),
+                renamed("l[].X", "l[].x", "l"),
+                renamed("m{key}.K", "m{key}.k", "m"),
+                renamed("m{}.a", "m{}.A", "m"),
+            ]
         )
+        + "."
+    }
     # A type difference besides is still named, once the names are spelt alike.
     data = pa.schema([("s", pa.struct([("name", pa.string()), ("x", pa.int64())]))])
     with pytest.raises(SinkSchemaMismatchError) as caught:
