@@ -295,13 +295,17 @@ def files_dataset(
 ) -> pads.Dataset:
     """Some of a Delta table's current files (paths relative to its root) as a pyarrow
     dataset; on stores without a pyarrow filesystem, all of them (deltalake's dataset
-    carries their storage options), which readers filter as they would the whole table."""
+    carries their storage options), which readers filter as they would the whole table.
+    Its schema is the table's, not the first file's (delta-rs writes some with string_view
+    columns): every file's columns are cast to it as they are read."""
+    import pyarrow as pa
     import pyarrow.dataset
 
     native = _native(table.table_uri, storage_options)
     if native is None:
         return table.to_pyarrow_dataset()
-    return pyarrow.dataset.dataset(paths, format="parquet", filesystem=native)
+    schema = pa.schema(table.schema().to_arrow())
+    return pyarrow.dataset.dataset(paths, schema=schema, format="parquet", filesystem=native)
 
 
 def subtask_dir(location: str, job_id: str, operator_id: str, subtask: int) -> str:

@@ -185,6 +185,16 @@ def _sql_string(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
+def _text(name: str) -> pc.Expression:
+    """A string column of a checkpoint table, for a scan's filter. delta-rs rewrites the
+    files that its update and delete (a user's, or an expiry of an earlier version) keep
+    rows of with string_view columns, which pyarrow's filters cannot compare with a string
+    ("no kernel matching input types (string, string_view)"): the cast to the table's own
+    type makes every file comparable; a scan casts the columns it returns itself, and the
+    cast keeps the Delta statistics' pruning of the files."""
+    return pc.field(name).cast(pa.string())
+
+
 def _refs_predicate(refs: Iterable[CheckpointRef]) -> str:
     by_run: dict[str, list[int]] = {}
     for ref in refs:
@@ -201,7 +211,7 @@ def _refs_filter(refs: Iterable[CheckpointRef]) -> pc.Expression:
         by_run.setdefault(ref.run_id, []).append(ref.checkpoint_id)
     expression: pc.Expression | None = None
     for run, ids in by_run.items():
-        term = (pc.field("run_id") == run) & pc.field("checkpoint_id").isin(ids)
+        term = (_text("run_id") == run) & pc.field("checkpoint_id").isin(ids)
         expression = term if expression is None else expression | term
     assert expression is not None
     return expression
@@ -464,7 +474,7 @@ class SubtaskLog:
         if self._metadata is None or self._metadata[0] != version:
             # Every row of the table is scanned for one row per checkpoint.
             rows = self._read(
-                table, pc.field("kind") == KIND_CHECKPOINT, _META_COLUMNS, sequential=True
+                table, _text("kind") == KIND_CHECKPOINT, _META_COLUMNS, sequential=True
             )
             metas = [_metadata_from_row(row) for row in rows.to_pylist()]
             metas.sort(key=lambda m: (m.created_at, m.checkpoint_id))
@@ -562,13 +572,13 @@ class SubtaskLog:
         assert table is not None
         input_schema, output_schema = self.schemas()  # type: ignore[misc]
         kinds = (
-            pc.field("kind") != KIND_CHECKPOINT
+            _text("kind") != KIND_CHECKPOINT
             if results
-            else pc.field("kind").isin([KIND_RECORD, KIND_WATERMARK])
+            else _text("kind").isin([KIND_RECORD, KIND_WATERMARK])
         )
         rows = self._read(
             table,
-            (pc.field("run_id") == meta.run_id)
+            (_text("run_id") == meta.run_id)
             & (pc.field("checkpoint_id") == meta.checkpoint_id)
             & kinds,
             None,
@@ -672,7 +682,7 @@ class SubtaskLog:
     ) -> Iterator[tuple[pa.Table, pa.ChunkedArray]]:
         rows = self._read(
             table,
-            (pc.field("kind") == KIND_RESULT) & _refs_filter(m.ref for m in group),
+            (_text("kind") == KIND_RESULT) & _refs_filter(m.ref for m in group),
             ["run_id", "checkpoint_id", "seq", "timestamp", "result"],
             refs=[m.ref for m in group],
         )
@@ -963,8 +973,8 @@ class SubtaskLog:
         if not paths:
             return None
         wanted = (
-            (pc.field("kind") == KIND_CHECKPOINT)
-            & (pc.field("run_id") == ref.run_id)
+            (_text("kind") == KIND_CHECKPOINT)
+            & (_text("run_id") == ref.run_id)
             & (pc.field("checkpoint_id") == ref.checkpoint_id)
         )
         try:
@@ -1358,7 +1368,7 @@ class SubtaskLog:
         """The rows of ``refs`` that expiring keeps, metadata rows flagged ``expired``, as a
         stream of small batches."""
         dataset = _layout.delta_dataset(table, self._storage_options)
-        is_meta = pc.field("kind") == KIND_CHECKPOINT
+        is_meta = _text("kind") == KIND_CHECKPOINT
         columns = {
             name: pc.if_else(is_meta, True, pc.field(name)) if name == "expired" else pc.field(name)
             for name in dataset.schema.names
@@ -1366,7 +1376,7 @@ class SubtaskLog:
         try:
             return dataset.scanner(
                 columns=columns,
-                filter=_refs_filter(refs) & pc.field("kind").isin([KIND_RESULT, KIND_CHECKPOINT]),
+                filter=_refs_filter(refs) & _text("kind").isin([KIND_RESULT, KIND_CHECKPOINT]),
                 batch_size=_EXPIRE_BATCH_ROWS,
                 use_threads=False,
                 **_SEQUENTIAL,
