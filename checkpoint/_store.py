@@ -371,8 +371,14 @@ def _claim_app_id(run_id: str) -> str:
 
 
 def _claimer_app_id(run_id: str, owner: str) -> str:
-    """The Delta app transaction whose version is the newest claim ``owner`` made on a run."""
-    return f"stateful-async-claimed-by:{run_id}:{owner}"
+    """The Delta app transaction whose version is the newest claim ``owner`` made on a run.
+
+    The owner is what follows the id's last ':', whatever the run id holds; an owner that
+    holds a ':' itself is named otherwise (as JSON), or run 'a' claimed by 'b:c' and run
+    'a:b' claimed by 'c' would share one id: ``claimed_by`` said 'c' had claimed 'a:b'."""
+    if ":" not in owner:
+        return f"stateful-async-claimed-by:{run_id}:{owner}"
+    return "stateful-async-claimed-by-json:" + json.dumps([run_id, owner])
 
 
 def _schema_differences(old: pa.Schema, new: pa.Schema) -> list[str]:

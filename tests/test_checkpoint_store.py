@@ -729,6 +729,24 @@ def test_a_claim_records_its_owner(tmp_path: Path) -> None:
     assert not log.claimed_by("other-run", "app-1/17")
 
 
+def test_owners_and_run_ids_holding_colons_are_told_apart(tmp_path: Path) -> None:
+    # The claim of run 'a' by 'b:c' was recorded under the same Delta app id as a claim of
+    # run 'a:b' by 'c' ("...claimed-by:a:b:c"): claimed_by('a:b', 'c') was then true, and a
+    # Spark task took itself for one that had already taken its run over.
+    log = SnapshotStore(tmp_path).subtask("job", "op", 0)
+    commit(log, "a", 1)
+    commit(log, "a:b", 1)
+    assert log.claim("a", owner="b:c") == 1
+    assert log.claim("a:b") == 1
+    assert log.claimed_by("a", "b:c")
+    assert not log.claimed_by("a:b", "c")
+    assert log.claim("a:b", owner="c") == 2
+    assert log.claim("a", owner="x") == 2
+    assert log.claimed_by("a:b", "c") and not log.claimed_by("a", "b:c")
+    # an owner without a ':' is recorded as before: existing claims are still read
+    assert DeltaTable(log.uri).transaction_version("stateful-async-claimed-by:a:b:c") == 2
+
+
 @pytest.mark.parametrize("owner", [1, "", b"app-1/17"])
 def test_an_owner_that_is_no_string_is_refused_before_anything_is_claimed(
     tmp_path: Path, owner: Any
