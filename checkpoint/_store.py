@@ -926,12 +926,13 @@ class SubtaskLog:
         if found is None:
             raise CheckpointNotFoundError(
                 f"Checkpoint {checkpoint_id} of run {run_id!r}, subtask {self.subtask} was "
-                f"refused: the checkpoint it follows, {parent}, has been deleted, most likely "
-                "by the retention of another run of this job sharing the table (runs of one "
-                "job_id that execute at the same time share each partition's table, and "
-                "retain keeps the newest checkpoints of any run). Nothing was written; a "
-                "retried attempt starts the partition over. Give runs that overlap distinct "
-                "job_ids."
+                f"refused: the checkpoint it follows, {parent}, has been deleted: by the "
+                "retention of another run of this job sharing the table (runs of one job_id "
+                "that execute at the same time share each partition's table, and retain keeps "
+                "the newest checkpoints of any run), or by `stateful-async checkpoints expire` "
+                "while this job ran. Nothing was written; a retried attempt starts the "
+                "partition over. Give runs that overlap distinct job_ids, and expire a job's "
+                "checkpoints only while it is not running."
             )
         return found
 
@@ -1271,7 +1272,8 @@ class SubtaskLog:
         ``older_than`` is the grace period: a newer file may belong to a commit still
         running. delta-rs counts it in whole hours, so it is rounded up to the next hour.
         Keep it longer than your slowest commit (the default, a day, is far longer); 0
-        deletes the file of a commit in progress, so use it only while no job runs. A file
+        deletes the file of a commit in progress, which then logs a file that is gone: its
+        table can no longer be read, so use 0 only while no job runs. A file
         that a commit logs while this looks (a running task's checkpoint) is kept: the
         table is read again after the listing. Nothing is logged to the table, so a running
         job's commits cannot make this fail.
@@ -1540,9 +1542,11 @@ class SubtaskLog:
             if fresh.version() == read_version:  # nobody expired: the file is just gone
                 raise CheckpointError(
                     f"Cannot read checkpoint table {self.uri}: {failure}. Its newest version "
-                    "names a data file that is not there (deleted by hand, or by a storage "
-                    "lifecycle rule?): the checkpoints in it cannot be read. Restore the file, "
-                    "or delete the subtask's checkpoints (its table directory) to start it over."
+                    "names a data file that is not there (deleted by hand, by a storage "
+                    "lifecycle rule, or as an orphan with no grace period, `checkpoints expire "
+                    "--orphans-older-than 0`, while a task was committing it?): the checkpoints "
+                    "in it cannot be read. Restore the file, or delete the subtask's "
+                    "checkpoints (its table directory) to start it over."
                 ) from failure
             if not tries_left:
                 raise CheckpointError(

@@ -859,7 +859,8 @@ def show_checkpoint(
         "Run it while the job is not running: against a running job it competes with the "
         "tasks' commits (it retries, then gives up saying so); a task reading files its vacuum "
         "deletes reads the table's newer version instead, and fails (Spark retries it) only if "
-        "the checkpoint it reads was expired meanwhile."
+        "the checkpoint it reads was expired meanwhile; a task whose last checkpoint it deletes "
+        "(--retain 0) fails its next commit, and Spark's retry starts its partition over."
     ),
 )
 def expire_checkpoints(
@@ -896,6 +897,14 @@ def expire_checkpoints(
             ) from None
         store = _store(location, storage_option)
         name = _job(store, job)
+        if hours == 0:
+            _say(
+                err,
+                "Warning: --orphans-older-than 0 deletes the file of any commit still in "
+                "progress. If a job is writing to this location, a partition whose commit "
+                "logs a file deleted here can no longer be read, and its checkpoints are "
+                "lost: use 0 only while no job runs.",
+            )
         # Each partition's table on its own, so that what was done before an error is said
         orphans, failed = _each_table(store, name, lambda log: log.remove_orphans(hours * 3600))
         orphan_line = (

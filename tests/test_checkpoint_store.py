@@ -1988,6 +1988,10 @@ def test_a_data_file_gone_without_an_expiry_is_named_so_not_read_again(tmp_path:
     with pytest.raises(CheckpointError, match="names a data file that is not there") as info:
         reader.restore(2)
     assert "expiry" not in str(info.value)
+    # what deletes the file of a commit still in progress, which it then logs
+    assert "as an orphan with no grace period, `checkpoints expire --orphans-older-than 0`, " in (
+        " ".join(str(info.value).split())
+    )
 
 
 def test_a_checkpoint_expired_while_it_is_read_is_named_so(

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from checkpoint import ORPHAN_GRACE, SnapshotStore, SubtaskLog
+from checkpoint import ORPHAN_GRACE, CheckpointNotFoundError, SnapshotStore, SubtaskLog
 from stateful_async import AsyncWaitOperator, OutputMode, StreamRecord, Watermark
 from stateful_async.cli import app
 from stateful_async.testing import ControlledFunction, settle
@@ -348,6 +348,16 @@ def test_expire_deletes_files_no_checkpoint_uses_once_older_than_the_grace_perio
     assert "1 file(s) no checkpoint used (left by commits that never completed)" in said
     assert "older than 0 hour(s), deleted." in said
     assert not fresh.exists()
+    # 0 also deletes the file of a commit in progress: a running job's partition whose
+    # commit then logs it can no longer be read
+    assert (
+        "Warning: --orphans-older-than 0 deletes the file of any commit still in progress. If "
+        "a job is writing to this location, a partition whose commit logs a file deleted here "
+        "can no longer be read, and its checkpoints are lost: use 0 only while no job runs."
+    ) in said
+    assert "Warning" not in " ".join(
+        invoke("checkpoints", "expire", str(location), "--retain", "5").output.split()
+    )
     assert (
         SnapshotStore(location).subtask("job", "enrich", 1).restore(2).metadata.checkpoint_id == 2
     )
@@ -537,6 +547,27 @@ def test_list_after_everything_expired_says_so(checkpoints) -> None:
         result = invoke("checkpoints", "list", str(location), *args)
         assert result.exit_code == 2
         assert f"{location} holds no checkpoints." in result.output
+
+
+def test_a_commit_following_a_checkpoint_expire_deleted_while_the_job_ran_names_it(
+    tmp_path: Path,
+) -> None:
+    # `checkpoints expire --retain 0` while a job ran deleted the checkpoint a running task's
+    # next one follows: that commit was refused as deleted "most likely by the retention of
+    # another run of this job sharing the table", which sent the user looking for a run
+    # that did not exist.
+    location = tmp_path / "ckpt"
+    log = SnapshotStore(location).subtask("job", "enrich", 0)
+    first = log.commit("run", 1, [], [], input_schema=INPUT, output_schema=OUTPUT, position=1)
+    assert invoke("checkpoints", "expire", str(location), "--retain", "0").exit_code == 0
+    with pytest.raises(CheckpointNotFoundError) as refused:
+        log.commit(
+            "run", 2, [], [], input_schema=INPUT, output_schema=OUTPUT, position=2, parent=first.ref
+        )
+    said = " ".join(str(refused.value).split())
+    assert "or by `stateful-async checkpoints expire` while this job ran." in said
+    assert "expire a job's checkpoints only while it is not running." in said
+    assert log.checkpoints() == []  # nothing written
 
 
 def test_list_of_one_job_whose_checkpoints_are_all_gone_names_the_job(checkpoints) -> None:
