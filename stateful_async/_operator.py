@@ -8,6 +8,7 @@ import enum
 import inspect
 import math
 from collections import deque
+from contextlib import suppress
 from functools import partial
 from threading import get_ident
 from types import TracebackType
@@ -428,6 +429,10 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._cancelled: set[asyncio.Future[Any]] = set()
         self._closing: asyncio.Future[None] | None = None  # done once close() has returned
         self._closer: asyncio.Task[Any] | None = None  # the task that set _closing
+        # done once the function's open() has ended (and open() has closed the function again
+        # if close() ran meanwhile); the task awaiting it until then
+        self._opening: asyncio.Future[None] | None = None
+        self._opener: asyncio.Task[Any] | None = None
         # what the function's close() raised, and its traceback then (raised again with
         # it: re-raising the object alone would add each close()'s frames to it)
         self._close_error: tuple[Exception, TracebackType | None] | None = None
@@ -525,19 +530,33 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         # From here until every restored element is back in the queue a snapshot would miss
         # them: snapshot_state refuses, also while the function's open() is awaited.
         self._restoring = True
+        # close() waits for the function's open() to end (see _wait_for_open)
+        opening = self._opening = loop.create_future()
+        self._opener = asyncio.current_task()
         try:
             try:
-                await self._fn.open()
-            except BaseException:
-                # The function is not open: no input, no snapshot, and close() does not close
-                # it (like an ``async with`` whose __aenter__ raised; see AsyncFunction.open).
-                self._set_state(_State.FAILED)
-                raise
-            if self._state is _State.CLOSED:
-                # close() ran while the function was opening, too early to close it: now.
-                await self._fn.close()
-                raise OperatorStateError("The operator was closed while its function was opening.")
-            self._fn_opened = True
+                try:
+                    await self._fn.open()
+                except BaseException:
+                    # The function is not open: no input, no snapshot, and close() does not
+                    # close it (like an ``async with`` whose __aenter__ raised; see
+                    # AsyncFunction.open).
+                    if self._state is not _State.CLOSED:
+                        self._set_state(_State.FAILED)
+                    raise
+                self._fn_opened = True
+                if self._state is _State.CLOSED:
+                    # close() ran while the function was opening, too early to close it: now,
+                    # while that close() waits to raise what the function's close() raises.
+                    with suppress(Exception):
+                        await self._close_function()
+                    raise OperatorStateError(
+                        "The operator was closed while its function was opening; the function "
+                        "was closed once its open() had returned."
+                    )
+            finally:
+                self._opener = None
+                opening.set_result(None)
             self._set_state(self._state)  # input is accepted from here (the restore's first)
             try:
                 await self._restore(restored or ())
@@ -788,7 +807,10 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         waits until that one has returned (its function closed); a call after one that was
         cancelled before it closed the function does what it left undone. A call made by
         the function's own ``close()`` (a function that closes its operator) returns at
-        once: the operator is closing it, and waiting would wait for itself.
+        once: the operator is closing it, and waiting would wait for itself. A call made
+        while ``open()`` awaits the function's ``open()`` waits for that to return, and
+        returns once the function is closed again (``open()`` then raises
+        ``OperatorStateError``); made from the function's ``open()``, it returns at once.
 
         If the function's ``close()`` raised, so does this call, and every ``close()`` that
         waited for it or comes after it raises the same error (as a failed future would):
@@ -801,9 +823,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 await asyncio.shield(closing)
                 closing = self._closing  # another waiter may have taken over a cancelled one
             if not self._fn_opened:
-                if self._close_error is not None:
-                    error, trace = self._close_error
-                    raise error.with_traceback(trace)
+                await self._wait_for_open()
+                self._raise_close_error()
                 return
         else:
             self._set_state(_State.CLOSED)
@@ -822,15 +843,40 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             if tasks:
                 await asyncio.wait(tasks, timeout=5.0)
             if self._fn_opened:
-                self._fn_opened = False
-                try:
-                    await self._fn.close()
-                except Exception as exc:  # not a cancellation: the close's outcome
-                    self._close_error = (exc, exc.__traceback__)
-                    raise
+                await self._close_function()
+            else:  # not open, or still opening: open() closes it once open
+                await self._wait_for_open()
+                self._raise_close_error()
         finally:
             self._closer = None  # (not kept alive by the operator)
             closing.set_result(None)
+
+    async def _close_function(self) -> None:
+        """Close the open function; what its ``close()`` raises is kept, for every
+        ``close()`` of the operator to raise."""
+        self._fn_opened = False
+        try:
+            await self._fn.close()
+        except Exception as exc:  # not a cancellation: the close's outcome
+            self._close_error = (exc, exc.__traceback__)
+            raise
+
+    async def _wait_for_open(self) -> None:
+        """Wait until the function's ``open()``, if it is still running, has returned and
+        ``open()`` has closed the function again; at once if that ``open()`` is what called
+        ``close()`` (it would wait for itself)."""
+        opening = self._opening
+        if (
+            opening is not None
+            and not opening.done()
+            and self._opener is not asyncio.current_task()
+        ):
+            await asyncio.shield(opening)
+
+    def _raise_close_error(self) -> None:
+        if self._close_error is not None:
+            error, trace = self._close_error
+            raise error.with_traceback(trace)
 
     # -- attempts, retries, timeouts ---------------------------------------------------
 

@@ -1609,13 +1609,46 @@ async def test_close_during_the_functions_open_still_closes_the_function() -> No
     op = AsyncWaitOperator(fn, lambda e: None)
     opening = asyncio.ensure_future(op.open(restored=[StreamRecord("a")]))
     await settle()
-    await op.close()
+    closing = asyncio.ensure_future(op.close())
     fn.gate.set()
-    with pytest.raises(OperatorStateError, match="closed"):
+    with pytest.raises(OperatorStateError, match="closed while its function was opening"):
         await opening
+    await closing
     assert (fn.opened, fn.closed, fn.calls) == (1, 1, [])
     await op.close()
     assert fn.closed == 1
+
+
+@pytest.mark.parametrize("close_fails", [False, True])
+async def test_a_close_during_the_functions_open_returns_once_it_has_closed_the_function(
+    close_fails: bool,
+) -> None:
+    # close() returned at once, the function still opening and then never closed by it: a
+    # caller that ended its loop then (asyncio.run) left the clients open; and what the
+    # function's close() raised came out of open(), while every close() returned.
+    class SlowOpenBrokenClose(SlowOpen):
+        async def close(self):
+            self.closed += 1
+            if close_fails:
+                raise ConnectionError("the pool did not close")
+
+    fn = SlowOpenBrokenClose()
+    op = AsyncWaitOperator(fn, lambda e: None)
+    opening = asyncio.ensure_future(op.open())
+    await settle()
+    closing = asyncio.ensure_future(op.close())
+    await settle()
+    assert not closing.done()  # it waits for the function's open() ...
+    fn.gate.set()
+    with pytest.raises(OperatorStateError, match="closed while its function was opening"):
+        await opening
+    for close in (closing, op.close()):  # ... and then closes it, this close() and later ones
+        if close_fails:
+            with pytest.raises(ConnectionError, match="the pool did not close"):
+                await close
+        else:
+            await close
+    assert (fn.opened, fn.closed) == (1, 1)
 
 
 async def test_a_snapshot_while_the_function_opens_is_refused() -> None:
