@@ -20,7 +20,10 @@ class AsyncFunction(Generic[IN, OUT]):
     Subclass it and implement ``async_invoke``. ``open`` and ``close`` run once per
     operator, on the event loop: create clients (an ``aiohttp.ClientSession``, a database
     pool) in ``open``, not in ``__init__``, so the function can be pickled and shipped to
-    Spark executors.
+    Spark executors (each task gets its own copy, as each Flink operator instance does).
+    An instance with an ``open`` or ``close`` of its own runs in one operator at a time: a
+    second operator opening it before the first is closed is refused
+    (``ConfigurationError``); give each operator its own instance.
 
     ``timeout`` is called when an element misses its deadline. Its results are emitted in
     place of the element's; if it raises, the operator fails (it is never retried). The
@@ -51,6 +54,27 @@ class AsyncFunction(Generic[IN, OUT]):
         fails the operator with a ``TimeoutHandlerError`` naming the element.
         """
         raise _DefaultTimeout()
+
+
+def has_lifecycle(fn: AsyncFunction[Any, Any]) -> bool:
+    """Whether ``fn`` has an ``open`` or ``close`` of its own: clients that one operator
+    opens and closes, which a second operator must not share."""
+    cls = type(fn)
+    return cls.open is not AsyncFunction.open or cls.close is not AsyncFunction.close
+
+
+def already_open(fn: AsyncFunction[Any, Any], by: str) -> ConfigurationError:
+    """The refusal to open ``fn``, already open ``by`` another operator (or a call)."""
+    name = type(fn).__qualname__
+    if isinstance(fn, ThreadPoolAsyncFunction):
+        name, closing = f"{name} ({fn._name()})", "shutting its thread pool down"
+    else:
+        closing = "the first one's close() would release the clients the other still uses"
+    return ConfigurationError(
+        f"This {name} is already open ({by}): an instance runs in one operator at a time, "
+        f"which opens it and closes it ({closing}). Give each operator its own "
+        f"{type(fn).__qualname__}(...), or close the first operator before opening the next."
+    )
 
 
 class _DefaultTimeout(Exception):
@@ -233,13 +257,7 @@ class ThreadPoolAsyncFunction(AsyncFunction[IN, OUT]):
         if self._pool is not None:
             # A second operator would share the pool, and the first one's close() would
             # shut it down under the second's calls (those waiting in it never answered).
-            raise ConfigurationError(
-                f"This ThreadPoolAsyncFunction ({self._name()}) is already open (by another "
-                "operator, or a call to its open()): an instance runs in one operator at a "
-                "time, which opens it and closes it (shutting its thread pool down). Give each "
-                "operator its own ThreadPoolAsyncFunction(...), or close the first operator "
-                "before opening the next."
-            )
+            raise already_open(self, "by another operator, or a call to its open()")
         self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="async-fn")
 
     async def close(self) -> None:

@@ -7,6 +7,7 @@ import datetime
 import enum
 import inspect
 import math
+import weakref
 from collections import deque
 from contextlib import suppress
 from functools import partial
@@ -45,7 +46,9 @@ from ._function import (
     AsyncFunctionLike,
     CoroutineFunction,
     _DefaultTimeout,
+    already_open,
     as_async_function,
+    has_lifecycle,
     has_timeout_handler,
     not_a_result_list,
 )
@@ -67,6 +70,12 @@ _PROGRAMMING_ERRORS = (InvalidResultError, ResultSchemaError)
 RETRY_THIS = "retry this exception (retry=RetryStrategy(...), which needs a timeout too)"
 _new_record = object.__new__
 _NOT_CALLED: Any = object()  # an attempt's call before the function returned
+
+
+# The operator each function with an open() or close() of its own is open in, by the
+# function's id (a function need not be hashable nor weakly referenced), for a second
+# operator to be refused it: each operator opens and closes its function's clients.
+_open_functions: dict[int, weakref.ref[Any]] = {}
 
 
 def _safely(method: Callable[..., bool], *args: Any, default: bool) -> bool:
@@ -536,8 +545,10 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         try:
             try:
                 try:
+                    self._claim_function()
                     await self._fn.open()
                 except BaseException:
+                    self._release_function()
                     # The function is not open: no input, no snapshot, and close() does not
                     # close it (like an ``async with`` whose __aenter__ raised; see
                     # AsyncFunction.open).
@@ -860,6 +871,24 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         except Exception as exc:  # not a cancellation: the close's outcome
             self._close_error = (exc, exc.__traceback__)
             raise
+        finally:
+            self._release_function()
+
+    def _claim_function(self) -> None:
+        """Refuse a function that another operator has open (see ``_open_functions``)."""
+        if not has_lifecycle(self._fn):
+            return  # nothing to open or close: it may serve several operators at once
+        key = id(self._fn)
+        owner = _open_functions.get(key)
+        if owner is not None and owner() is not None:
+            raise already_open(self._fn, "by another operator that has not been closed")
+        _open_functions[key] = weakref.ref(self, partial(_forget_function, key))
+
+    def _release_function(self) -> None:
+        key = id(self._fn)
+        owner = _open_functions.get(key)
+        if owner is not None and owner() is self:
+            del _open_functions[key]
 
     async def _wait_for_open(self) -> None:
         """Wait until the function's ``open()``, if it is still running, has returned and
@@ -1527,6 +1556,13 @@ def _stop_loop(exc: KeyboardInterrupt | SystemExit) -> NoReturn:
     if task is not None:
         task.add_done_callback(_take_exception)
     raise exc
+
+
+def _forget_function(key: int, owner: weakref.ref[Any]) -> None:
+    """An operator that had its function open was collected without being closed: the
+    function is no longer its (``_open_functions``)."""
+    if _open_functions.get(key) is owner:
+        del _open_functions[key]
 
 
 def _take_exception(task: asyncio.Future[Any]) -> None:

@@ -1718,3 +1718,55 @@ async def test_a_call_while_an_unawaited_one_waits_for_room_is_refused_finish_to
     await op.finish()
     assert values(out) == ["A", "B"]
     await op.close()
+
+
+async def test_a_function_with_clients_open_in_one_operator_is_refused_by_another() -> None:
+    # Both operators opened it: its open() ran twice (the second session replacing the
+    # first), and the first operator's close() closed the clients the second still used,
+    # whose calls then failed with the function's own error, far from the cause.
+    class Lookup(AsyncFunction):
+        def __init__(self) -> None:
+            self.session: object | None = None
+            self.opened = self.closed = 0
+
+        async def open(self):
+            self.opened += 1
+            self.session = object()
+
+        async def close(self):
+            self.closed += 1
+            self.session = None
+
+        async def async_invoke(self, value):
+            assert self.session is not None, "the session is closed"
+            return [value]
+
+    fn = Lookup()
+    first = AsyncWaitOperator(fn, lambda e: None)
+    second = AsyncWaitOperator(fn, lambda e: None)
+    await first.open()
+    with pytest.raises(
+        ConfigurationError,
+        match=r"This .*Lookup is already open \(by another operator that has not been closed\)"
+        r".*Give each operator its own .*Lookup\(\.\.\.\), or close the first operator",
+    ):
+        await second.open()
+    await second.close()
+    assert (fn.opened, fn.closed) == (1, 0)
+    out: list = []
+    third = AsyncWaitOperator(fn, out.append)
+    await first.close()  # once closed, the instance may serve another operator
+    async with third:
+        await third.process_element(StreamRecord(1))
+        await third.finish()
+    assert values(out) == [1]
+    assert (fn.opened, fn.closed) == (2, 2)
+
+    # without an open() or close() of its own a function holds no clients: it may be shared
+    class Echo(AsyncFunction):
+        async def async_invoke(self, value):
+            return [value]
+
+    shared = Echo()
+    async with AsyncWaitOperator(shared, lambda e: None), AsyncWaitOperator(shared, lambda e: None):
+        pass
