@@ -984,7 +984,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         """Attempt ``attempt`` raised ``exc``; ``call`` is what the function returned
         (``_NOT_CALLED`` if it raised instead)."""
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            _stop_loop(exc)  # not an outcome of the element
+            self._interrupted(handler, exc)
         if handler.decided or attempt != handler.attempts:
             return  # decided elsewhere (which cancels its other attempts), or superseded
         if type(exc) is TypeError and call is not _NOT_CALLED and not inspect.isawaitable(call):
@@ -995,6 +995,33 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             )
         handler.task = None
         self._on_attempt_error(handler, exc)
+
+    def _interrupted(
+        self,
+        handler: _Element,
+        exc: KeyboardInterrupt | SystemExit,
+        source: str = "The async function",
+        stop: bool = True,
+    ) -> None:
+        """A call (or the timeout handler: ``source``) raised ``exc``, which stops the loop
+        (raised again here if ``stop``): not an outcome of the element, which has none. The
+        operator fails, so that a loop run again (``asyncio.run``'s clean-up, a caller that
+        catches it) does not wait for ever on the element in ``finish()``."""
+        if not handler.decided:
+            self._decide_failure(
+                handler,
+                element_error(
+                    AsyncFunctionError if source == "The async function" else TimeoutHandlerError,
+                    f"{source} was interrupted by {type(exc).__name__}",
+                    handler.element,
+                    handler.attempts,
+                    "It stopped the event loop and failed the operator: close the operator, "
+                    "and restore its last snapshot into a new one to go on.",
+                    cause=exc,
+                ),
+            )
+        if stop:
+            _stop_loop(exc)
 
     def _on_attempt_error(self, handler: _Element, error: BaseException) -> None:
         if self._timeout is not None:
@@ -1064,7 +1091,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             self._decide_failure(handler, exc)
             return
         except (KeyboardInterrupt, SystemExit) as exc:
-            _stop_loop(exc)  # as in _on_attempt_raised: not an outcome of the element
+            self._interrupted(handler, exc)
         except BaseException as exc:  # a generator of results that raised: the call failed
             self._on_attempt_error(handler, exc)
             return
@@ -1249,8 +1276,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             except InvalidResultError as exc:
                 self._decide_failure(handler, exc)
                 return
-            except (KeyboardInterrupt, SystemExit):
-                raise
+            except (KeyboardInterrupt, SystemExit) as exc:
+                self._interrupted(handler, exc, "The timeout handler")
             except BaseException as exc:  # a generator of fallback results that raised
                 error = exc
             else:
@@ -1264,6 +1291,10 @@ class AsyncWaitOperator(Generic[IN, OUT]):
             return
         if isinstance(error, _DefaultTimeout):
             self._decide_failure(handler, self._timeout_error(handler, None))
+            return
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            # its task raised it out of the loop already: the loop runs again to get here
+            self._interrupted(handler, error, "The timeout handler", stop=False)
             return
         self._decide_failure(
             handler,

@@ -1770,3 +1770,60 @@ async def test_a_function_with_clients_open_in_one_operator_is_refused_by_anothe
     shared = Echo()
     async with AsyncWaitOperator(shared, lambda e: None), AsyncWaitOperator(shared, lambda e: None):
         pass
+
+
+@pytest.mark.parametrize("where", ["async_invoke", "timeout"])
+def test_a_keyboard_interrupt_in_a_call_fails_the_operator_for_a_loop_run_again(
+    where: str,
+) -> None:
+    # A KeyboardInterrupt in async_invoke stopped the loop and left its element with no
+    # outcome: a loop run again (asyncio.run's clean-up, a caller that catches Ctrl-C and
+    # drains) waited for ever on it in finish(). The timeout handler's failed the operator
+    # advising to return fallback results instead of raising.
+    class Interrupted(AsyncFunction):
+        async def async_invoke(self, value):
+            if where == "async_invoke":
+                raise KeyboardInterrupt
+            await asyncio.sleep(30)
+            return [value]
+
+        async def timeout(self, value):
+            raise KeyboardInterrupt
+
+    op = AsyncWaitOperator(
+        Interrupted(), lambda e: None, timeout=None if where == "async_invoke" else 0.01
+    )
+
+    async def start() -> None:
+        await op.open()
+        await op.process_element(StreamRecord(1))
+        await asyncio.sleep(30)
+
+    loop = asyncio.new_event_loop()
+    try:
+        interrupted = False
+        try:
+            loop.run_until_complete(start())
+        except KeyboardInterrupt:
+            interrupted = True
+        assert interrupted
+
+        async def drain() -> None:
+            try:
+                await asyncio.wait_for(op.finish(), 5.0)
+            finally:
+                await op.close()
+
+        error = AsyncFunctionError if where == "async_invoke" else TimeoutHandlerError
+        source = "async function" if where == "async_invoke" else "timeout handler"
+        with pytest.raises(
+            error,
+            match=rf"The {source} was interrupted by KeyboardInterrupt for element "
+            r"StreamRecord\(1\).*close the operator, and restore its last snapshot",
+        ):
+            loop.run_until_complete(drain())
+    finally:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
