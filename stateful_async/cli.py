@@ -7,8 +7,9 @@
     stateful-async replay LOCATION ID --function module:attr [--output PATH]
 
 Errors in what the user asked for (a missing location, an unknown id, a function that
-cannot be imported, an output path that exists or cannot be written) print one clear message
-and exit with status 2 (stderr's reader gone, the message is lost, the status kept); the
+cannot be imported, an output path that exists or cannot be written) and usage errors (an
+unknown option, a missing argument) print one clear message and exit with status 2
+(stderr's reader gone, the message is lost, the status kept); the
 demo exits with status 1 if its Spark job fails (PySpark's error, then where Spark's log
 is) or if a check it promises fails or cannot be made. A command whose reader stops
 reading (``checkpoints list ... | head -1``, its ``--help`` too) stops quietly with status
@@ -172,6 +173,10 @@ def _help_for_a_pipe(format_help: Callable[[], None]) -> None:
     sys.stdout.write(rendered.getvalue())
 
 
+# Click's base exception as Typer raises it: newer Typer carries its own copy of Click
+_CLICK_ERROR: Any = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
 class _Group(TyperGroup):
     """A group whose help (--help, or no command given) stops quietly when the reader of
     its output leaves, as a command does."""
@@ -183,6 +188,20 @@ class _Group(TyperGroup):
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
         _help_for_a_pipe(lambda: super(_Group, self).format_help(ctx, formatter))
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        """Click's own usage errors (an unknown option, a missing argument) keep their
+        status, 2, when their message cannot be written (stderr's reader gone), as the
+        command line's other errors do: Typer exits 1 for the write failing instead."""
+        try:
+            return super().main(*args, **kwargs)
+        except SystemExit as exc:
+            context: Any = exc.__context__
+            while context is not None and not isinstance(context, _CLICK_ERROR):
+                context = context.__context__
+            if exc.code == 1 and context is not None:  # its message failed, not it
+                raise SystemExit(context.exit_code) from None
+            raise
 
 
 app = typer.Typer(

@@ -1424,6 +1424,27 @@ def test_an_error_whose_message_cannot_be_written_keeps_its_status(
     assert status == 2
 
 
+@pytest.mark.parametrize("stdout_gone", [False, True], ids=["stderr-gone", "both-gone"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["checkpoints", "list", "--no-such-option", "{}"],
+        ["checkpoints", "show"],
+        ["checkpoints", "show", "{}", "abc"],
+        ["no-such-command"],
+    ],
+    ids=["unknown-option", "missing-argument", "bad-value", "unknown-command"],
+)
+def test_a_usage_error_whose_message_cannot_be_written_keeps_its_status(
+    checkpoints, args, stdout_gone
+) -> None:
+    # Click's own usage errors exit 2, but 1 when their message could not reach stderr
+    # (Typer's exit for the failed write), unlike the command line's other errors.
+    location, _ = checkpoints
+    args = [str(location) if a == "{}" else a for a in args]
+    assert _run_with_readers_gone(args, stdout_gone)[0] == 2
+
+
 def test_a_warning_that_cannot_be_written_does_not_stop_the_command(checkpoints) -> None:
     # `checkpoints list LOCATION -o KEY=VALUE 2>&-`-like: the warning that the storage
     # option is unused failed to reach stderr, which ended the command, status 1, no table.
