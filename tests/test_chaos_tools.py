@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -1927,8 +1928,9 @@ def attempt(partition: int, number: int, error: str | None = None) -> TaskAttemp
         ("crash-at=5", [attempt(0, 0, "ExecutorLostFailure"), attempt(0, 1), attempt(1, 0)], True),
         ("crash-at=5,attempt=1", [attempt(0, 0, CRASHED), attempt(0, 1), attempt(1, 0)], True),
         ("zombie-commit=2", [attempt(0, 0, CRASHED), attempt(0, 1), attempt(1, 0)], True),
-        # a delay leaves no mark; without the status store nothing is known
-        ("delay-commit=2:1", [attempt(0, 0), attempt(1, 0)], False),
+        # a delay whose commit was refused (a newer attempt overtook it)
+        ("delay-commit=2:1", [attempt(0, 0, REFUSED), attempt(0, 1)], False),
+        # without the status store nothing is known
         ("crash-at=5", [], False),
     ],
 )
@@ -1940,6 +1942,71 @@ def test_a_fault_that_no_task_attempt_shows_firing_is_unfired(
     # passed having tested no recovery.
     spec = FaultSpec.parse(fault)
     assert _job.unfired_faults([spec], tasks) == ([spec] if unfired else [])
+
+
+def committed(partition: int, checkpoint_id: int, number: int) -> Any:
+    """A run's checkpoint, as the job reads it back: id, subtask, the attempt that wrote it."""
+    return SimpleNamespace(
+        checkpoint_id=checkpoint_id, subtask=partition, properties={"attempt": str(number)}
+    )
+
+
+@pytest.mark.parametrize(
+    ("commits", "unfired"),
+    [
+        ([committed(0, 1, 0), committed(0, 2, 0), committed(1, 2, 0)], False),
+        ([committed(1, 2, 0)], False),
+        ([], True),  # no checkpoint 2: its task never reached it
+        ([committed(0, 1, 0), committed(0, 3, 0)], True),
+        ([committed(0, 2, 1)], True),  # written by another attempt than the one held
+    ],
+)
+def test_a_delayed_commit_is_unfired_unless_its_attempt_committed_it(
+    commits: list[Any], unfired: bool
+) -> None:
+    # Before, delay-commit was never listed, fired or not: a delay that never happened
+    # (its checkpoint never reached, its attempt never run) passed unnoticed.
+    spec = FaultSpec.parse("delay-commit=2:1")
+    tasks = [attempt(0, 0), attempt(1, 0)]
+    assert _job.unfired_faults([spec], tasks, commits) == ([spec] if unfired else [])
+    scoped = FaultSpec.parse("delay-commit=2:1,partition=0")
+    expected = [scoped] if unfired or commits == [committed(1, 2, 0)] else []
+    assert _job.unfired_faults([scoped], tasks, commits) == expected
+
+
+# partition 0's attempt 0 crashed (and attempt 1 ran), and partition 1's
+P0_CRASHED = [attempt(0, 0, CRASHED), attempt(0, 1)]
+P1_CRASHED = [attempt(1, 0, CRASHED), attempt(1, 1)]
+
+
+@pytest.mark.parametrize(
+    ("faults", "tasks", "unfired"),
+    [
+        # one crash of partition 0's attempt 0: rows 10 and 20 cannot both have crashed it
+        (["crash-at=10", "crash-at=20"], P0_CRASHED, ["crash-at=20"]),
+        (["crash-at=10", "crash-commit=2"], P0_CRASHED, ["crash-commit=2"]),
+        # row 150 is partition 1's (200 rows in 2 partitions): partition 0's crash is not its
+        (["crash-at=10", "crash-at=150"], [*P0_CRASHED, attempt(1, 0)], ["crash-at=150"]),
+        (["crash-at=150"], [*P0_CRASHED, attempt(1, 0)], ["crash-at=150"]),
+        # one crash each: both fired, in whatever order they are matched
+        (["crash-at=10", "crash-at=150"], P0_CRASHED + P1_CRASHED, []),
+        (["crash-commit=2", "crash-at=10"], P0_CRASHED + P1_CRASHED, []),
+        (
+            ["crash-at=10", "crash-commit=2,attempt=1"],
+            [*P0_CRASHED[:1], attempt(0, 1, CRASHED)],
+            [],
+        ),
+    ],
+)
+def test_one_crash_shows_one_crash_fault_firing(
+    faults: list[str], tasks: list[TaskAttempt], unfired: list[str]
+) -> None:
+    # Before, one crashed attempt counted as the mark of every crash fault aimed at it:
+    # crash-at=10 and crash-at=20 (only the first can crash attempt 0), or a crash-at whose
+    # row is in the other partition, were counted as fired by the one crash.
+    specs = [FaultSpec.parse(f) for f in faults]
+    found = _job.unfired_faults(specs, tasks, rows=200, partitions=2)
+    assert [str(f) for f in found] == unfired
 
 
 def test_the_job_warns_of_a_fault_that_never_fired(
@@ -1968,8 +2035,9 @@ def test_the_job_warns_of_a_fault_that_never_fired(
     assert job_main(argv) == 0  # the output is committed and right
     assert (
         "warning: the fault crash-at=5,attempt=1 never fired: no task attempt it is aimed at "
-        "failed as it makes one fail, so this run tested no recovery from it. Aim it at a row "
-        "or checkpoint the run reaches, and at an attempt that runs.\n"
+        "shows its mark (a crashed worker, a refused or a held commit), so this run tested no "
+        "recovery from it. Aim it at a row or checkpoint the run reaches, and at an attempt "
+        "that runs.\n"
     ) in capsys.readouterr().err
     written = JobReport.from_json(report.read_text())
     assert written.unfired_faults == ["crash-at=5,attempt=1"]

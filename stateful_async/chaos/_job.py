@@ -704,8 +704,9 @@ def job_report(
     the jobs ``earlier_jobs`` (Spark job ids) were not the run's."""
     after = _table_version(options.output)
     tasks = task_attempts(spark, job_group=job_group, earlier_jobs=earlier_jobs)
+    app_id = spark.sparkContext.applicationId
     return JobReport(
-        app_id=spark.sparkContext.applicationId,
+        app_id=app_id,
         job_id=options.job_id,
         mode=options.mode,
         rows=options.rows,
@@ -716,40 +717,125 @@ def job_report(
         written=after is not None and after != version_before,
         rows_in_table=_table_rows(options.output),
         tasks=tasks,
-        unfired_faults=[str(f) for f in unfired_faults(options.faults, tasks)],
+        unfired_faults=[
+            str(f)
+            for f in unfired_faults(
+                options.faults,
+                tasks,
+                _run_commits(options, app_id, tasks),
+                options.rows,
+                options.partitions,
+            )
+        ],
     )
 
 
 # What a fault's aimed task attempt fails with once it has fired: a crash kills the Python
-# worker, a zombie's late commit is refused. (A delay-commit leaves no sign in the tasks.)
+# worker, a zombie's late commit is refused (as is a delayed one that a newer attempt
+# overtook). A delay-commit that went ahead leaves its checkpoint, committed by that attempt.
 _FIRED_SIGNS = {
     "crash-at": "Python worker exited unexpectedly",
     "crash-commit": "Python worker exited unexpectedly",
+    "delay-commit": "CheckpointConflictError",
     "zombie-commit": "CheckpointConflictError",
 }
+# a crash ends its attempt: one crashed attempt shows one crash fault firing, not two
+_CRASHES = ("crash-at", "crash-commit")
 
 
-def unfired_faults(faults: Iterable[FaultSpec], tasks: Sequence[TaskAttempt]) -> list[FaultSpec]:
-    """The faults that, by ``tasks`` (a run's task attempts), never fired: no attempt
+def unfired_faults(
+    faults: Iterable[FaultSpec],
+    tasks: Sequence[TaskAttempt],
+    commits: Iterable[Any] = (),
+    rows: int | None = None,
+    partitions: int | None = None,
+) -> list[FaultSpec]:
+    """The faults that, by ``tasks`` (a run's task attempts) and ``commits`` (the
+    ``CheckpointMetadata`` of the checkpoints the run committed), never fired: no attempt
     they are aimed at (its number, one of its partitions) failed as the fault makes it
     fail — a crashed Python worker (``crash-at``, ``crash-commit``), a refused late commit
     (``zombie-commit``; one whose wait ran out with no newer attempt made an ordinary
-    commit). Such a fault was armed on a task that never reached its row or checkpoint (a
-    resumed run skipped them), or on an attempt that never ran; a chaos test with it
-    proved nothing. ``delay-commit`` leaves no sign and is never listed;
-    nothing is listed without ``tasks`` (Spark's status store unread)."""
+    commit) — and, for ``delay-commit``, no such attempt committed the checkpoint it holds
+    back (or had that commit refused). A crashed attempt shows one crash fault firing: two
+    aimed at it (``crash-at=10`` and ``crash-at=20``) cannot both have fired, and one is
+    listed. With ``rows`` and ``partitions`` (the reference job's input), a ``crash-at``
+    is aimed at the partition that holds its row only. Such a fault was armed on a task
+    that never reached its row or checkpoint (a resumed run skipped them), or on an
+    attempt that never ran; a chaos test with it proved nothing. Nothing is listed without
+    ``tasks`` (Spark's status store unread)."""
     if not tasks:
         return []
-    return [
-        fault
-        for fault in faults
-        if fault.kind in _FIRED_SIGNS
-        and not any(
-            t.attempt == fault.attempt
-            and (fault.partitions is None or t.partition in fault.partitions)
-            and _FIRED_SIGNS[fault.kind] in (t.error or "")
+    faults = list(faults)
+    commits = list(commits)
+
+    def aimed(fault: FaultSpec, partition: int) -> bool:
+        if fault.partitions is not None and partition not in fault.partitions:
+            return False
+        if fault.kind == "crash-at" and rows is not None and partitions is not None:
+            return fault.value in partition_ids(rows, partitions, partition)
+        return True
+
+    def signs(fault: FaultSpec) -> list[tuple[int, int, int]]:
+        """The run's task attempts (stage, partition, attempt) that show ``fault`` fired."""
+        return [
+            (t.stage_id, t.partition, t.attempt)
             for t in tasks
+            if t.attempt == fault.attempt
+            and aimed(fault, t.partition)
+            and _FIRED_SIGNS[fault.kind] in (t.error or "")
+        ]
+
+    def delayed(fault: FaultSpec) -> bool:
+        return any(
+            m.checkpoint_id == fault.value
+            and m.properties.get("attempt") == str(fault.attempt)
+            and aimed(fault, m.subtask)
+            for m in commits
         )
+
+    fired = {
+        i
+        for i, fault in enumerate(faults)
+        if fault.kind not in _CRASHES
+        and (signs(fault) or (fault.kind == "delay-commit" and delayed(fault)))
+    }
+    # each crashed attempt accounts for one crash fault at most (a bipartite matching)
+    crashes = {i: signs(f) for i, f in enumerate(faults) if f.kind in _CRASHES}
+    crashed_by: dict[tuple[int, int, int], int] = {}
+
+    def match(i: int, seen: set[tuple[int, int, int]]) -> bool:
+        for sign in crashes[i]:
+            if sign not in seen:
+                seen.add(sign)
+                if sign not in crashed_by or match(crashed_by[sign], seen):
+                    crashed_by[sign] = i
+                    return True
+        return False
+
+    fired |= {i for i in crashes if match(i, set())}
+    return [fault for i, fault in enumerate(faults) if i not in fired]
+
+
+def _run_commits(options: JobOptions, app_id: str, tasks: Sequence[TaskAttempt]) -> list[Any]:
+    """The checkpoints that ``tasks`` (the run's task attempts, of application ``app_id``)
+    committed to the job's snapshot store, read only when a delay-commit fault needs
+    them (a delayed commit's mark); [] with a warning if the store cannot be read."""
+    if not any(f.kind == "delay-commit" for f in options.faults) or not tasks:
+        return []
+    from checkpoint import SnapshotStore
+
+    stages = {str(t.stage_id) for t in tasks}
+    try:
+        metas = SnapshotStore(options.checkpoint).checkpoints(
+            options.job_id, OPERATOR_ID, include_expired=True
+        )
+    except Exception as exc:
+        print(f"warning: cannot read the run's checkpoints: {exc}", file=sys.stderr)
+        return []
+    return [
+        m
+        for m in metas
+        if m.properties.get("app_id") == app_id and m.properties.get("stage") in stages
     ]
 
 
@@ -891,8 +977,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for fault in report.unfired_faults:
             print(
                 f"warning: the fault {fault} never fired: no task attempt it is aimed at "
-                "failed as it makes one fail, so this run tested no recovery from it. Aim "
-                "it at a row or checkpoint the run reaches, and at an attempt that runs.",
+                "shows its mark (a crashed worker, a refused or a held commit), so this run "
+                "tested no recovery from it. Aim it at a row or checkpoint the run reaches, "
+                "and at an attempt that runs.",
                 file=sys.stderr,
                 flush=True,
             )

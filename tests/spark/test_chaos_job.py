@@ -77,6 +77,17 @@ def test_a_fault_that_never_fired_is_in_the_report(
     assert again.unfired_faults == ["crash-at=5", "crash-commit=2"]
 
 
+def test_a_delayed_commit_is_in_the_report_only_if_it_never_fired(
+    spark: Any, service: MockService, tmp_path: Path
+) -> None:
+    # Before, delay-commit was never listed: one aimed at an attempt that never ran (or a
+    # checkpoint a resumed run skips) passed unnoticed.
+    faults = ("delay-commit=2:0.1", "delay-commit=2:0.1,attempt=1", "delay-commit=3:0,partition=1")
+    report = run_job(spark, options(service, tmp_path, "delayed", *faults))
+    assert report.rows_in_table == 200 and report.failed_attempts() == []
+    assert report.unfired_faults == ["delay-commit=2:0.1,attempt=1"]
+
+
 def test_a_crash_key_no_row_key_can_equal_fails_the_job(spark: Any) -> None:
     # Before, the ConfigurationError failed attempt 0 only: attempt 1, which the fault is
     # not aimed at, never looked at the rows and succeeded, and so did the job.
