@@ -31,6 +31,7 @@ only in case (Delta's column names are case-insensitive).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
@@ -106,14 +107,18 @@ def _check_case_distinct(struct: pa.StructType, path: str) -> None:
             f"{path or '<value>'!r} is a struct with no fields, which a Delta table (which "
             "checkpoints are) cannot store. Drop it, or give it a field, before enriching."
         )
-    for field, other in zip(struct, earlier_same_names([f.name for f in struct]), strict=True):
-        if other == field.name:
+    names = [f.name for f in struct]
+    # a name given twice first, whatever case twins it also has ('A', 'a', 'a')
+    counts = Counter(names)
+    for name in names:
+        if counts[name] > 1:
             raise UnsupportedTypeError(
-                f"{path or '<value>'!r} has two fields named {other!r}; a Delta table (which "
+                f"{path or '<value>'!r} has two fields named {name!r}; a Delta table (which "
                 "checkpoints are) holds one column per name. Rename one of them before "
                 "enriching (an input column with DataFrame.withColumnRenamed, a result field "
                 "in the output schema)."
             )
+    for field, other in zip(struct, earlier_same_names(names), strict=True):
         if other is not None:
             raise UnsupportedTypeError(
                 f"{path or '<value>'!r} has fields {other!r} and {field.name!r}, whose names "

@@ -373,6 +373,11 @@ def test_field_names_differing_only_in_case_are_refused_naming_both(tmp_path: Pa
             OUT,
             "'input.s' has two fields named 'a'",
         ),
+        (  # beside a case twin met first: named as given twice, not as the case pair
+            pa.schema([("id", pa.int64())]),
+            pa.schema([("A", pa.int8()), ("a", pa.int8()), ("a", pa.int8())]),
+            "'result' has two fields named 'a'",
+        ),
         (
             pa.schema([("id", pa.int64()), ("e", pa.struct([]))]),
             OUT,

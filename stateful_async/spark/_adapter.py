@@ -9,6 +9,7 @@ import os
 import re
 import tempfile
 import warnings
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Union
@@ -283,16 +284,15 @@ def _output_struct(schema: Schema) -> Any:
             "results have, e.g. 'id long, score double'."
         )
     # At any depth: a struct's value is a dict too, and Arrow's struct of two fields named
-    # alike failed every task ("not all nodes, buffers and variadicBufferCounts were consumed")
+    # alike failed every task ("not all nodes, buffers and variadicBufferCounts were consumed");
+    # counted by exact name, whatever case twins it also has ('A', 'a', 'a')
     twice = sorted(
         {
             field_path(path, name)
             for path, nested in spark_types(struct)
             if isinstance(nested, StructType)
-            for name, earlier in zip(
-                nested.fieldNames(), earlier_same_names(nested.fieldNames()), strict=True
-            )
-            if earlier == name
+            for name, count in Counter(nested.fieldNames()).items()
+            if count > 1
         }
     )
     if twice:

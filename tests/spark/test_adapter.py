@@ -3127,6 +3127,10 @@ def test_an_unpicklable_retry_predicate_is_named_instead_of_the_function(
             {"schema": "id long, s array<struct<a: long, a: long>>"},
             r"names the field\(s\) \['s\[\]\.a'\] more than once; a result is a dict, and so",
         ),
+        (  # beside a case twin met first it was called the case pair ('s.A' and 's.a')
+            {"schema": "id long, s struct<A: long, a: long, a: long>"},
+            r"names the field\(s\) \['s\.a'\] more than once",
+        ),
         (  # every result failed in the task, over struct<value: binary, metadata: binary>
             {"schema": "id long, v struct<tags: array<variant>>"},
             r"output field 'v.tags\[\]' is a VARIANT.*Return JSON text in a STRING field",
