@@ -446,13 +446,17 @@ def _claim_new_location(opts: SinkOptions, replacing: bool) -> None:
     orphan clean-up (``clean_orphan_files``, ``cleanOrphans``) would delete as files no
     version names, unless the write is ``replacing`` them (an overwrite); otherwise leave
     ``NEW_TABLE_MARK`` there, by which a write that follows one that failed before its
-    commit knows the files it finds as that one's."""
+    commit knows the files it finds as that one's: those written since the mark (files
+    older than it are someone else's; the first commit removes it)."""
     storage = TableStorage(opts.table_uri, opts.storage_options)
     try:
         files = storage.list_files()
-        if any(rel == NEW_TABLE_MARK for rel, _ in files):
-            return
-        foreign = data_files(files)
+        marked = [mtime for rel, mtime in files if rel == NEW_TABLE_MARK]
+        # files older than the mark were there before the sink came: not a write's of it
+        since = min(marked, default=None)
+        foreign = [
+            (rel, mtime) for rel, mtime in data_files(files) if since is None or mtime < since
+        ]
         if foreign and not replacing:
             shown = ", ".join(rel for rel, _ in foreign[:3])
             raise ConfigurationError(
@@ -464,15 +468,26 @@ def _claim_new_location(opts: SinkOptions, replacing: bool) -> None:
                 "say); or, if they are data to keep, make them a Delta table first "
                 "(deltalake's convert_to_deltalake) and write to it."
             )
-        # empty (its name says it all): delta-rs's file system, behind file:// and object
-        # store locations, takes no write of a Python buffer ("'Buffer' object is not an
-        # instance of 'bytes'")
-        storage.open_output(NEW_TABLE_MARK).close()
+        if not marked:
+            # empty (its name says it all): delta-rs's file system, behind file:// and object
+            # store locations, takes no write of a Python buffer ("'Buffer' object is not an
+            # instance of 'bytes'")
+            storage.open_output(NEW_TABLE_MARK).close()
     except OSError as exc:
         raise DeltaSinkError(
             f"The delta_rs sink cannot prepare {opts.table_uri} for a new Delta table: "
             f"{exc}. Check that the location is reachable and writable."
         ) from exc
+
+
+def _remove_new_table_mark(opts: SinkOptions) -> None:
+    """Remove ``NEW_TABLE_MARK`` once the table exists: it would otherwise outlive the
+    table (deleted, its location reused) and vouch for Parquet files put there later. A
+    failure is only logged: the write has landed."""
+    try:
+        TableStorage(opts.table_uri, opts.storage_options).delete(NEW_TABLE_MARK)
+    except OSError as exc:
+        log.warning("Could not remove %s from %s: %s", NEW_TABLE_MARK, opts.table_uri, exc)
 
 
 def _check_typed(columns: list[pa.Field]) -> None:
@@ -738,6 +753,7 @@ def commit_write(
                 commit_properties=props,
             )
             log.info("Created the Delta table at %s with %s.", uri, what)
+            _remove_new_table_mark(opts)
             return Outcome.COMMITTED
         except DeltaError as exc:
             # Another writer may have created the table first: then commit normally.

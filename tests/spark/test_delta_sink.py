@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -2025,6 +2026,24 @@ def test_a_table_is_not_created_over_parquet_files_its_orphan_clean_up_would_del
     removed = clean_orphan_files(str(fresh), older_than=dt.timedelta(0))
     assert removed == sorted(f.path for f in failed)
     assert _ids(fresh) == list(range(10))
+    # The first commit removes the mark: it outlived the table (deleted, its location
+    # reused) and let a later write create a table over a Parquet dataset put there.
+    assert not (fresh / NEW_TABLE_MARK).exists()
+    shutil.rmtree(fresh / "_delta_log")
+    pq.write_table(_rows(0, 3), fresh / "dataset.parquet")
+    with pytest.raises(ConfigurationError, match=r"Parquet file\(s\) \(dataset.parquet, "):
+        plan_write(opts, SOURCE_ARROW)
+    # Files older than a mark left by an overwrite that failed before its commit were
+    # there before it: they are not taken for that write's.
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    pq.write_table(_rows(0, 3), stale / "old.parquet")
+    os.utime(stale / "old.parquet", (1, 1))
+    plan_write(
+        SinkOptions.parse({"path": str(stale)}, streaming=False), SOURCE_ARROW, mode="overwrite"
+    )
+    with pytest.raises(ConfigurationError, match=r"but 1 Parquet file\(s\) \(old.parquet\)"):
+        plan_write(_unit_options(stale), SOURCE_ARROW)
 
 
 @pytest.mark.spark
