@@ -78,7 +78,7 @@ def nested_field_advice(
         path = _resolve(schema, ".".join(parts[:split]), parts[split:], case_sensitive)
         if path is None:
             continue
-        alias = _free_alias(schema, path)
+        alias = free_alias(schema, path)
         column = ".".join(_quoted(p) for p in path)
         return (
             f"is the field {path[-1]!r} inside the struct column {path[0]!r}: nested fields "
@@ -89,7 +89,7 @@ def nested_field_advice(
     return None
 
 
-def _free_alias(schema: pa.Schema, path: list[str]) -> str:
+def free_alias(schema: pa.Schema, path: list[str]) -> str:
     """A name for the field at ``path`` as a column of its own that no column of ``schema``
     has, in any case: the field's own, else the path joined with underscores, numbered if
     need be. Names differing only in case are taken as the same whatever the setting:

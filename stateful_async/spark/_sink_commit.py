@@ -418,12 +418,12 @@ def plan_write(
     table = load_table(opts.table_uri, opts.storage_options)
     if table is None:
         _check_typed(list(schema))
-        check_partition_columns(schema, opts.partition_by)
+        check_partition_columns(schema, opts.partition_by, opts.partition_by_option)
         _claim_new_location(opts, replacing=mode == "overwrite")
         return WritePlan(schema, opts.partition_by)
     check_table_features(table, opts.table_uri, mode)
     existing = tuple(table.metadata().partition_columns)
-    if opts.partition_by_given:
+    if opts.partition_by_option is not None:
         _check_partitioning(table, opts.partition_by, opts.table_uri)
     added = check_schema(table, schema, merge=opts.merge_schema, table_uri=opts.table_uri)
     _check_typed([f for f in schema if f.name in {a.name for a in added}])

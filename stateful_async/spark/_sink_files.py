@@ -32,7 +32,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from .._exceptions import ConfigurationError, DeltaSinkError, SinkSchemaMismatchError
-from ._columns import nested_field_advice
+from ._columns import free_alias, nested_field_advice
 from ._results import first_forbidden_null, requires
 from ._sink_options import CODECS, is_uri
 
@@ -634,8 +634,29 @@ class TaskFileWriter:
                 pass  # left as an orphan for clean_orphan_files()
 
 
-def check_partition_columns(schema: pa.Schema, partition_by: tuple[str, ...]) -> None:
-    """Partition columns must exist, have a supported type, and leave a data column."""
+def check_partition_columns(
+    schema: pa.Schema, partition_by: tuple[str, ...], option: str | None = None
+) -> None:
+    """Partition columns must exist, have a supported type, and leave a data column.
+    ``option``: the option partitionBy as given, read as ``partition_by``."""
+    # The option is a list of names split at commas and stripped: a column whose name holds
+    # a comma or outer spaces cannot be named in it, and was partitioned by other columns
+    # (partitionBy='a,b' for a column 'a,b' and columns a and b) or refused as not a column.
+    unnamable = [
+        name
+        for name in schema.names
+        if ("," in name or name != name.strip()) and name in (option or "")
+    ]
+    if unnamable:
+        alias = free_alias(schema, [unnamable[0].strip().replace(",", "_")])
+        raise ConfigurationError(
+            f"The option partitionBy={option!r} cannot name the column {unnamable[0]!r}: the "
+            f"option is a comma-separated list of names stripped of spaces (it reads "
+            f"{list(partition_by)}), so a name holding a comma or leading or trailing spaces "
+            "cannot be given in it. Rename the column first, e.g. "
+            f"df.withColumnRenamed({unnamable[0]!r}, {alias!r}), then the option "
+            f"partitionBy={alias}."
+        )
     for column in partition_by:
         if column not in schema.names:
             nested = nested_field_advice(schema, column, "partitionBy", "the option partitionBy={}")

@@ -69,7 +69,8 @@ class SinkOptions:
     table_uri: str
     storage_options: dict[str, str] = field(default_factory=dict)
     partition_by: tuple[str, ...] = ()
-    partition_by_given: bool = False
+    #: the option partitionBy as given (None if it was not)
+    partition_by_option: str | None = None
     merge_schema: bool = False
     app_id: str | None = None
     txn_version: int | None = None
@@ -139,7 +140,7 @@ class SinkOptions:
                 k[len(STORAGE_PREFIX) :]: v for k, v in opts.items() if k.startswith(STORAGE_PREFIX)
             },
             partition_by=partition_by,
-            partition_by_given="partitionby" in opts,
+            partition_by_option=opts.get("partitionby"),
             merge_schema=_bool(opts, "mergeschema"),
             app_id=app_id,
             txn_version=txn_version,

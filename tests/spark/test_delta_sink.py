@@ -1158,6 +1158,35 @@ def test_a_partition_column_named_in_another_case_is_refused_naming_the_data_s()
     check_partition_columns(schema, ("Country",))  # as the data spells it
 
 
+def test_a_partition_column_whose_name_holds_a_comma_or_outer_spaces_is_refused(
+    tmp_path: Path,
+) -> None:
+    # The option is split at commas and stripped: partitionBy='a,b' for the column 'a,b'
+    # created a table partitioned by the columns a and b, without a word.
+    for names, option, reads, alias in [
+        (["id", "a,b", "a", "b"], "a,b", ["a", "b"], "a_b"),
+        (["id", " p"], " p", ["p"], "p"),
+    ]:
+        schema = pa.schema([(name, pa.string()) for name in names])
+        opts = SinkOptions.parse(
+            {"path": str(tmp_path / "t"), "partitionBy": option}, streaming=False
+        )
+        with pytest.raises(ConfigurationError) as refused:
+            plan_write(opts, schema)
+        assert str(refused.value) == (
+            f"The option partitionBy={option!r} cannot name the column {names[1]!r}: the option "
+            f"is a comma-separated list of names stripped of spaces (it reads {reads}), so a "
+            "name holding a comma or leading or trailing spaces cannot be given in it. Rename "
+            f"the column first, e.g. df.withColumnRenamed({names[1]!r}, {alias!r}), then the "
+            f"option partitionBy={alias}."
+        )
+    assert not (tmp_path / "t").exists()
+    # names the option can hold are read as before, spaces after the commas too
+    schema = pa.schema([("id", pa.int64()), ("p", pa.string()), ("q", pa.string())])
+    opts = SinkOptions.parse({"path": str(tmp_path / "t"), "partitionBy": "p, q"}, streaming=False)
+    assert plan_write(opts, schema).partition_by == ("p", "q")
+
+
 @pytest.mark.spark
 def test_a_partition_column_inside_a_struct_is_refused_saying_how_to_select_it_up(
     sink: Any, tmp_path: Path
