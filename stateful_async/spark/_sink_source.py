@@ -27,10 +27,10 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 from pyspark.sql.pandas.types import to_arrow_schema
-from pyspark.sql.types import StructType
+from pyspark.sql.types import NullType, StructType
 
 from .._exceptions import ConfigurationError, DeltaSinkError
-from ._columns import void_not_null
+from ._columns import spark_types, void_not_null
 from ._sink import FORMAT_NAME
 from ._sink_commit import (
     Outcome,
@@ -38,6 +38,7 @@ from ._sink_commit import (
     abort_write,
     clean_after_commit,
     commit_write,
+    load_table,
     plan_write,
     refuse_void,
 )
@@ -69,7 +70,7 @@ class _DeltaWriter:
     def __init__(self, options: Any, schema: StructType, overwrite: bool, *, streaming: bool):
         self._options = SinkOptions.parse(options, streaming=streaming)
         self._overwrite = overwrite
-        refuse_void(void_not_null(schema))
+        _refuse_void_not_null(self._options, schema)
         try:
             arrow = to_arrow_schema(schema, timezone="UTC")
         except Exception as exc:  # pyspark raises its own errors for unsupported types
@@ -124,6 +125,26 @@ class _DeltaWriter:
     def _abort(self, messages: list[WriterCommitMessage | None]) -> None:
         files = [f for m in messages if isinstance(m, SinkCommitMessage) for f in m.files]
         abort_write(self._options, files)
+
+
+def _refuse_void_not_null(options: SinkOptions, schema: StructType) -> None:
+    """Refuse the void types Spark declares NOT NULL in ``schema`` (an empty ``array()``'s
+    elements...), which Arrow cannot hold, naming with them the other voids ``plan_write``
+    refuses: those in columns the table lacks (every one, for a new table). Named one
+    write later, those had the user fix the write twice."""
+    required = void_not_null(schema)
+    if not required:
+        return
+    table = load_table(options.table_uri, options.storage_options)
+    kept = {f.name for f in table.schema().fields} if table is not None else set()
+    refuse_void(
+        [
+            path
+            for column in schema.fields
+            for path, kind in spark_types(column.dataType, column.name)
+            if isinstance(kind, NullType) and (path in required or column.name not in kept)
+        ]
+    )
 
 
 def write_task_files(

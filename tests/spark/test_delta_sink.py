@@ -1529,6 +1529,19 @@ def test_an_empty_array_or_map_is_refused_naming_it_before_any_task_runs(
     keys = StructType([StructField("k", MapType(NullType(), StringType()))])
     with pytest.raises(ConfigurationError, match=r"'k\{key\}' has no type"):
         DeltaBatchWriter({"path": str(table)}, keys, False)
+    # A bare NULL beside them, which the write would add to the table, is named with them:
+    # it was named only by the next write, once they were cast.
+    beside = StructType(
+        [
+            StructField("a", ArrayType(NullType(), False), False),
+            StructField("b", ArrayType(NullType(), True), False),
+            StructField("n", NullType()),
+        ]
+    )
+    with pytest.raises(
+        ConfigurationError, match=r"^The data cannot be stored .*: 'a\[\]', 'b\[\]', 'n' have "
+    ):
+        DeltaBatchWriter({"path": str(table)}, beside, False)
 
 
 def test_a_thread_that_registers_the_sink_can_write(sink: Any, tmp_path: Path) -> None:
