@@ -52,6 +52,11 @@ def to_batch(
     that does not fit fails with ``ResultSchemaError`` naming its input row, as
     ``described`` words it (a task's: the row as the function got it, and its place).
     ``units`` says which of its durations are Spark intervals ending above seconds."""
+    for field in schema:
+        if _holds_map(field.type):  # before pyarrow sees them: see _none_map_entry
+            for row, source in zip(rows, sources, strict=True):
+                if (loss := _none_map_entry(row.get(field.name), field.type)) is not None:
+                    raise _refusal(field.name, loss, described(source))
     try:
         batch = pa.RecordBatch.from_pylist(rows, schema=schema)
     except _CONVERSION_ERRORS:
@@ -137,6 +142,59 @@ def _refused_alone(value: Any, arrow_type: pa.DataType) -> Exception | None:
     except _CONVERSION_ERRORS as exc:
         return exc
     return None
+
+
+def _holds_map(arrow_type: pa.DataType) -> bool:
+    """Whether ``arrow_type`` is a map or holds one at any depth."""
+    if pa.types.is_map(arrow_type):
+        return True
+    if is_list_type(arrow_type):
+        return _holds_map(arrow_type.value_type)
+    if pa.types.is_struct(arrow_type):
+        return any(_holds_map(f.type) for f in arrow_type)
+    return False
+
+
+def _none_map_entry(value: Any, arrow_type: pa.DataType) -> _Loss | None:
+    """A map in ``value`` (of ``arrow_type``) given as a list of (key, value) pairs with a
+    None among them: pyarrow makes a null entry of it, and its check of the map array
+    aborts the whole Python process ("Map array child array should have no nulls"), which
+    Spark reports as a crashed worker, naming no row."""
+    if value is None:
+        return None
+    if pa.types.is_map(arrow_type):
+        if isinstance(value, dict):
+            entries = list(value.items())
+        elif isinstance(value, (list, tuple)):
+            if any(entry is None for entry in value):
+                return _Loss("", arrow_type, value, _NONE_ENTRY)
+            entries = [e for e in value if isinstance(e, tuple) and len(e) == 2]
+        else:
+            return None  # pyarrow refuses it, and the checks say why
+        if _holds_map(arrow_type.item_type):
+            for key, item in entries:
+                if (loss := _none_map_entry(item, arrow_type.item_type)) is not None:
+                    return loss.under(f"[{key!r}]")
+        return None
+    if is_list_type(arrow_type) and isinstance(value, (list, tuple)):
+        for i, element in enumerate(value):
+            if (loss := _none_map_entry(element, arrow_type.value_type)) is not None:
+                return loss.under(f"[{i}]")
+    if pa.types.is_struct(arrow_type) and isinstance(value, (dict, tuple)):
+        for i, field in enumerate(arrow_type):
+            if isinstance(value, dict):
+                child = value.get(field.name)
+            else:
+                child = value[i] if i < len(value) else None
+            if _holds_map(field.type) and (loss := _none_map_entry(child, field.type)):
+                return loss.under(f".{field.name}")
+    return None
+
+
+_NONE_ENTRY = (
+    "a map field takes a dict or a list of (key, value) pairs, and None is no pair: leave "
+    "it out, or give (key, None) for a key without a value"
+)
 
 
 def _refused_in(value: Any, arrow_type: pa.DataType) -> _Loss | None:

@@ -2630,6 +2630,21 @@ def test_an_integer_beyond_its_fields_range_is_named_with_the_range(
             r"cannot hold \[\('k', 1, 2\)\] \(list\): a map field takes a dict or a list of "
             r"\(key, value\) pairs, and Tuple size must be equal to number of struct fields",
         ),
+        # a None among a map's pairs, at any depth: pyarrow aborted the whole Python process
+        # ("Map array child array should have no nulls"), a crashed worker naming no row
+        (
+            pa.map_(pa.string(), pa.null()),
+            [None],
+            r"'r' \(map<string, null>\) cannot hold \[None\] \(list\): a map field takes a "
+            r"dict or a list of \(key, value\) pairs, and None is no pair: leave it out, or "
+            r"give \(key, None\) for a key without a value",
+        ),
+        (pa.list_(pa.map_(pa.string(), pa.string())), [{}, [("k", "v"), None]], r"'r\[1\]' \(map"),
+        (
+            pa.map_(pa.string(), pa.struct([("m", pa.map_(pa.int64(), pa.int64()))])),
+            {"k": {"m": [None]}},
+            r"\"r\['k'\]\.m\" \(map<int64, int64>\) cannot hold \[None\]",
+        ),
     ],
 )
 def test_a_nested_value_pyarrow_refuses_is_named_by_its_path_and_what_its_type_takes(
