@@ -268,6 +268,11 @@ def _takes(arrow_type: pa.DataType, value: Any, exc: Exception) -> str:
             takes = f"a STRUCT field takes a dict keyed by its field names {names}, or a tuple"
             if isinstance(value, list):  # of (name, value) pairs, which pyarrow takes too
                 return f"{takes} or a list of (name, value) pairs, and {exc}"
+        elif pa.types.is_null(arrow_type):  # pyarrow: "Invalid null value"
+            return (
+                "a VOID field (one declared without a type) holds only None: declare the type "
+                "of its values in the output schema instead (array<string> for array<void>, ...)"
+            )
         else:
             return f"pyarrow refuses it: {exc}"
     return f"{takes}, not {'an' if found[0] in 'aeiouAEIOU' else 'a'} {found}"

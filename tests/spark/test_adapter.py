@@ -2630,6 +2630,16 @@ def test_an_integer_beyond_its_fields_range_is_named_with_the_range(
             r"cannot hold \[\('k', 1, 2\)\] \(list\): a map field takes a dict or a list of "
             r"\(key, value\) pairs, and Tuple size must be equal to number of struct fields",
         ),
+        # a value for a VOID field, declared in the output schema (array<void>): it was
+        # "pyarrow refuses it: Invalid null value", no word of the type to declare
+        (
+            pa.list_(pa.null()),
+            ["x"],
+            r"'r\[0\]' \(null\) cannot hold 'x' \(str\): a VOID field \(one declared without "
+            r"a type\) holds only None: declare the type of its values in the output schema "
+            r"instead \(array<string> for array<void>, ...\)",
+        ),
+        (pa.map_(pa.string(), pa.null()), {"k": 1}, r"\"r\['k'\]\" \(null\) .*: a VOID field"),
         # a None among a map's pairs, at any depth: pyarrow aborted the whole Python process
         # ("Map array child array should have no nulls"), a crashed worker naming no row
         (
