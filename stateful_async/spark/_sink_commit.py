@@ -38,7 +38,13 @@ from checkpoint._types import earlier_same_names
 
 from .._exceptions import ConfigurationError, DeltaSinkError, SinkSchemaMismatchError
 from ._columns import ELEMENTS, KEYS, VALUES, field_path
-from ._sink_files import DataFile, TableStorage, as_file_schema, check_partition_columns
+from ._sink_files import (
+    DataFile,
+    TableStorage,
+    as_file_schema,
+    check_partition_columns,
+    option_can_name,
+)
 from ._sink_options import SinkOptions, is_uri
 
 log = logging.getLogger("stateful_async.spark.sink")
@@ -404,8 +410,14 @@ def _check_partitioning(table: Any, partition_by: tuple[str, ...], table_uri: st
         raise SinkSchemaMismatchError(
             f"The Delta table at {table_uri} is partitioned by "
             f"{list(existing) or 'no column'}, but the write is partitioned by "
-            f"{list(partition_by) or 'no column'}. Set the option partitionBy to "
-            f"{','.join(existing)!r} (or leave it out to follow the table)."
+            f"{list(partition_by) or 'no column'}. "
+            + (
+                f"Set the option partitionBy to {','.join(existing)!r} (or leave it out to "
+                "follow the table)."
+                if all(map(option_can_name, existing))
+                else "Leave the option partitionBy out to follow the table (a name holding a "
+                "comma or leading or trailing spaces cannot be given in it)."
+            )
         )
 
 

@@ -634,6 +634,12 @@ class TaskFileWriter:
                 pass  # left as an orphan for clean_orphan_files()
 
 
+def option_can_name(column: str) -> bool:
+    """Whether the option partitionBy (names split at commas and stripped) can name
+    ``column``."""
+    return "," not in column and column == column.strip()
+
+
 def check_partition_columns(
     schema: pa.Schema, partition_by: tuple[str, ...], option: str | None = None
 ) -> None:
@@ -643,9 +649,7 @@ def check_partition_columns(
     # a comma or outer spaces cannot be named in it, and was partitioned by other columns
     # (partitionBy='a,b' for a column 'a,b' and columns a and b) or refused as not a column.
     unnamable = [
-        name
-        for name in schema.names
-        if ("," in name or name != name.strip()) and name in (option or "")
+        name for name in schema.names if not option_can_name(name) and name in (option or "")
     ]
     if unnamable:
         alias = free_alias(schema, [unnamable[0].strip().replace(",", "_")])

@@ -1181,6 +1181,19 @@ def test_a_partition_column_whose_name_holds_a_comma_or_outer_spaces_is_refused(
             f"option partitionBy={alias}."
         )
     assert not (tmp_path / "t").exists()
+    # Nor is such a column given for a table partitioned by it: the option is left out.
+    write_deltalake(tmp_path / "p", pa.table({"id": [1], "a,b": ["x"]}), partition_by=["a,b"])
+    schema = pa.schema([("id", pa.int64()), ("a,b", pa.string())])
+    opts = SinkOptions.parse({"path": str(tmp_path / "p"), "partitionBy": "a,b"}, streaming=False)
+    with pytest.raises(SinkSchemaMismatchError) as refused:
+        plan_write(opts, schema)
+    assert str(refused.value).endswith(
+        "is partitioned by ['a,b'], but the write is partitioned by ['a', 'b']. Leave the "
+        "option partitionBy out to follow the table (a name holding a comma or leading or "
+        "trailing spaces cannot be given in it)."
+    )
+    opts = SinkOptions.parse({"path": str(tmp_path / "p")}, streaming=False)
+    assert plan_write(opts, schema).partition_by == ("a,b",)
     # names the option can hold are read as before, spaces after the commas too
     schema = pa.schema([("id", pa.int64()), ("p", pa.string()), ("q", pa.string())])
     opts = SinkOptions.parse({"path": str(tmp_path / "t"), "partitionBy": "p, q"}, streaming=False)
