@@ -56,11 +56,22 @@ class AsyncFunction(Generic[IN, OUT]):
         raise _DefaultTimeout()
 
 
+# open() and close() that hold no clients: AsyncFunction's own, and those that a class
+# declares so with ``holds_no_clients`` (the testing helpers', which only count calls)
+_CLIENTLESS: set[Any] = {AsyncFunction.open, AsyncFunction.close}
+
+
+def holds_no_clients(cls: type[AsyncFunction[Any, Any]]) -> None:
+    """Declare the ``open`` and ``close`` of ``cls`` (not those of a subclass that overrides
+    them) to hold no clients, so that its instances may serve several operators at once."""
+    _CLIENTLESS.update((cls.open, cls.close))
+
+
 def has_lifecycle(fn: AsyncFunction[Any, Any]) -> bool:
     """Whether ``fn`` has an ``open`` or ``close`` of its own: clients that one operator
     opens and closes, which a second operator must not share."""
     cls = type(fn)
-    return cls.open is not AsyncFunction.open or cls.close is not AsyncFunction.close
+    return cls.open not in _CLIENTLESS or cls.close not in _CLIENTLESS
 
 
 def already_open(fn: AsyncFunction[Any, Any], by: str) -> ConfigurationError:

@@ -32,7 +32,7 @@ import reprlib
 from collections import deque
 from typing import Any, Iterable
 
-from ._function import AsyncFunction, not_a_result_list
+from ._function import AsyncFunction, holds_no_clients, not_a_result_list
 from ._timers import VirtualClock, settle
 
 __all__ = ["ControlledFunction", "ControlledTimeoutFunction", "VirtualClock", "settle"]
@@ -49,6 +49,11 @@ class ControlledFunction(AsyncFunction[Any, Any]):
     with a dict or list value fails with ``TypeError`` saying so, as do ``complete``,
     ``fail`` and ``pending`` given one; to key calls by a field of a dict row, override
     ``async_invoke`` to call ``super().async_invoke(value["id"])``.
+
+    Its ``open`` and ``close`` only count (``opened``, ``closed``), so one instance may
+    serve several operators at once: a test that simulates a crash may restore the first
+    operator's snapshot into a second one without closing the first (a subclass with an
+    ``open`` or ``close`` of its own runs in one operator at a time, as any function does).
     """
 
     def __init__(self) -> None:
@@ -88,6 +93,11 @@ class ControlledFunction(AsyncFunction[Any, Any]):
     def _next(self, value: Any, method: str = "complete") -> asyncio.Future[Any]:
         futures = self._pending.get(_call_key(method, value), ())
         return _oldest_waiting(futures, "call", value, self.calls)
+
+
+# its open() and close() only count: a test may restore an abandoned operator's snapshot
+# into a new one with the same function, as a crash recovery does
+holds_no_clients(ControlledFunction)
 
 
 class ControlledTimeoutFunction(ControlledFunction):

@@ -1772,6 +1772,37 @@ async def test_a_function_with_clients_open_in_one_operator_is_refused_by_anothe
         pass
 
 
+async def test_a_controlled_function_serves_the_operator_restored_from_an_abandoned_one() -> None:
+    # A test simulating a crash restores the first operator's snapshot into a second one
+    # with the same ControlledFunction, without closing the first: its open() and close()
+    # only count, yet the second operator was refused as if it held clients.
+    fn = ControlledFunction()
+    crashed = AsyncWaitOperator(fn, lambda e: None)
+    await crashed.open()
+    await crashed.process_element(StreamRecord(1))
+    snapshot = crashed.snapshot_state(1)
+    out: list = []
+    restored = AsyncWaitOperator(fn, out.append)
+    await restored.open(restored=snapshot)
+    await settle()
+    assert fn.pending(1) == 2  # the abandoned operator's call, and the restored one's
+    fn.complete(1, ["lost"])  # (the oldest: the abandoned operator's)
+    fn.complete(1, ["one"])
+    await restored.finish()
+    await restored.close()
+    assert values(out) == ["one"]
+    assert (fn.opened, fn.closed) == (2, 1)
+
+    class WithClient(ControlledFunction):  # an open() of its own: one operator at a time
+        async def open(self):
+            await super().open()
+
+    fn = WithClient()
+    await AsyncWaitOperator(fn, lambda e: None).open()
+    with pytest.raises(ConfigurationError, match="WithClient is already open"):
+        await AsyncWaitOperator(fn, lambda e: None).open()
+
+
 @pytest.mark.parametrize("where", ["async_invoke", "timeout"])
 def test_a_keyboard_interrupt_in_a_call_fails_the_operator_for_a_loop_run_again(
     where: str,
