@@ -190,8 +190,9 @@ def _text(name: str) -> pc.Expression:
     files that its update and delete (a user's, or an expiry of an earlier version) keep
     rows of with string_view columns, which pyarrow's filters cannot compare with a string
     ("no kernel matching input types (string, string_view)"): the cast to the table's own
-    type makes every file comparable; a scan casts the columns it returns itself, and the
-    cast keeps the Delta statistics' pruning of the files."""
+    type makes every file comparable; a scan casts the columns it returns itself. The cast
+    hides the column from the Delta statistics' pruning of the files (pyarrow prunes by a
+    bare column only): reads still skip files by their ``checkpoint_id``, never cast."""
     return pc.field(name).cast(pa.string())
 
 
