@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import datetime
 import enum
 import inspect
@@ -76,6 +77,13 @@ _NOT_CALLED: Any = object()  # an attempt's call before the function returned
 # function's id (a function need not be hashable nor weakly referenced), for a second
 # operator to be refused it: each operator opens and closes its function's clients.
 _open_functions: dict[int, weakref.ref[Any]] = {}
+
+# The operators whose open() is opening their function in this context: a close() made from
+# the function's open(), in its task or in one that it started (asyncio.gather, wait_for,
+# create_task), must not wait for that open() to return (it would wait for itself).
+_opening_in: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
+    "_opening_in", default=()
+)
 
 
 def _safely(method: Callable[..., bool], *args: Any, default: bool) -> bool:
@@ -439,9 +447,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._closing: asyncio.Future[None] | None = None  # done once close() has returned
         self._closer: asyncio.Task[Any] | None = None  # the task that set _closing
         # done once the function's open() has ended (and open() has closed the function again
-        # if close() ran meanwhile); the task awaiting it until then
+        # if close() ran meanwhile; see _opening_in)
         self._opening: asyncio.Future[None] | None = None
-        self._opener: asyncio.Task[Any] | None = None
         # what the function's close() raised, and its traceback then (raised again with
         # it: re-raising the object alone would add each close()'s frames to it)
         self._close_error: tuple[Exception, TracebackType | None] | None = None
@@ -541,7 +548,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         self._restoring = True
         # close() waits for the function's open() to end (see _wait_for_open)
         opening = self._opening = loop.create_future()
-        self._opener = asyncio.current_task()
+        opener = _opening_in.set((*_opening_in.get(), self))
         try:
             try:
                 try:
@@ -566,7 +573,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                         "was closed once its open() had returned."
                     )
             finally:
-                self._opener = None
+                _opening_in.reset(opener)
                 opening.set_result(None)
             self._set_state(self._state)  # input is accepted from here (the restore's first)
             try:
@@ -821,7 +828,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         once: the operator is closing it, and waiting would wait for itself. A call made
         while ``open()`` awaits the function's ``open()`` waits for that to return, and
         returns once the function is closed again (``open()`` then raises
-        ``OperatorStateError``); made from the function's ``open()``, it returns at once.
+        ``OperatorStateError``); made from the function's ``open()`` (in its task, or in one
+        it started), it returns at once.
 
         If the function's ``close()`` raised, so does this call, and every ``close()`` that
         waited for it or comes after it raises the same error (as a failed future would):
@@ -893,13 +901,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
     async def _wait_for_open(self) -> None:
         """Wait until the function's ``open()``, if it is still running, has returned and
         ``open()`` has closed the function again; at once if that ``open()`` is what called
-        ``close()`` (it would wait for itself)."""
+        ``close()``, in its task or one it started (it would wait for itself)."""
         opening = self._opening
-        if (
-            opening is not None
-            and not opening.done()
-            and self._opener is not asyncio.current_task()
-        ):
+        if opening is not None and not opening.done() and self not in _opening_in.get():
             await asyncio.shield(opening)
 
     def _raise_close_error(self) -> None:

@@ -1651,6 +1651,31 @@ async def test_a_close_during_the_functions_open_returns_once_it_has_closed_the_
     assert (fn.opened, fn.closed) == (1, 1)
 
 
+@pytest.mark.parametrize("how", ["in_its_task", "gather", "wait_for", "create_task"])
+async def test_a_close_from_the_functions_open_returns_at_once(how: str) -> None:
+    # A close() made from the function's open() in a task it started (asyncio.gather,
+    # wait_for before Python 3.12, create_task) waited for that open() to return, which
+    # waited for it: open() hung for ever.
+    class GivesUp(ControlledFunction):
+        async def open(self):
+            await super().open()
+            if how == "in_its_task":
+                await op.close()
+            elif how == "gather":
+                await asyncio.gather(op.close())
+            elif how == "wait_for":
+                await asyncio.wait_for(asyncio.ensure_future(op.close()), 30)
+            else:
+                await asyncio.get_running_loop().create_task(op.close())
+
+    fn = GivesUp()
+    op = AsyncWaitOperator(fn, lambda e: None)
+    with pytest.raises(OperatorStateError, match="closed while its function was opening"):
+        await asyncio.wait_for(op.open(), 5.0)
+    await op.close()
+    assert (fn.opened, fn.closed) == (1, 1)
+
+
 async def test_a_snapshot_while_the_function_opens_is_refused() -> None:
     # The restored elements are not back in the queue yet: an empty snapshot taken then
     # would drop them from the next checkpoint.
