@@ -85,6 +85,13 @@ _opening_in: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
     "_opening_in", default=()
 )
 
+# The operators whose close() is closing their function in this context: a close() made from
+# the function's close(), in its task or in one that it started, returns at once (waiting
+# for the closing one to return would wait for itself).
+_closing_in: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
+    "_closing_in", default=()
+)
+
 
 def _safely(method: Callable[..., bool], *args: Any, default: bool) -> bool:
     """``method(*args)`` for a message's sake: ``default`` if it raises (a bug in a user's
@@ -445,7 +452,6 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         # waits for them as for the calls it cancels itself.
         self._cancelled: set[asyncio.Future[Any]] = set()
         self._closing: asyncio.Future[None] | None = None  # done once close() has returned
-        self._closer: asyncio.Task[Any] | None = None  # the task that set _closing
         # done once the function's open() has ended (and open() has closed the function again
         # if close() ran meanwhile; see _opening_in)
         self._opening: asyncio.Future[None] | None = None
@@ -824,8 +830,9 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         then closes the function. Idempotent: a call made while another is still closing
         waits until that one has returned (its function closed); a call after one that was
         cancelled before it closed the function does what it left undone. A call made by
-        the function's own ``close()`` (a function that closes its operator) returns at
-        once: the operator is closing it, and waiting would wait for itself. A call made
+        the function's own ``close()`` (a function that closes its operator), in its task
+        or in one it started, returns at once: the operator is closing it, and waiting
+        would wait for itself. A call made
         while ``open()`` awaits the function's ``open()`` waits for that to return, and
         returns once the function is closed again (``open()`` then raises
         ``OperatorStateError``); made from the function's ``open()`` (in its task, or in one
@@ -837,8 +844,8 @@ class AsyncWaitOperator(Generic[IN, OUT]):
         if self._state is _State.CLOSED:
             closing = self._closing
             while closing is not None and not closing.done():
-                if self._closer is asyncio.current_task():
-                    return  # re-entered from the function's close(), in the closing task
+                if self in _closing_in.get():
+                    return  # re-entered from the function's close() (see _closing_in)
                 await asyncio.shield(closing)
                 closing = self._closing  # another waiter may have taken over a cancelled one
             if not self._fn_opened:
@@ -856,7 +863,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 OperatorStateError("The operator was closed while a call was waiting on it.")
             )
         self._closing = closing = asyncio.get_running_loop().create_future()
-        self._closer = asyncio.current_task()
+        closer = _closing_in.set((*_closing_in.get(), self))
         try:
             tasks = {task for task in self._cancelled if not task.done()}
             if tasks:
@@ -867,7 +874,7 @@ class AsyncWaitOperator(Generic[IN, OUT]):
                 await self._wait_for_open()
                 self._raise_close_error()
         finally:
-            self._closer = None  # (not kept alive by the operator)
+            _closing_in.reset(closer)
             closing.set_result(None)
 
     async def _close_function(self) -> None:

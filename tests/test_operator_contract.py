@@ -1193,10 +1193,12 @@ async def test_two_closes_after_a_cancelled_close_both_return_once_the_function_
     assert fn.log == ["call cleaned up", "fn.close"]
 
 
-async def test_a_close_from_the_functions_own_close_returns_at_once() -> None:
+@pytest.mark.parametrize("how", ["in_its_task", "gather", "wait_for", "create_task"])
+async def test_a_close_from_the_functions_own_close_returns_at_once(how: str) -> None:
     # A function that closes its operator from its close(): the inner close() found the
     # operator closing and waited for that close() to return, which waited for the
-    # function's close(): it hung for ever.
+    # function's close(): it hung for ever. Made in a task the function's close() started
+    # (asyncio.gather, wait_for before Python 3.12, create_task), it still hung.
     log: list[str] = []
 
     class ClosesItsOperator(AsyncFunction):
@@ -1206,7 +1208,14 @@ async def test_a_close_from_the_functions_own_close_returns_at_once() -> None:
             return [value]
 
         async def close(self):
-            await self.operator.close()
+            if how == "in_its_task":
+                await self.operator.close()
+            elif how == "gather":
+                await asyncio.gather(self.operator.close())
+            elif how == "wait_for":
+                await asyncio.wait_for(asyncio.ensure_future(self.operator.close()), 30)
+            else:
+                await asyncio.get_running_loop().create_task(self.operator.close())
             log.append("fn.close")
 
     fn = ClosesItsOperator()
