@@ -1760,7 +1760,9 @@ class SnapshotStore:
     ) -> ExpireReport:
         """Keep the ``retain`` newest checkpoints of every subtask of the job; see
         ``SubtaskLog.expire``."""
-        _flag(vacuum, "vacuum")  # refused before any table is touched
+        # refused before any table is touched, or the job looked up
+        retain = _integer(retain, "retain", 0)
+        _flag(vacuum, "vacuum")
         total = ExpireReport()
         for report in self.map_subtasks(
             job_id, operator_id, lambda log: log.expire(retain, vacuum)

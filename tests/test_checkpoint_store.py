@@ -1346,6 +1346,16 @@ def test_a_vacuum_flag_that_is_no_bool_is_refused_before_anything_is_expired(
     assert (len(report.expired), report.files_removed) == (2, 0)
 
 
+def test_a_bad_retain_is_refused_before_the_job_is_looked_up(tmp_path: Path) -> None:
+    # store.expire("nojob", retain=-1) said the job had no checkpoints, and once the job
+    # name was fixed, that retain was wrong: one mistake at a time
+    store = SnapshotStore(tmp_path)
+    commit_chain(store.subtask("job", "op", 0), "run", range(1, 3))
+    for job in ("nojob", "job"):
+        with pytest.raises(CheckpointError, match=r"^retain must be an integer >= 0; got -1\."):
+            store.expire(job, -1)
+
+
 def test_other_flags_that_are_no_bool_are_refused_not_taken_as_true(tmp_path: Path) -> None:
     # checkpoints(include_expired="no") listed the expired checkpoints, claim(force="no")
     # claimed a run that had committed nothing, load(results="no") read the results
