@@ -675,7 +675,7 @@ def check_partition_columns(
                     f"data: its column {alike[0]!r} differs only in case, and partition "
                     f"columns are named as the data spells them (partitionBy={alike[0]})."
                     if alike
-                    else f"data, whose columns are {', '.join(schema.names)}."
+                    else f"data, whose columns are {', '.join(map(repr, schema.names))}."
                 )
             )
         arrow_type = schema.field(column).type

@@ -1158,6 +1158,19 @@ def test_a_partition_column_named_in_another_case_is_refused_naming_the_data_s()
     check_partition_columns(schema, ("Country",))  # as the data spells it
 
 
+def test_a_partition_column_not_in_the_data_is_refused_naming_the_columns_quoted() -> None:
+    # "whose columns are id, a,b" read as three columns when a name held a comma
+    from stateful_async.spark._sink_files import check_partition_columns
+
+    schema = pa.schema([("id", pa.int64()), ("a,b", pa.string())])
+    with pytest.raises(ConfigurationError) as refused:
+        check_partition_columns(schema, ("day",))
+    assert str(refused.value) == (
+        "The partition column 'day' (option partitionBy) is not a column of the data, whose "
+        "columns are 'id', 'a,b'."
+    )
+
+
 def test_a_partition_column_whose_name_holds_a_comma_or_outer_spaces_is_refused(
     tmp_path: Path,
 ) -> None:
